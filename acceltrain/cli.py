@@ -1,0 +1,80 @@
+"""Command-line entry points: ``run_recipe`` for recipe scripts and the ``acceltrain`` console script."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable
+
+from .config import ConfigError, TrainConfig, parse_config
+
+EXIT_BAD_INPUT = 2
+
+
+def _report_error(message: str) -> None:
+    """One line on stderr, from one process only when several run the same recipe."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"error: {message}", file=sys.stderr, flush=True)
+
+
+def run_recipe(main: Callable, config_class: type[TrainConfig], argv: list[str] | None = None, description: str | None = None):
+    """Parse and validate the command line into ``config_class``, seed everything, then call ``main(cfg)``.
+
+    Bad input anywhere before training (flags, preset file, data folder, hardware) raises
+    :class:`ConfigError`; it is printed as one line and the process exits with code 2, nothing written.
+    """
+    try:
+        cfg = parse_config(config_class, argv, description=description)
+        from accelerate.utils import set_seed
+
+        set_seed(cfg.seed)
+        return main(cfg)
+    except ConfigError as err:
+        _report_error(str(err))
+        _close_process_group()
+        raise SystemExit(EXIT_BAD_INPUT) from None
+
+
+def _close_process_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def environment_report() -> dict:
+    """What this machine offers and what Accelerate would do here."""
+    import accelerate
+    import torch
+
+    from . import __version__
+    from .distributed import use_cpu
+
+    report = {
+        "acceltrain": __version__,
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "accelerate": accelerate.__version__,
+        "cuda_available": torch.cuda.is_available(),
+        "cuda_devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+        "bf16_supported": torch.cuda.is_bf16_supported() if torch.cuda.is_available() else "cpu autocast",
+        "trains_on_cpu": use_cpu(False),
+        "cpu_threads": torch.get_num_threads(),
+    }
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="acceltrain", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser("env", help="print versions, devices and what Accelerate would use here")
+    args = parser.parse_args(argv)
+    if args.command == "env":
+        for key, value in environment_report().items():
+            print(f"{key}: {value}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,238 @@
+"""The typed training config: the single source of truth for CLI flags, YAML presets and trackers.
+
+A recipe subclasses :class:`TrainConfig` to add its own fields (model, dataset, ...). Every field
+becomes a kebab-case flag (``batch_size`` -> ``--batch-size``) whose help text is the field's
+``help`` metadata. Precedence: dataclass default < ``--config`` YAML preset < explicit CLI flag.
+Validation runs before anything heavy (no process group, no output folder, no data).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import sys
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """Bad user input: reported as one line and exit code 2, before any training starts."""
+
+
+def option(default: Any, help: str, **metadata: Any) -> Any:
+    """A dataclass field with its CLI help text (and optional ``choices``)."""
+    return dataclasses.field(default=default, metadata={"help": help, **metadata})
+
+
+MixedPrecision = Literal["no", "fp16", "bf16"]
+ReportTo = Literal["wandb", "tensorboard", "all", "none"]
+LRSchedule = Literal["constant", "cosine", "onecycle"]
+Optimizer = Literal["sgd", "adamw"]
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    """Settings every recipe shares: the loop, the optimizer, the schedule, logging and outputs."""
+
+    config: str | None = option(None, "YAML preset to load; explicit flags override its values")
+    # -- length and batch
+    batch_size: int = option(128, "micro-batch size per process")
+    grad_accum: int = option(1, "micro-batches accumulated per optimizer step")
+    epochs: float = option(1.0, "epochs to train when --max-steps is not given")
+    max_steps: int | None = option(None, "optimizer steps to train; overrides --epochs")
+    # -- optimizer and schedule
+    optimizer: Optimizer = option("sgd", "sgd (Nesterov momentum) or adamw")
+    lr: float = option(0.1, "peak learning rate")
+    momentum: float = option(0.9, "SGD momentum")
+    weight_decay: float = option(5e-4, "weight decay (decoupled for adamw)")
+    lr_schedule: LRSchedule = option(
+        "cosine", "after warm-up: constant, cosine decay to 0, or onecycle (linear decay to 0)"
+    )
+    warmup_steps: int = option(0, "optimizer steps of linear learning-rate warm-up")
+    max_grad_norm: float | None = option(None, "clip the global gradient norm to this on optimizer steps")
+    # -- evaluation and stopping
+    eval_every: int | None = option(
+        None, "evaluate every N optimizer steps; unset: at the end of each epoch and of the run"
+    )
+    target_accuracy: float | None = option(
+        None, "stop as soon as eval accuracy reaches this fraction; records time_to_target_seconds"
+    )
+    # -- hardware and precision
+    mixed_precision: MixedPrecision | None = option(
+        None, "no, fp16 (CUDA only) or bf16; default: what the accelerate config says"
+    )
+    cpu: bool = option(False, "train on CPU even when an accelerator is present")
+    sync_bn: bool = option(False, "convert BatchNorm to SyncBatchNorm under DDP (no-op on 1 process)")
+    num_workers: int | None = option(None, "DataLoader workers per process (default: from CPUs per process)")
+    # -- reproducibility and outputs
+    seed: int = option(0, "seed for weights, data order and augmentation")
+    output_dir: str | None = option(None, "where outputs go (default: runs/<recipe>-<timestamp>)")
+    overwrite: bool = option(False, "allow writing into an --output-dir that already holds a finished run")
+    log_every: int = option(50, "log loss, lr and samples/s every N optimizer steps")
+    timing_warmup_steps: int = option(
+        5, "optimizer steps excluded from the throughput figure (warm-up, allocator, compile)"
+    )
+    progress: bool = option(True, "show a tqdm progress bar on the main process")
+    report_to: ReportTo = option("none", "experiment tracker through Accelerate: wandb, tensorboard, all, none")
+    project_name: str = option("acceltrain", "tracker project name")
+    run_name: str | None = option(None, "tracker run name (default: the output folder's name)")
+
+    def validate(self) -> None:
+        """Raise :class:`ConfigError` on the first bad value. Subclasses extend and call super()."""
+        for name in ("batch_size", "grad_accum", "log_every"):
+            require(getattr(self, name) >= 1, name, getattr(self, name), "an integer >= 1")
+        require(self.epochs > 0, "epochs", self.epochs, "a number > 0")
+        if self.max_steps is not None:
+            require(self.max_steps >= 1, "max_steps", self.max_steps, "an integer >= 1")
+        require(self.lr > 0, "lr", self.lr, "a number > 0")
+        require(self.weight_decay >= 0, "weight_decay", self.weight_decay, "a number >= 0")
+        require(0 <= self.momentum < 1, "momentum", self.momentum, "a number in [0, 1)")
+        require(self.warmup_steps >= 0, "warmup_steps", self.warmup_steps, "an integer >= 0")
+        require(self.timing_warmup_steps >= 0, "timing_warmup_steps", self.timing_warmup_steps, "an integer >= 0")
+        if self.max_grad_norm is not None:
+            require(self.max_grad_norm > 0, "max_grad_norm", self.max_grad_norm, "a number > 0")
+        if self.eval_every is not None:
+            require(self.eval_every >= 1, "eval_every", self.eval_every, "an integer >= 1")
+        if self.target_accuracy is not None:
+            require(0 < self.target_accuracy <= 1, "target_accuracy", self.target_accuracy, "a fraction in (0, 1]")
+        if self.num_workers is not None:
+            require(self.num_workers >= 0, "num_workers", self.num_workers, "an integer >= 0")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def require(ok: bool, name: str, value: Any, allowed: str) -> None:
+    """Raise the standard one-line error for field ``name`` unless ``ok``."""
+    if not ok:
+        raise ConfigError(f"--{flag_name(name)} {value!r} is invalid: must be {allowed}")
+
+
+def flag_name(field_name: str) -> str:
+    return field_name.replace("_", "-")
+
+
+# --------------------------------------------------------------------------- parsing
+
+
+def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
+    """``int | None`` -> (int, True); ``int`` -> (int, False)."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            return args[0], True
+    return tp, False
+
+
+def _field_kind(cls: type, field: dataclasses.Field) -> tuple[Any, tuple[str, ...] | None, bool]:
+    """(base type, allowed choices, optional) of a config field, from its annotation."""
+    hints = typing.get_type_hints(cls)
+    base, optional = _unwrap_optional(hints[field.name])
+    choices = field.metadata.get("choices")
+    if typing.get_origin(base) is Literal:
+        choices = tuple(typing.get_args(base))
+        base = type(choices[0])
+    return base, (tuple(choices) if choices else None), optional
+
+
+def _convert(name: str, raw: Any, base: Any, choices: tuple | None, optional: bool) -> Any:
+    """Coerce one value (a CLI string or a YAML scalar) to the field's type, or raise ConfigError."""
+    if raw is None or (isinstance(raw, str) and raw.lower() in ("none", "null") and optional):
+        if optional:
+            return None
+        raise ConfigError(f"--{flag_name(name)} must not be empty")
+    try:
+        if base is bool:
+            if isinstance(raw, bool):
+                value = raw
+            elif str(raw).lower() in ("1", "true", "yes", "on"):
+                value = True
+            elif str(raw).lower() in ("0", "false", "no", "off"):
+                value = False
+            else:
+                raise ValueError
+        elif base is int:
+            if isinstance(raw, bool) or (isinstance(raw, float) and not raw.is_integer()):
+                raise ValueError
+            value = int(raw) if not isinstance(raw, str) else int(raw, 10)
+        elif base is float:
+            if isinstance(raw, bool):
+                raise ValueError
+            value = float(raw)
+        else:
+            value = str(raw)
+    except (TypeError, ValueError):
+        kind = {bool: "true or false", int: "an integer", float: "a number"}.get(base, "a string")
+        raise ConfigError(f"--{flag_name(name)} {raw!r} is invalid: must be {kind}") from None
+    if choices is not None and value not in choices:
+        allowed = ", ".join(str(c) for c in choices)
+        raise ConfigError(f"--{flag_name(name)} {value!r} is invalid: choose one of {allowed}")
+    return value
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse that reports bad flags as one line (exit 2), like every other config error."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        raise ConfigError(message)
+
+
+def build_parser(cls: type[TrainConfig], description: str | None = None) -> argparse.ArgumentParser:
+    parser = _OneLineParser(
+        description=description, argument_default=argparse.SUPPRESS, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    for field in dataclasses.fields(cls):
+        base, choices, _ = _field_kind(cls, field)
+        flag = f"--{flag_name(field.name)}"
+        help_text = f"{field.metadata.get('help', '')} (default: {field.default})"
+        if base is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_text)
+        else:
+            metavar = "{" + ",".join(map(str, choices)) + "}" if choices else base.__name__.upper()
+            parser.add_argument(flag, metavar=metavar, help=help_text)
+    return parser
+
+
+def load_yaml_preset(path: str) -> dict[str, Any]:
+    try:
+        text = Path(path).read_text()
+    except OSError as err:
+        raise ConfigError(f"--config {path!r} cannot be read: {err.strerror or err}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        first = str(err).splitlines()[0]
+        raise ConfigError(f"--config {path!r} is not valid YAML: {first}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config {path!r} must be a mapping of option: value, got {type(data).__name__}")
+    return {str(k).replace("-", "_"): v for k, v in data.items()}
+
+
+def parse_config(cls: type[TrainConfig], argv: list[str] | None = None, description: str | None = None):
+    """Build a validated ``cls`` from defaults, an optional YAML preset and the command line."""
+    parser = build_parser(cls, description)
+    given = vars(parser.parse_args(sys.argv[1:] if argv is None else argv))
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    values: dict[str, Any] = {}
+    preset_path = given.get("config")
+    if preset_path is not None:
+        preset = load_yaml_preset(preset_path)
+        for key, raw in preset.items():
+            if key not in fields or key == "config":
+                close = difflib.get_close_matches(key, list(fields), n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise ConfigError(f"--config {preset_path!r}: unknown key {key!r}{hint}")
+            values[key] = _convert(key, raw, *_field_kind(cls, fields[key]))
+    for key, raw in given.items():
+        values[key] = raw if key == "config" else _convert(key, raw, *_field_kind(cls, fields[key]))
+    cfg = cls(**values)
+    cfg.validate()
+    return cfg

@@ -1,0 +1,306 @@
+"""Datasets, augmentation and DataLoaders, built so that a sample's augmentation never depends on the
+process count, the batch size, the worker that loads it, or what that worker loaded before.
+
+The training sampler yields ``(epoch, index)`` keys in one global, seeded order that every process
+computes identically; Accelerate then shards the batches across processes. A dataset that defines
+``sample(index, epoch)`` derives its augmentation randomness from ``(seed, epoch, index)`` alone.
+So 2 processes at batch b see the same samples, augmented the same way, as 1 process at batch 2b,
+and a resumed run sees the same remaining batches as the uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from .config import ConfigError
+
+CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
+CIFAR10_STD = (0.2470, 0.2435, 0.2616)
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp")
+
+
+def mix_seed(*parts: int) -> int:
+    """A deterministic 63-bit seed from integers (splitmix64 steps), stable across processes and runs."""
+    state = 0x9E3779B97F4A7C15
+    for part in parts:
+        state = (state ^ (int(part) & 0xFFFFFFFFFFFFFFFF)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
+        state = (state ^ (state >> 27)) * 0x94D049BB133111EB & 0xFFFFFFFFFFFFFFFF
+        state ^= state >> 31
+    return state & 0x7FFFFFFFFFFFFFFF
+
+
+# --------------------------------------------------------------------------- sampling
+
+
+class EpochSampler(Sampler):
+    """Yields ``(epoch, index)`` for every sample, shuffled by ``(seed, epoch)`` when ``shuffle``.
+
+    The order is the same on every process; Accelerate's ``BatchSamplerShard`` gives each process its
+    batches of it. ``set_epoch`` is called by Accelerate's ``DataLoaderShard.set_epoch``; it runs in
+    the main process, so it works with persistent workers too.
+    """
+
+    def __init__(self, num_samples: int, seed: int, shuffle: bool = True):
+        self.num_samples = num_samples
+        self.seed = seed
+        self.shuffle = shuffle
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def order(self, epoch: int) -> list[int]:
+        if not self.shuffle:
+            return list(range(self.num_samples))
+        generator = torch.Generator().manual_seed(mix_seed(self.seed, epoch))
+        return torch.randperm(self.num_samples, generator=generator).tolist()
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        epoch = self.epoch
+        return ((epoch, index) for index in self.order(epoch))
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+
+class EpochKeyed(Dataset):
+    """Adapts a dataset to ``(epoch, index)`` keys: ``sample(index, epoch)`` if it has one, else ``[index]``."""
+
+    def __init__(self, dataset: Dataset):
+        self.dataset = dataset
+        self._sample = getattr(dataset, "sample", None)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, key: tuple[int, int]):
+        epoch, index = key
+        if self._sample is not None:
+            return self._sample(index, epoch)
+        return self.dataset[index]
+
+
+# --------------------------------------------------------------------------- images
+
+
+class CropFlip:
+    """Random crop with zero padding plus horizontal flip on a uint8 CHW tensor, from an explicit generator."""
+
+    def __init__(self, padding: int = 4, flip: bool = True):
+        self.padding = padding
+        self.flip = flip
+
+    def __call__(self, image: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        _, height, width = image.shape
+        pad = self.padding
+        draws = torch.randint(0, 2 * pad + 1, (2,), generator=generator).tolist()
+        flip = self.flip and bool(torch.randint(0, 2, (1,), generator=generator))
+        if pad:
+            image = torch.nn.functional.pad(image, (pad, pad, pad, pad))
+            top, left = draws
+            image = image[:, top : top + height, left : left + width]
+        if flip:
+            image = image.flip(-1)
+        return image
+
+
+class ImageClassification(Dataset):
+    """Images as uint8 CHW tensors plus labels; ``[i]`` is the plain normalised image for evaluation,
+    ``sample(i, epoch)`` the augmented one for training (randomness from ``(seed, epoch, i)`` only).
+
+    ``images`` is either a uint8 tensor (N, C, H, W) held in memory, or a list of file paths decoded on
+    access (and resized to ``image_size`` when they differ).
+    """
+
+    def __init__(
+        self,
+        images: torch.Tensor | list[str],
+        labels: list[int] | torch.Tensor,
+        classes: list[str],
+        *,
+        image_size: int = 32,
+        augment: CropFlip | None = None,
+        seed: int = 0,
+        mean: tuple[float, ...] = CIFAR10_MEAN,
+        std: tuple[float, ...] = CIFAR10_STD,
+    ):
+        self.images = images
+        self.labels = torch.as_tensor(labels, dtype=torch.long)
+        self.classes = classes
+        self.image_size = image_size
+        self.augment = augment
+        self.seed = seed
+        self.mean = torch.tensor(mean).view(-1, 1, 1) * 255
+        self.std = torch.tensor(std).view(-1, 1, 1) * 255
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def _load(self, index: int) -> torch.Tensor:
+        if isinstance(self.images, torch.Tensor):
+            return self.images[index]
+        return decode_image_file(self.images[index], self.image_size)
+
+    def _normalise(self, image: torch.Tensor) -> torch.Tensor:
+        return (image.float() - self.mean) / self.std
+
+    def __getitem__(self, index: int):
+        return self._normalise(self._load(index)), self.labels[index]
+
+    def sample(self, index: int, epoch: int):
+        image = self._load(index)
+        if self.augment is not None:
+            generator = torch.Generator().manual_seed(mix_seed(self.seed, epoch, index))
+            image = self.augment(image, generator)
+        return self._normalise(image), self.labels[index]
+
+
+def decode_image_file(path: str, image_size: int) -> torch.Tensor:
+    from torchvision.io import ImageReadMode, decode_image
+    from torchvision.transforms.v2.functional import resize
+
+    image = decode_image(path, mode=ImageReadMode.RGB)
+    if image.shape[-2:] != (image_size, image_size):
+        image = resize(image, [image_size, image_size], antialias=True)
+    return image
+
+
+def synthetic_images(
+    num_train: int, num_eval: int, *, num_classes: int = 10, image_size: int = 32, seed: int = 0
+) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """uint8 images of CIFAR shape whose class is written in their mean colour (so it survives crop
+    and flip): noise plus a per-class colour offset. Learnable in a few steps; for tests and benchmarks."""
+    generator = torch.Generator().manual_seed(mix_seed(seed, 0x5EED))
+    palette = torch.randint(-60, 61, (num_classes, 3, 1, 1), generator=generator).float()
+
+    def make(count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        labels = torch.randint(0, num_classes, (count,), generator=generator)
+        noise = torch.randn(count, 3, image_size, image_size, generator=generator) * 40 + 128
+        return (noise + palette[labels]).clamp(0, 255).to(torch.uint8), labels
+
+    return make(num_train), make(num_eval)
+
+
+def cifar10_arrays(data_dir: str, train: bool) -> tuple[torch.Tensor, list[int], list[str]]:
+    """CIFAR-10 from torchvision (downloaded into ``data_dir`` when missing) as uint8 NCHW tensors."""
+    from torchvision.datasets import CIFAR10
+
+    try:
+        dataset = CIFAR10(root=data_dir, train=train, download=True)
+    except (OSError, RuntimeError) as err:  # URLError is an OSError; md5 mismatch is a RuntimeError
+        reason = str(getattr(err, "reason", err)).splitlines()[0]
+        raise ConfigError(
+            f"CIFAR-10 is not in --data-dir {data_dir!r} and could not be downloaded ({reason}); "
+            "put the python-version batches there, use --dataset imagefolder --data-dir DIR, "
+            "or --dataset synthetic"
+        ) from None
+    images = torch.from_numpy(dataset.data).permute(0, 3, 1, 2).contiguous()
+    return images, list(dataset.targets), list(dataset.classes)
+
+
+def scan_image_folder(data_dir: str) -> dict[str, tuple[list[str], list[int], list[str]]]:
+    """Check a ``train/<class>/*`` + ``test/<class>/*`` tree and list its files, or raise ConfigError."""
+    root = Path(data_dir)
+    if not root.is_dir():
+        raise ConfigError(f"--data-dir {data_dir!r} is not a directory (expected train/<class>/* and test/<class>/*)")
+    splits = {}
+    for split in ("train", "test"):
+        split_dir = root / split
+        if not split_dir.is_dir():
+            raise ConfigError(f"--data-dir {data_dir!r} has no {split}/ folder (expected train/<class>/* and test/<class>/*)")
+        classes = sorted(p.name for p in split_dir.iterdir() if p.is_dir())
+        if not classes:
+            raise ConfigError(f"--data-dir {data_dir!r}: {split}/ has no class folders (expected {split}/<class>/*)")
+        paths, labels = [], []
+        for label, name in enumerate(classes):
+            files = sorted(str(p) for p in (split_dir / name).iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
+            if not files:
+                raise ConfigError(f"--data-dir {data_dir!r}: {split}/{name}/ holds no images ({', '.join(IMAGE_SUFFIXES)})")
+            paths += files
+            labels += [label] * len(files)
+        splits[split] = (paths, labels, classes)
+    if splits["train"][2] != splits["test"][2]:
+        raise ConfigError(
+            f"--data-dir {data_dir!r}: train/ and test/ have different class folders "
+            f"({len(splits['train'][2])} vs {len(splits['test'][2])})"
+        )
+    return splits
+
+
+# --------------------------------------------------------------------------- loaders
+
+
+def default_num_workers() -> int:
+    """Loader workers per process: the CPUs this process may use, less one for the training loop, at most 8."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return max(0, min(8, cpus // local_processes - 1))
+
+
+def _loader_options(num_workers: int, pin_memory: bool) -> dict:
+    options = {"num_workers": num_workers, "pin_memory": pin_memory}
+    if num_workers > 0:
+        options.update(persistent_workers=True, prefetch_factor=4)
+    return options
+
+
+def train_loader(dataset: Dataset, *, batch_size: int, seed: int, num_workers: int, pin_memory: bool) -> DataLoader:
+    """Shuffled per epoch, last incomplete batch dropped; prepare it with Accelerate to shard it."""
+    return DataLoader(
+        EpochKeyed(dataset),
+        batch_size=batch_size,
+        sampler=EpochSampler(len(dataset), seed=seed, shuffle=True),
+        drop_last=True,
+        **_loader_options(num_workers, pin_memory),
+    )
+
+
+def eval_loader(dataset: Dataset, *, batch_size: int, num_workers: int, pin_memory: bool) -> DataLoader:
+    """Every sample once, in order; ``gather_for_metrics`` drops the duplicates that padding adds."""
+    return DataLoader(dataset, batch_size=batch_size, shuffle=False, drop_last=False, **_loader_options(num_workers, pin_memory))
+
+
+IMAGE_DATASETS = ("cifar10", "imagefolder", "synthetic")
+
+
+def image_datasets(
+    name: str,
+    data_dir: str | None,
+    *,
+    seed: int,
+    image_size: int = 32,
+    synthetic_sizes: tuple[int, int] = (2048, 512),
+) -> tuple[ImageClassification, ImageClassification]:
+    """(train, eval) image datasets: ``cifar10`` (torchvision, downloaded once by the main process),
+    ``imagefolder`` (``data_dir/{train,test}/<class>/*``) or ``synthetic``. Training samples get
+    crop (padding 4) + flip; both are normalised with CIFAR-10 statistics."""
+    from accelerate import PartialState
+
+    augment = CropFlip(padding=4, flip=True)
+    if name == "cifar10":
+        root = data_dir or "data"
+        with PartialState().main_process_first():
+            train_images, train_labels, classes = cifar10_arrays(root, train=True)
+            eval_images, eval_labels, _ = cifar10_arrays(root, train=False)
+    elif name == "imagefolder":
+        if not data_dir:
+            raise ConfigError("--dataset imagefolder needs --data-dir DIR holding train/<class>/* and test/<class>/*")
+        splits = scan_image_folder(data_dir)
+        (train_images, train_labels, classes), (eval_images, eval_labels, _) = splits["train"], splits["test"]
+    elif name == "synthetic":
+        (train_images, train_labels), (eval_images, eval_labels) = synthetic_images(
+            *synthetic_sizes, image_size=image_size, seed=seed
+        )
+        classes = [f"class{i}" for i in range(10)]
+    else:
+        raise ConfigError(f"--dataset {name!r} is invalid: choose one of {', '.join(IMAGE_DATASETS)}")
+    common = {"image_size": image_size, "seed": seed}
+    return (
+        ImageClassification(train_images, train_labels, classes, augment=augment, **common),
+        ImageClassification(eval_images, eval_labels, classes, **common),
+    )

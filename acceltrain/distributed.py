@@ -1,0 +1,108 @@
+"""Process-group set-up that cannot silently fall back, and the pieces PyTorch lacks on CPU.
+
+Accelerate on a machine without CUDA, launched as N processes without being told it is on CPU,
+reports ``DistributedType.NO`` with 1 process in each: N independent runs and no error. The toolkit
+passes ``cpu=True`` when no accelerator is present (so a ``MULTI_GPU`` config launched by torchrun
+becomes ``MULTI_CPU`` over gloo), and refuses to train when the launcher started more processes than
+Accelerate joined.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .config import ConfigError, TrainConfig
+
+
+def use_cpu(force_cpu: bool) -> bool:
+    """True when training must run on CPU: asked for, or no accelerator (CUDA, XPU, MPS, ...) present."""
+    if force_cpu or os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes"):
+        return True
+    accelerator_api = getattr(torch, "accelerator", None)
+    if accelerator_api is not None:
+        return not accelerator_api.is_available()
+    return not torch.cuda.is_available()
+
+
+def init_process_state(cfg: TrainConfig):
+    """Create Accelerate's shared ``PartialState`` once, with the CPU decision, and check that every
+    launched process joined it and that the hardware can do what ``cfg`` asks."""
+    from accelerate import PartialState
+
+    on_cpu = use_cpu(cfg.cpu)
+    precision = cfg.mixed_precision or os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+    if precision == "fp16" and on_cpu:
+        raise ConfigError(
+            "--mixed-precision fp16 needs a CUDA GPU and this run is on CPU: use --mixed-precision bf16 or no"
+        )
+    state = PartialState(cpu=on_cpu)
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched > 1 and state.num_processes != launched:
+        raise ConfigError(
+            f"the launcher started WORLD_SIZE={launched} processes but Accelerate joined {state.num_processes} "
+            f"(distributed_type={state.distributed_type.value}): this would be {launched} independent runs; "
+            "check the accelerate config (FSDP and DeepSpeed need a GPU for more than one process)"
+        )
+    return state
+
+
+class CrossProcessBatchNorm2d(nn.BatchNorm2d):
+    """BatchNorm whose training statistics cover the global batch of all processes, on any backend.
+
+    ``torch.nn.SyncBatchNorm`` refuses CPU tensors (gloo), so DDP on CPU would normalise each process's
+    half-batch separately and differ from one process at twice the batch. This sums (count, sum, sum of
+    squares) across processes with a differentiable all-reduce; on one process it is plain BatchNorm.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not (self.training and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+            return super().forward(x)
+        from torch.distributed.nn.functional import all_reduce
+
+        channels = x.shape[1]
+        dims = [0, 2, 3]
+        stats = torch.cat(
+            [x.sum(dims), (x * x).sum(dims), torch.tensor([x.numel() / channels], dtype=x.dtype, device=x.device)]
+        )
+        stats = all_reduce(stats)
+        count = stats[-1]
+        mean = stats[:channels] / count
+        var = stats[channels : 2 * channels] / count - mean * mean
+        if self.track_running_stats:
+            with torch.no_grad():
+                self.num_batches_tracked.add_(1)
+                momentum = self.momentum if self.momentum is not None else 1.0 / float(self.num_batches_tracked)
+                self.running_mean.lerp_(mean.detach(), momentum)
+                self.running_var.lerp_(var.detach() * count / (count - 1), momentum)
+        shape = (1, channels, 1, 1)
+        y = (x - mean.view(shape)) * torch.rsqrt(var.view(shape) + self.eps)
+        if self.affine:
+            y = y * self.weight.view(shape) + self.bias.view(shape)
+        return y
+
+
+def convert_sync_batchnorm(model: nn.Module, on_cpu: bool) -> nn.Module:
+    """Global-batch BatchNorm under DDP: torch's SyncBatchNorm on accelerators, ours on CPU."""
+    if not on_cpu:
+        return nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    for name, child in model.named_children():
+        if isinstance(child, nn.BatchNorm2d) and not isinstance(child, CrossProcessBatchNorm2d):
+            replacement = CrossProcessBatchNorm2d(
+                child.num_features, child.eps, child.momentum, child.affine, child.track_running_stats
+            )
+            # Keep the very same Parameter objects: an optimizer built before the conversion still owns them.
+            if child.affine:
+                replacement.weight, replacement.bias = child.weight, child.bias
+            if child.track_running_stats:
+                replacement.running_mean = child.running_mean
+                replacement.running_var = child.running_var
+                replacement.num_batches_tracked = child.num_batches_tracked
+            replacement.train(child.training)
+            setattr(model, name, replacement)
+        else:
+            convert_sync_batchnorm(child, on_cpu)
+    return model
