@@ -50,28 +50,41 @@ def init_process_state(cfg: TrainConfig):
     return state
 
 
+class _SumAcrossProcesses(torch.autograd.Function):
+    """All-reduce (sum) whose backward all-reduces the gradient: each input feeds every process's output."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor) -> torch.Tensor:
+        total = tensor.clone()
+        dist.all_reduce(total)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.clone()
+        dist.all_reduce(grad)
+        return grad
+
+
 class CrossProcessBatchNorm2d(nn.BatchNorm2d):
     """BatchNorm whose training statistics cover the global batch of all processes, on any backend.
 
     ``torch.nn.SyncBatchNorm`` refuses CPU tensors (gloo), so DDP on CPU would normalise each process's
-    half-batch separately and differ from one process at twice the batch. This sums (count, sum, sum of
-    squares) across processes with a differentiable all-reduce; on one process it is plain BatchNorm.
+    half-batch separately and differ from one process at twice the batch. This sums the count, the sum and
+    the squared deviations across processes with a differentiable all-reduce; on one process it is plain BatchNorm.
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not (self.training and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
             return super().forward(x)
-        from torch.distributed.nn.functional import all_reduce
-
         channels = x.shape[1]
         dims = [0, 2, 3]
-        stats = torch.cat(
-            [x.sum(dims), (x * x).sum(dims), torch.tensor([x.numel() / channels], dtype=x.dtype, device=x.device)]
-        )
-        stats = all_reduce(stats)
-        count = stats[-1]
-        mean = stats[:channels] / count
-        var = stats[channels : 2 * channels] / count - mean * mean
+        # Two passes (mean, then squared deviations) match single-process BatchNorm to float precision.
+        count_and_sum = torch.cat([x.new_tensor([x.numel() / channels]), x.sum(dims)])
+        count_and_sum = _SumAcrossProcesses.apply(count_and_sum)
+        count, mean = count_and_sum[0], count_and_sum[1:] / count_and_sum[0]
+        centred = x - mean.view(1, channels, 1, 1)
+        var = _SumAcrossProcesses.apply((centred * centred).sum(dims)) / count
         if self.track_running_stats:
             with torch.no_grad():
                 self.num_batches_tracked.add_(1)
@@ -79,7 +92,7 @@ class CrossProcessBatchNorm2d(nn.BatchNorm2d):
                 self.running_mean.lerp_(mean.detach(), momentum)
                 self.running_var.lerp_(var.detach() * count / (count - 1), momentum)
         shape = (1, channels, 1, 1)
-        y = (x - mean.view(shape)) * torch.rsqrt(var.view(shape) + self.eps)
+        y = centred * torch.rsqrt(var.view(shape) + self.eps)
         if self.affine:
             y = y * self.weight.view(shape) + self.bias.view(shape)
         return y

@@ -204,8 +204,8 @@ def fit(
         write_summary(output_dir, summary)
         accelerator.print(f"done: {step} steps, train loss {train_loss:.4f}, eval accuracy {summary['eval_accuracy']}, outputs in {output_dir}")
     events.close()
-    accelerator.end_training()
     accelerator.wait_for_everyone()
+    accelerator.end_training()  # closes the trackers (and, in Accelerate >= 1.x, the process group)
     return summary
 
 
