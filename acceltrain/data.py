@@ -161,13 +161,15 @@ class ImageClassification(Dataset):
 
 
 def decode_image_file(path: str, image_size: int) -> torch.Tensor:
-    from torchvision.io import ImageReadMode, decode_image
-    from torchvision.transforms.v2.functional import resize
+    """An image file as a uint8 RGB CHW tensor of ``image_size`` x ``image_size`` (resized when it differs)."""
+    import numpy as np
+    from PIL import Image
 
-    image = decode_image(path, mode=ImageReadMode.RGB)
-    if image.shape[-2:] != (image_size, image_size):
-        image = resize(image, [image_size, image_size], antialias=True)
-    return image
+    with Image.open(path) as image:
+        image = image.convert("RGB")
+        if image.size != (image_size, image_size):
+            image = image.resize((image_size, image_size), Image.Resampling.BILINEAR)
+        return torch.from_numpy(np.array(image)).permute(2, 0, 1).contiguous()
 
 
 def synthetic_images(

@@ -70,7 +70,7 @@ class Throughput:
     def window_rate(self) -> float | None:
         was_timing = self.timing
         self.pause()
-        rate = self._window_samples / self._window_seconds if self._window_seconds > 0 else None
+        rate = self._window_samples / self._window_seconds if self._window_samples and self._window_seconds > 0 else None
         self._window_samples, self._window_seconds = 0, 0.0
         if was_timing:
             self.start()

@@ -1,0 +1,88 @@
+"""Shared fixtures: fresh Accelerate state per test, subprocess launchers, tiny generated data."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPE = REPO / "recipes" / "resnet_cifar.py"
+TINY_RECIPE = REPO / "tests" / "helpers" / "tiny_recipe.py"
+
+
+@pytest.fixture(autouse=True)
+def fresh_accelerate_state():
+    """Accelerate's state objects are process-wide singletons; in-process runs must not share them."""
+    yield
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+def subprocess_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "ACCELERATE_"))}
+    env.update(OMP_NUM_THREADS="1", WANDB_MODE="disabled", PYTHONUNBUFFERED="1", **extra)
+    return env
+
+
+def launch(script: Path, args: list[str], *, processes: int = 1, launcher: str = "python", timeout: int = 300, **env) -> subprocess.CompletedProcess:
+    """Run ``script`` as a user would: plain python, torchrun, or accelerate launch with the multi_cpu config."""
+    if launcher == "python":
+        command = [sys.executable, str(script)]
+    elif launcher == "torchrun":
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes), "--master_port", str(_free_port()), str(script)]
+    elif launcher == "accelerate":
+        command = [
+            sys.executable, "-m", "accelerate.commands.launch",
+            "--config_file", str(REPO / "accelerate_configs" / "multi_cpu.yaml"),
+            "--num_processes", str(processes), "--main_process_port", str(_free_port()), str(script),
+        ]
+    else:
+        raise ValueError(launcher)
+    result = subprocess.run(command + args, cwd=REPO, env=subprocess_env(**env), capture_output=True, text=True, timeout=timeout)
+    return result
+
+
+def check(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert result.returncode == 0, f"exit {result.returncode}\n--- stdout\n{result.stdout[-4000:]}\n--- stderr\n{result.stderr[-4000:]}"
+    return result
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def read_summary(output_dir: Path) -> dict:
+    return json.loads((output_dir / "summary.json").read_text())
+
+
+def read_events(output_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture
+def image_folder(tmp_path: Path) -> Path:
+    """A tiny ImageFolder tree: 3 classes, 12 train + 4 test JPEGs each, 40x40 (so they get resized)."""
+    from PIL import Image
+
+    root = tmp_path / "folder"
+    generator = torch.Generator().manual_seed(0)
+    for split, count in (("train", 12), ("test", 4)):
+        for label, name in enumerate(("cat", "dog", "frog")):
+            folder = root / split / name
+            folder.mkdir(parents=True)
+            for index in range(count):
+                image = torch.randint(0, 60, (3, 40, 40), generator=generator, dtype=torch.uint8) + 80 * label
+                Image.fromarray(image.permute(1, 2, 0).numpy()).save(folder / f"{index:03d}.jpg")
+    return root

@@ -1,0 +1,62 @@
+"""A user's own recipe in a few lines, used by the tests: a small conv net (BatchNorm optional) on
+synthetic images. After training every process writes what it saw: its own final weights, how often
+the optimizer stepped and zeroed its gradients, and the learning rate of each optimizer step."""
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from acceltrain import TrainConfig, fit, option, run_recipe
+from acceltrain.data import CropFlip, ImageClassification, synthetic_images
+
+
+@dataclass
+class TinyConfig(TrainConfig):
+    num_train: int = option(96, "training samples")
+    num_eval: int = option(37, "eval samples (odd on purpose: uneven last batch)")
+    batchnorm: bool = option(False, "put a BatchNorm in the net")
+
+
+class CountingSGD(torch.optim.SGD):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.steps = self.zero_grads = 0
+        self.lrs = []
+
+    def step(self, closure=None):
+        self.steps += 1
+        self.lrs.append(self.param_groups[0]["lr"])
+        return super().step(closure)
+
+    def zero_grad(self, set_to_none: bool = True):
+        self.zero_grads += 1
+        super().zero_grad(set_to_none)
+
+
+def build_net(batchnorm: bool) -> nn.Module:
+    layers = [nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8) if batchnorm else nn.Identity(), nn.ReLU()]
+    return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10))
+
+
+def main(cfg: TinyConfig) -> None:
+    (train_images, train_labels), (eval_images, eval_labels) = synthetic_images(cfg.num_train, cfg.num_eval, seed=cfg.seed)
+    classes = [str(i) for i in range(10)]
+    train_set = ImageClassification(train_images, train_labels, classes, augment=CropFlip(), seed=cfg.seed)
+    eval_set = ImageClassification(eval_images, eval_labels, classes)
+    model = build_net(cfg.batchnorm)
+    optimizer = CountingSGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
+    summary = fit(cfg, model, optimizer, train_set, eval_set, name="tiny")
+    rank = int(os.environ.get("RANK", "0"))
+    out = Path(summary["config"]["output_dir"])
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(out / f"rank{rank}.safetensors"))
+    counts = {"steps": optimizer.steps, "zero_grads": optimizer.zero_grads, "lrs": optimizer.lrs}
+    (out / f"rank{rank}.json").write_text(json.dumps(counts))
+
+
+if __name__ == "__main__":
+    run_recipe(main, TinyConfig)

@@ -1,0 +1,152 @@
+"""The typed config: flags, YAML presets, precedence, and one-line errors (exit 2, nothing written) on bad input."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from acceltrain import ConfigError, TrainConfig, parse_config, run_recipe
+from conftest import RECIPE, check, launch
+
+sys.path.insert(0, str(RECIPE.parent))
+from resnet_cifar import CifarConfig, main as cifar_main  # noqa: E402
+
+
+def test_defaults_preset_and_flags_take_precedence_in_that_order(tmp_path):
+    preset = tmp_path / "preset.yaml"
+    preset.write_text("batch-size: 32\nlr: 0.5\nmodel: resnet34\nsync_bn: true\nmax_steps: 7\n")
+    cfg = parse_config(CifarConfig, ["--config", str(preset), "--lr", "0.25", "--no-sync-bn"])
+    assert (cfg.batch_size, cfg.lr, cfg.model, cfg.sync_bn, cfg.max_steps) == (32, 0.25, "resnet34", False, 7)
+    assert cfg.grad_accum == TrainConfig.grad_accum  # untouched default
+
+
+def test_optional_values_accept_none():
+    assert parse_config(TrainConfig, ["--max-steps", "none"]).max_steps is None
+
+
+BAD_INPUTS = [
+    (["--batch-size", "0"], "--batch-size 0 is invalid: must be an integer >= 1"),
+    (["--grad-accum", "0"], "--grad-accum 0 is invalid"),
+    (["--lr", "-0.1"], "--lr -0.1 is invalid: must be a number > 0"),
+    (["--batch-size", "ten"], "--batch-size 'ten' is invalid: must be an integer"),
+    (["--model", "resnet9000"], "--model 'resnet9000' is invalid: choose one of resnet18, resnet34, resnet50"),
+    (["--dataset", "mnist"], "--dataset 'mnist' is invalid: choose one of cifar10, imagefolder, synthetic"),
+    (["--mixed-precision", "fp8"], "--mixed-precision 'fp8' is invalid"),
+    (["--target-accuracy", "94"], "--target-accuracy 94.0 is invalid: must be a fraction in (0, 1]"),
+    (["--bogus-flag", "1"], "unrecognized arguments: --bogus-flag"),
+    (["--config", "/nonexistent/preset.yaml"], "--config '/nonexistent/preset.yaml' cannot be read"),
+]
+
+
+@pytest.mark.parametrize("argv,message", BAD_INPUTS, ids=[" ".join(a) for a, _ in BAD_INPUTS])
+def test_bad_flags_are_one_line_errors(argv, message):
+    with pytest.raises(ConfigError) as err:
+        parse_config(CifarConfig, argv)
+    assert message in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ("batch_size: 32\nlearning_rate: 0.1\n", "unknown key 'learning_rate'"),
+        ("batch_size: [1, 2\n", "is not valid YAML"),
+        ("- just\n- a list\n", "must be a mapping"),
+        ("batch_size: 1.5\n", "--batch-size 1.5 is invalid: must be an integer"),
+        ("config: other.yaml\n", "unknown key 'config'"),
+    ],
+)
+def test_bad_presets_are_one_line_errors(tmp_path, text, message):
+    preset = tmp_path / "preset.yaml"
+    preset.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        parse_config(CifarConfig, ["--config", str(preset)])
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_unknown_preset_key_suggests_the_close_one(tmp_path):
+    preset = tmp_path / "preset.yaml"
+    preset.write_text("bach_size: 32\n")
+    with pytest.raises(ConfigError, match="did you mean 'batch_size'"):
+        parse_config(CifarConfig, ["--config", str(preset)])
+
+
+def _run_bad(argv, tmp_path, capsys):
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exit_info:
+        run_recipe(cifar_main, CifarConfig, argv + ["--output-dir", str(out), "--no-progress"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err, err
+    assert not out.exists(), "bad input must not write anything"
+    return err
+
+
+def test_imagefolder_needs_a_data_dir(tmp_path, capsys):
+    assert "--dataset imagefolder needs --data-dir" in _run_bad(["--dataset", "imagefolder"], tmp_path, capsys)
+
+
+def test_malformed_imagefolder_is_rejected(tmp_path, capsys):
+    (tmp_path / "folder" / "train" / "cat").mkdir(parents=True)
+    err = _run_bad(["--dataset", "imagefolder", "--data-dir", str(tmp_path / "folder")], tmp_path, capsys)
+    assert "holds no images" in err or "has no test/ folder" in err
+
+
+def test_imagefolder_without_test_split_is_rejected(tmp_path, capsys, image_folder):
+    import shutil
+
+    shutil.rmtree(image_folder / "test")
+    assert "has no test/ folder" in _run_bad(["--dataset", "imagefolder", "--data-dir", str(image_folder)], tmp_path, capsys)
+
+
+def test_fp16_on_cpu_is_rejected(tmp_path, capsys):
+    err = _run_bad(["--dataset", "synthetic", "--mixed-precision", "fp16"], tmp_path, capsys)
+    assert "fp16 needs a CUDA GPU" in err
+
+
+def test_batch_larger_than_dataset_is_rejected_before_writing(tmp_path, capsys):
+    err = _run_bad(["--dataset", "synthetic", "--model", "resnet_tiny", "--batch-size", "4096"], tmp_path, capsys)
+    assert "--batch-size 4096 is too large" in err
+
+
+def test_cifar_offline_names_the_ways_out(tmp_path, capsys, monkeypatch):
+    import urllib.error
+
+    import torchvision.datasets.utils as tv_utils
+
+    def offline(*args, **kwargs):
+        raise urllib.error.URLError("no network")
+
+    monkeypatch.setattr(tv_utils, "urlretrieve", offline, raising=False)
+    monkeypatch.setattr(tv_utils, "_urlretrieve", offline, raising=False)
+    monkeypatch.setattr(tv_utils, "download_url", offline)
+    import torchvision.datasets.cifar as tv_cifar
+
+    monkeypatch.setattr(tv_cifar, "download_and_extract_archive", offline)
+    err = _run_bad(["--dataset", "cifar10", "--data-dir", str(tmp_path / "empty")], tmp_path, capsys)
+    assert "--data-dir" in err and "--dataset synthetic" in err
+
+
+def test_existing_finished_run_is_not_overwritten(tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "summary.json").write_text("{}")
+    with pytest.raises(SystemExit) as exit_info:
+        run_recipe(cifar_main, CifarConfig, ["--dataset", "synthetic", "--output-dir", str(out)])
+    assert exit_info.value.code == 2
+    assert "already holds a finished run" in capsys.readouterr().err
+    assert (out / "summary.json").read_text() == "{}"
+
+
+def test_bad_input_from_the_command_line_exits_2_with_one_line(tmp_path):
+    result = launch(RECIPE, ["--batch-size", "0", "--output-dir", str(tmp_path / "out")])
+    assert result.returncode == 2
+    assert result.stderr.strip() == "error: --batch-size 0 is invalid: must be an integer >= 1"
+    assert not (tmp_path / "out").exists()
+
+
+def test_help_lists_every_flag():
+    result = check(launch(RECIPE, ["--help"]))
+    for flag in ("--batch-size", "--grad-accum", "--lr-schedule", "--target-accuracy", "--sync-bn", "--report-to", "--data-dir", "--model"):
+        assert flag in result.stdout

@@ -1,0 +1,82 @@
+"""Data order, sharding and augmentation: deterministic from the seed, independent of who loads what."""
+
+from __future__ import annotations
+
+import torch
+from accelerate.data_loader import BatchSamplerShard
+from torch.utils.data import BatchSampler
+
+from acceltrain.data import CropFlip, EpochSampler, ImageClassification, image_datasets, synthetic_images, train_loader
+
+
+def test_shuffle_is_seeded_and_differs_between_epochs():
+    sampler = EpochSampler(100, seed=3)
+    first, second = sampler.order(0), sampler.order(1)
+    assert sorted(first) == list(range(100)) and first != second
+    assert first == EpochSampler(100, seed=3).order(0)
+    assert first != EpochSampler(100, seed=4).order(0)
+    sampler.set_epoch(1)
+    assert [index for _, index in sampler] == second
+    assert {epoch for epoch, _ in sampler} == {1}
+
+
+def test_rank_shards_are_disjoint_cover_the_data_and_match_one_big_batch():
+    """Accelerate's BatchSamplerShard over our global order: 2 ranks at batch b = 1 rank at batch 2b."""
+    sampler = EpochSampler(64, seed=0)
+    shards = []
+    for rank in range(2):
+        batches = BatchSamplerShard(BatchSampler(sampler, 8, drop_last=True), num_processes=2, process_index=rank)
+        shards.append([[index for _, index in batch] for batch in batches])
+    flat = [set(sum(shard, [])) for shard in shards]
+    assert not flat[0] & flat[1] and flat[0] | flat[1] == set(range(64))
+    big_batches = [[index for _, index in batch] for batch in BatchSampler(sampler, 16, drop_last=True)]
+    for step, big in enumerate(big_batches):
+        assert big == shards[0][step] + shards[1][step]
+
+
+def test_augmentation_depends_only_on_seed_epoch_and_index():
+    (images, labels), _ = synthetic_images(16, 1, seed=0)
+    dataset = ImageClassification(images, labels, [str(i) for i in range(10)], augment=CropFlip(), seed=7)
+    forward = [dataset.sample(i, epoch=2)[0] for i in range(16)]
+    backward = [dataset.sample(i, epoch=2)[0] for i in reversed(range(16))][::-1]
+    assert all(torch.equal(a, b) for a, b in zip(forward, backward))
+    other_epoch = [dataset.sample(i, epoch=3)[0] for i in range(16)]
+    assert not all(torch.equal(a, b) for a, b in zip(forward, other_epoch))
+    plain = dataset[0][0]
+    assert plain.shape == forward[0].shape == (3, 32, 32) and plain.dtype == torch.float32
+
+
+def test_crop_flip_keeps_shape_and_content():
+    image = torch.arange(3 * 8 * 8, dtype=torch.uint8).view(3, 8, 8)
+    out = CropFlip(padding=0, flip=True)(image, torch.Generator().manual_seed(0))
+    assert torch.equal(out, image) or torch.equal(out, image.flip(-1))
+    padded = CropFlip(padding=2)(image, torch.Generator().manual_seed(1))
+    assert padded.shape == image.shape
+
+
+def test_loader_with_workers_gives_the_same_batches_as_without():
+    (images, labels), _ = synthetic_images(40, 1, seed=0)
+    dataset = ImageClassification(images, labels, [str(i) for i in range(10)], augment=CropFlip(), seed=1)
+    batches = []
+    for workers in (0, 2):
+        loader = train_loader(dataset, batch_size=8, seed=5, num_workers=workers, pin_memory=False)
+        loader.sampler.set_epoch(1)
+        batches.append([images for images, _ in loader])
+    assert len(batches[0]) == 5
+    assert all(torch.equal(a, b) for a, b in zip(*batches))
+
+
+def test_image_folder_datasets_decode_and_resize(image_folder):
+    train, evaluation = image_datasets("imagefolder", str(image_folder), seed=0)
+    assert (len(train), len(evaluation), train.classes) == (36, 12, ["cat", "dog", "frog"])
+    image, label = train.sample(0, epoch=0)
+    assert image.shape == (3, 32, 32) and int(label) == 0
+    assert int(evaluation[11][1]) == 2
+
+
+def test_synthetic_data_is_deterministic_and_class_dependent():
+    (a, la), _ = synthetic_images(200, 1, seed=0)
+    (b, lb), _ = synthetic_images(200, 1, seed=0)
+    assert torch.equal(a, b) and torch.equal(la, lb)
+    means = torch.stack([a[la == c].float().mean(dim=(0, 2, 3)) for c in range(10)])
+    assert means.std(dim=0).min() > 5  # the classes differ in colour
