@@ -25,7 +25,7 @@ from . import __version__
 from .checkpointing import METRICS_FILE, export_weights, resolve_output_dir, write_summary
 from .config import ConfigError, TrainConfig
 from .data import default_num_workers, eval_loader, train_loader
-from .distributed import convert_sync_batchnorm, init_process_state, use_cpu
+from .distributed import check_backend_honoured, convert_sync_batchnorm, init_process_state, use_cpu
 from .metrics import EventLog, Throughput, peak_memory_mb
 from .optim import build_scheduler
 from .tasks import ClassificationTask
@@ -61,6 +61,7 @@ def fit(
         log_with=tracker_names(cfg.report_to) or None,
         project_config=ProjectConfiguration(project_dir=str(output_dir), logging_dir=str(output_dir / "logs")),
     )
+    check_backend_honoured(accelerator.distributed_type)
     main = accelerator.is_main_process
 
     # ---- model and data on the devices Accelerate chose

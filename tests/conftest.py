@@ -32,8 +32,18 @@ def subprocess_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def launch(script: Path, args: list[str], *, processes: int = 1, launcher: str = "python", timeout: int = 300, **env) -> subprocess.CompletedProcess:
-    """Run ``script`` as a user would: plain python, torchrun, or accelerate launch with the multi_cpu config."""
+def launch(
+    script: Path,
+    args: list[str],
+    *,
+    processes: int = 1,
+    launcher: str = "python",
+    config: str = "multi_cpu.yaml",
+    launcher_args: tuple[str, ...] = (),
+    timeout: int = 300,
+    **env: str,
+) -> subprocess.CompletedProcess:
+    """Run ``script`` as a user would: plain python, torchrun, or accelerate launch with a shipped config."""
     if launcher == "python":
         command = [sys.executable, str(script)]
     elif launcher == "torchrun":
@@ -41,13 +51,12 @@ def launch(script: Path, args: list[str], *, processes: int = 1, launcher: str =
     elif launcher == "accelerate":
         command = [
             sys.executable, "-m", "accelerate.commands.launch",
-            "--config_file", str(REPO / "accelerate_configs" / "multi_cpu.yaml"),
+            "--config_file", str(REPO / "accelerate_configs" / config), *launcher_args,
             "--num_processes", str(processes), "--main_process_port", str(_free_port()), str(script),
         ]
     else:
         raise ValueError(launcher)
-    result = subprocess.run(command + args, cwd=REPO, env=subprocess_env(**env), capture_output=True, text=True, timeout=timeout)
-    return result
+    return subprocess.run(command + args, cwd=REPO, env=subprocess_env(**env), capture_output=True, text=True, timeout=timeout)
 
 
 def check(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:

@@ -1,0 +1,85 @@
+"""Real multi-process runs on CPU over gloo, launched as a user would (accelerate launch, torchrun)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from acceltrain.optim import lr_multiplier
+from conftest import RECIPE, TINY_RECIPE, check, launch, read_events, read_summary
+
+pytestmark = pytest.mark.multiprocess
+
+# 96 samples, per-process batch 4 on 2 processes (8 per step), accumulate 5: 12 batches per process per
+# epoch, windows of 5, 5 and 2 micro-batches, 3 optimizer steps per epoch. 37 eval samples: uneven.
+COMMON = ["--batchnorm", "--num-train", "96", "--num-eval", "37", "--grad-accum", "5", "--epochs", "2",
+          "--lr", "0.05", "--warmup-steps", "1", "--log-every", "1", "--no-progress", "--num-workers", "0"]
+
+
+@pytest.fixture(scope="module")
+def ddp_and_single(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ddp")
+    ddp = check(launch(TINY_RECIPE, [*COMMON, "--batch-size", "4", "--sync-bn", "--output-dir", str(root / "ddp")],
+                       processes=2, launcher="accelerate"))
+    single = check(launch(TINY_RECIPE, [*COMMON, "--batch-size", "8", "--output-dir", str(root / "single")]))
+    return root / "ddp", root / "single", ddp
+
+
+def test_accelerate_launch_with_multi_cpu_config_runs_two_gloo_processes(ddp_and_single):
+    ddp_dir, _, result = ddp_and_single
+    summary = read_summary(ddp_dir)
+    assert (summary["num_processes"], summary["distributed_type"]) == (2, "MULTI_CPU")
+    assert result.stdout.count("done: ") == 1, "only the main process reports"
+
+
+def test_both_ranks_end_with_identical_weights(ddp_and_single):
+    ddp_dir, _, _ = ddp_and_single
+    rank0, rank1 = (load_file(str(ddp_dir / f"rank{r}.safetensors")) for r in (0, 1))
+    assert all(torch.equal(rank0[k], rank1[k]) for k in rank0)
+
+
+def test_two_processes_at_batch_b_match_one_process_at_batch_2b(ddp_and_single):
+    """Same samples, same augmentation, global-batch BatchNorm (--sync-bn), same partial last window."""
+    ddp_dir, single_dir, _ = ddp_and_single
+    ddp, single = load_file(str(ddp_dir / "rank0.safetensors")), load_file(str(single_dir / "rank0.safetensors"))
+    for key in single:
+        torch.testing.assert_close(ddp[key].float(), single[key].float(), rtol=1e-4, atol=1e-5)
+    assert read_summary(ddp_dir)["samples_seen"] == read_summary(single_dir)["samples_seen"] == 2 * 96
+
+
+def test_step_zero_grad_and_schedule_counts_per_process(ddp_and_single):
+    ddp_dir, _, _ = ddp_and_single
+    total = 2 * 3
+    expected_lrs = [0.05 * lr_multiplier(i, total_steps=total, warmup_steps=1, schedule="cosine") for i in range(total)]
+    for rank in (0, 1):
+        counts = json.loads((ddp_dir / f"rank{rank}.json").read_text())
+        assert counts["steps"] == counts["zero_grads"] == total
+        assert counts["lrs"] == pytest.approx(expected_lrs)
+    assert read_summary(ddp_dir)["final_lr"] == pytest.approx(0.0, abs=1e-12)
+
+
+def test_uneven_eval_set_is_counted_exactly_once_across_ranks(ddp_and_single):
+    ddp_dir, single_dir, _ = ddp_and_single
+    evals = [e for e in read_events(ddp_dir) if "eval_samples" in e]
+    assert evals and all(e["eval_samples"] == 37 for e in evals)
+    assert read_summary(ddp_dir)["eval_accuracy"] == pytest.approx(read_summary(single_dir)["eval_accuracy"], abs=1 / 37)
+
+
+def test_torchrun_runs_the_unchanged_recipe(tmp_path):
+    out = tmp_path / "run"
+    check(launch(RECIPE, ["--dataset", "synthetic", "--model", "resnet_tiny", "--batch-size", "16", "--max-steps", "4",
+                          "--output-dir", str(out), "--no-progress", "--num-workers", "1"], processes=2, launcher="torchrun"))
+    summary = read_summary(out)
+    assert (summary["num_processes"], summary["distributed_type"], summary["samples_seen"]) == (2, "MULTI_CPU", 4 * 32)
+
+
+def test_fsdp_config_on_cpu_is_refused_not_silently_replaced(tmp_path):
+    """On CPU Accelerate drops the FSDP plugin and runs plain DDP; the toolkit stops instead."""
+    result = launch(RECIPE, ["--dataset", "synthetic", "--model", "resnet_tiny", "--max-steps", "2", "--output-dir", str(tmp_path / "out")],
+                    processes=2, launcher="accelerate", config="fsdp.yaml", launcher_args=("--mixed_precision", "no"))
+    assert result.returncode != 0
+    assert "error: the accelerate config asks for FSDP but Accelerate set up MULTI_CPU" in result.stderr
+    assert not (tmp_path / "out").exists()
