@@ -95,3 +95,13 @@ def image_folder(tmp_path: Path) -> Path:
                 image = torch.randint(0, 60, (3, 40, 40), generator=generator, dtype=torch.uint8) + 80 * label
                 Image.fromarray(image.permute(1, 2, 0).numpy()).save(folder / f"{index:03d}.jpg")
     return root
+
+
+def pytest_collection_modifyitems(config, items):
+    """GPU tests run only where CUDA is present."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
