@@ -1,8 +1,15 @@
-"""The run folder and what is written into it: final weights as ``model.safetensors``, ``summary.json``."""
+"""The run folder and what is written into it: checkpoints that are complete or absent (never half
+written), exact resume, rotation, preemption signals, final weights and ``summary.json``."""
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
+import os
+import shutil
+import signal
+import threading
 import time
 from pathlib import Path
 
@@ -20,16 +27,18 @@ def resolve_output_dir(cfg: TrainConfig, recipe_name: str) -> Path:
 
     if cfg.output_dir is not None:
         output_dir = Path(cfg.output_dir)
+    elif cfg.resume is not None:  # --resume PATH: the run folder that holds checkpoints/PATH
+        output_dir = Path(cfg.resume).resolve().parent.parent
     else:
         stamp = [time.strftime("%Y%m%d-%H%M%S")]
         broadcast_object_list(stamp, from_process=0)
         output_dir = Path("runs") / f"{recipe_name}-{stamp[0]}"
     if output_dir.exists() and not output_dir.is_dir():
         raise ConfigError(f"--output-dir {str(output_dir)!r} exists and is not a directory")
-    if (output_dir / SUMMARY_FILE).exists() and not cfg.overwrite:
+    if (output_dir / SUMMARY_FILE).exists() and not (cfg.overwrite or cfg.resume):
         raise ConfigError(
             f"--output-dir {str(output_dir)!r} already holds a finished run ({SUMMARY_FILE}); "
-            "pass --overwrite to replace it or choose another --output-dir"
+            "pass --resume auto to continue it, --overwrite to replace it, or choose another --output-dir"
         )
     return output_dir
 
@@ -43,3 +52,191 @@ def export_weights(accelerator, model, output_dir: Path) -> Path:
 
 def write_summary(output_dir: Path, summary: dict) -> None:
     (output_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2, default=str) + "\n")
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+CHECKPOINTS_DIR = "checkpoints"
+STATE_FILE = "trainer_state.json"
+COMPLETE_FILE = "COMPLETE"  # the manifest, written last: a checkpoint without it is incomplete
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped on a signal after saving; relaunch with --resume auto
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint that cannot be resumed from (incomplete, truncated, corrupted)."""
+
+
+@dataclasses.dataclass
+class TrainerState:
+    """What Accelerate's ``save_state`` does not keep: where the run stands and what it has seen.
+    The data order and the augmentation need nothing more: both derive from (seed, epoch, index)."""
+
+    step: int = 0
+    epoch: int = 0
+    batches_in_epoch: int = 0  # per-process batches of ``epoch`` already trained on
+    samples_seen: int = 0
+    train_seconds: float = 0.0
+    best_metric: float | None = None
+    best_checkpoint: str | None = None
+    last_eval: dict = dataclasses.field(default_factory=dict)
+    tracker_run_id: str | None = None
+    # what must not change across a resume for it to be exact
+    seed: int = 0
+    global_batch_size: int = 0
+    grad_accum: int = 1
+    train_samples: int = 0
+
+    def check_compatible(self, current: "TrainerState", path: Path) -> None:
+        for name in ("seed", "global_batch_size", "grad_accum", "train_samples"):
+            saved, now = getattr(self, name), getattr(current, name)
+            if saved != now:
+                raise CheckpointError(
+                    f"checkpoint {str(path)!r} was written with {name}={saved}, this run has {name}={now}: "
+                    "resuming would not continue the same run; use the same settings or start a new --output-dir"
+                )
+
+
+def checkpoint_dir(output_dir: Path, step: int) -> Path:
+    return output_dir / CHECKPOINTS_DIR / f"step_{step:08d}"
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _fsync(path: Path) -> None:
+    flags = os.O_RDONLY | (os.O_DIRECTORY if path.is_dir() else 0)
+    descriptor = os.open(path, flags)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def save_checkpoint(accelerator, state: TrainerState, output_dir: Path) -> Path:
+    """``Accelerator.save_state`` into a temporary folder, then the trainer state and a manifest
+    (size and sha256 of every file), fsync, and one atomic rename. A crash at any point leaves either
+    no new checkpoint or a complete one; never a half-written ``step_*``."""
+    final = checkpoint_dir(output_dir, state.step)
+    staging = final.with_name(f".tmp-{final.name}")
+    if accelerator.is_main_process and staging.exists():
+        shutil.rmtree(staging)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(staging))
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        (staging / STATE_FILE).write_text(json.dumps(dataclasses.asdict(state), indent=2))
+        manifest = {}
+        for file in sorted(p for p in staging.rglob("*") if p.is_file()):
+            _fsync(file)
+            manifest[str(file.relative_to(staging))] = {"bytes": file.stat().st_size, "sha256": _sha256(file)}
+        (staging / COMPLETE_FILE).write_text(json.dumps(manifest, indent=1))
+        _fsync(staging / COMPLETE_FILE)
+        _fsync(staging)
+        if final.exists():  # the same step saved before (e.g. a run resumed from an older checkpoint)
+            shutil.rmtree(final)
+        os.replace(staging, final)
+        _fsync(final.parent)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def verify_checkpoint(path: Path) -> TrainerState:
+    """The checkpoint's trainer state, after checking every file against the manifest; else CheckpointError."""
+    if not path.is_dir():
+        raise CheckpointError(f"--resume {str(path)!r}: no such checkpoint folder")
+    marker = path / COMPLETE_FILE
+    if not marker.is_file():
+        raise CheckpointError(f"checkpoint {str(path)!r} is incomplete: {COMPLETE_FILE} is missing (the save did not finish)")
+    try:
+        manifest = json.loads(marker.read_text())
+    except (OSError, ValueError):
+        raise CheckpointError(f"checkpoint file {str(marker)!r} is unreadable") from None
+    for name, expected in manifest.items():
+        file = path / name
+        if not file.is_file():
+            raise CheckpointError(f"checkpoint file {str(file)!r} is missing")
+        if file.stat().st_size != expected["bytes"]:
+            raise CheckpointError(f"checkpoint file {str(file)!r} is truncated ({file.stat().st_size} of {expected['bytes']} bytes)")
+        if _sha256(file) != expected["sha256"]:
+            raise CheckpointError(f"checkpoint file {str(file)!r} is corrupted (sha256 differs from the manifest)")
+    try:
+        fields = json.loads((path / STATE_FILE).read_text())
+        return TrainerState(**fields)
+    except (OSError, ValueError, TypeError):
+        raise CheckpointError(f"checkpoint file {str(path / STATE_FILE)!r} is unreadable") from None
+
+
+def complete_checkpoints(output_dir: Path) -> list[Path]:
+    """``step_*`` folders that carry a manifest, oldest first (by step, not by name or mtime)."""
+    folder = output_dir / CHECKPOINTS_DIR
+    if not folder.is_dir():
+        return []
+    found = [p for p in folder.glob("step_*") if p.is_dir() and (p / COMPLETE_FILE).is_file()]
+    return sorted(found, key=lambda p: int(p.name.split("_")[1]))
+
+
+def find_resume_checkpoint(resume: str, output_dir: Path, warn) -> tuple[Path, TrainerState] | None:
+    """``--resume PATH``: that checkpoint or a one-line error. ``--resume auto``: the newest checkpoint
+    that verifies, warning about (and skipping) newer broken ones; None when there is none."""
+    if resume != "auto":
+        path = Path(resume)
+        return path, verify_checkpoint(path)
+    candidates = list(reversed(complete_checkpoints(output_dir)))
+    for path in candidates:
+        try:
+            return path, verify_checkpoint(path)
+        except CheckpointError as err:
+            warn(f"skipping checkpoint: {err}")
+    return None
+
+
+def rotate_checkpoints(output_dir: Path, keep_last: int | None, best: str | None) -> list[Path]:
+    """Delete complete checkpoints beyond the newest ``keep_last``, never the newest one and never the best
+    one; and leftovers of interrupted saves. Returns what was deleted."""
+    deleted = []
+    for leftover in (output_dir / CHECKPOINTS_DIR).glob(".tmp-step_*"):
+        shutil.rmtree(leftover, ignore_errors=True)
+        deleted.append(leftover)
+    if keep_last is None:
+        return deleted
+    checkpoints = complete_checkpoints(output_dir)
+    keep = set(checkpoints[-max(1, keep_last) :])
+    for path in checkpoints:
+        if path not in keep and path.name != best:
+            shutil.rmtree(path)
+            deleted.append(path)
+    return deleted
+
+
+class PreemptionSignals:
+    """SIGTERM and SIGUSR1 (what schedulers send before killing a job) set a flag that the loop reads at
+    the next optimizer-step boundary; a second signal only sets it again, so a save in progress finishes."""
+
+    SIGNALS = tuple(s for s in (getattr(signal, "SIGTERM", None), getattr(signal, "SIGUSR1", None)) if s is not None)
+
+    def __init__(self):
+        self.received: int | None = None
+        self._previous = {}
+
+    def install(self) -> "PreemptionSignals":
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    @property
+    def name(self) -> str | None:
+        return signal.Signals(self.received).name if self.received is not None else None
+
+    def _handle(self, signum, frame) -> None:
+        self.received = signum
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()

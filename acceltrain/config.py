@@ -69,10 +69,21 @@ class TrainConfig:
     cpu: bool = option(False, "train on CPU even when an accelerator is present")
     sync_bn: bool = option(False, "convert BatchNorm to SyncBatchNorm under DDP (no-op on 1 process)")
     num_workers: int | None = option(None, "DataLoader workers per process (default: from CPUs per process)")
+    # -- checkpoints, resume and preemption
+    save_every_steps: int | None = option(None, "save a checkpoint every N optimizer steps")
+    save_every_minutes: float | None = option(None, "save a checkpoint once N minutes have passed since the last one")
+    keep_last: int | None = option(None, "keep only the newest N checkpoints (never deleting the best one); unset: keep all")
+    keep_best: bool = option(False, "checkpoint whenever the eval metric improves, and never delete the best checkpoint")
+    resume: str | None = option(
+        None, "'auto': the newest complete checkpoint in --output-dir (none yet: start fresh); or a checkpoint folder"
+    )
+    stop_after_steps: int | None = option(
+        None, "checkpoint and stop after N optimizer steps of this launch (time-sliced jobs); continue with --resume auto"
+    )
     # -- reproducibility and outputs
     seed: int = option(0, "seed for weights, data order and augmentation")
     output_dir: str | None = option(None, "where outputs go (default: runs/<recipe>-<timestamp>)")
-    overwrite: bool = option(False, "allow writing into an --output-dir that already holds a finished run")
+    overwrite: bool = option(False, "allow a new run in an --output-dir that already holds a finished one")
     log_every: int = option(50, "log loss, lr and samples/s every N optimizer steps")
     timing_warmup_steps: int = option(
         5, "optimizer steps excluded from the throughput figure (warm-up, allocator, compile)"
@@ -100,6 +111,13 @@ class TrainConfig:
             require(self.eval_every >= 1, "eval_every", self.eval_every, "an integer >= 1")
         if self.target_accuracy is not None:
             require(0 < self.target_accuracy <= 1, "target_accuracy", self.target_accuracy, "a fraction in (0, 1]")
+        for name in ("save_every_steps", "keep_last", "stop_after_steps"):
+            if getattr(self, name) is not None:
+                require(getattr(self, name) >= 1, name, getattr(self, name), "an integer >= 1")
+        if self.save_every_minutes is not None:
+            require(self.save_every_minutes > 0, "save_every_minutes", self.save_every_minutes, "a number > 0")
+        if self.resume == "auto" and self.output_dir is None:
+            raise ConfigError("--resume auto needs --output-dir: the run folder whose checkpoints to continue from")
         if self.num_workers is not None:
             require(self.num_workers >= 0, "num_workers", self.num_workers, "an integer >= 0")
 

@@ -22,7 +22,20 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from . import __version__
-from .checkpointing import METRICS_FILE, export_weights, resolve_output_dir, write_summary
+from .checkpointing import (
+    CHECKPOINTS_DIR,
+    EXIT_PREEMPTED,
+    METRICS_FILE,
+    PreemptionSignals,
+    TrainerState,
+    checkpoint_dir,
+    export_weights,
+    find_resume_checkpoint,
+    resolve_output_dir,
+    rotate_checkpoints,
+    save_checkpoint,
+    write_summary,
+)
 from .config import ConfigError, TrainConfig
 from .data import default_num_workers, eval_loader, train_loader
 from .distributed import check_backend_honoured, convert_sync_batchnorm, init_process_state, use_cpu
@@ -102,25 +115,35 @@ def fit(
         output_dir.mkdir(parents=True, exist_ok=True)
     accelerator.wait_for_everyone()
     accelerator.print(yaml.safe_dump({"config": resolved.to_dict(), "runtime": runtime}, sort_keys=False).rstrip())
+
+    # ---- resume: Accelerate restores model, optimizer, scheduler, scaler, RNG; TrainerState the rest
+    state = TrainerState(seed=cfg.seed, global_batch_size=global_batch, grad_accum=cfg.grad_accum, train_samples=len(train_set))
+    if cfg.resume:
+        state = _resume(accelerator, cfg.resume, output_dir, state)
     start_tracking(accelerator, cfg, run_name, {**resolved.to_dict(), "runtime": runtime})
-    events = EventLog(output_dir / METRICS_FILE if main else None)
+    events = EventLog(output_dir / METRICS_FILE if main else None, keep_until_step=state.step)
 
     # ---- train
-    throughput = Throughput(accelerator.device, warmup_steps=min(cfg.timing_warmup_steps, total_steps - 1))
-    progress = tqdm(total=total_steps, disable=not (main and cfg.progress), desc="train", dynamic_ncols=True)
+    checkpointing = bool(cfg.save_every_steps or cfg.save_every_minutes or cfg.keep_best or cfg.stop_after_steps)
+    throughput = Throughput(accelerator.device, warmup_steps=min(cfg.timing_warmup_steps, total_steps - state.step - 1))
+    progress = tqdm(total=total_steps, initial=state.step, disable=not (main and cfg.progress), desc="train", dynamic_ncols=True)
     loss_sum = torch.zeros((), device=accelerator.device)
     loss_batches = 0
-    step, epoch, samples_seen = 0, 0, 0
+    step, epoch, samples_seen, launch_start_step = state.step, state.epoch, state.samples_seen, state.step
+    skip_batches = state.batches_in_epoch
     train_loss = grad_norm = step_lr = None
-    eval_metrics: dict[str, float] = {}
     time_to_target = None
-    started = time.perf_counter()
-    throughput.resume(step)
+    started = time.perf_counter() - state.train_seconds
+    last_save_time, last_saved_step = time.monotonic(), state.step if cfg.resume else None
+    stop_signal = None
+    throughput.resume(0)
 
-    while step < total_steps and time_to_target is None:
+    signals = PreemptionSignals().install()  # until the outputs are written; see EXIT_PREEMPTED
+    while step < total_steps and time_to_target is None and stop_signal is None:
         train_batches.set_epoch(epoch)
+        batches = accelerator.skip_first_batches(train_batches, skip_batches) if skip_batches else train_batches
         model.train()
-        for batch_index, batch in enumerate(train_batches):
+        for batch_index, batch in enumerate(batches, start=skip_batches):
             window_start = batch_index - batch_index % cfg.grad_accum
             window = min(cfg.grad_accum, batches_per_epoch - window_start)
             with accelerator.accumulate(model):
@@ -139,13 +162,15 @@ def fit(
             if not accelerator.sync_gradients:
                 continue
 
+            # ---- an optimizer step is done: log, evaluate, checkpoint, maybe stop
             step += 1
             samples_seen += window * global_batch
-            throughput.step_done(step, window * global_batch)
+            throughput.step_done(step - launch_start_step, window * global_batch)
             progress.update(1)
             last_step = step == total_steps
+            epoch_ends = batch_index + 1 == batches_per_epoch
             if step % cfg.log_every == 0 or last_step:
-                totals = accelerator.reduce(torch.stack([loss_sum, torch.tensor(float(loss_batches), device=loss_sum.device)]), "sum")
+                totals = accelerator.reduce(torch.stack([loss_sum, loss_sum.new_tensor(float(loss_batches))]), "sum")
                 train_loss = (totals[0] / totals[1]).item()
                 loss_sum.zero_()
                 loss_batches = 0
@@ -159,28 +184,67 @@ def fit(
                 if grad_norm is not None:
                     event["grad_norm"] = float(grad_norm)
                 _log(accelerator, events, progress, event)
-            epoch_ends = batch_index + 1 == batches_per_epoch
+
+            save_now = bool(cfg.save_every_steps and step % cfg.save_every_steps == 0)
             eval_due = step % cfg.eval_every == 0 if cfg.eval_every else epoch_ends
             if eval_batches is not None and (eval_due or last_step):
                 throughput.pause()
                 eval_metrics, eval_samples = evaluate(accelerator, model, eval_batches, task)
                 _log(accelerator, events, progress, {"step": step, **eval_metrics, "eval_samples": eval_samples})
+                state.last_eval = eval_metrics
+                if _improves(task, eval_metrics, state.best_metric):
+                    state.best_metric = eval_metrics[f"eval_{task.primary_metric}"]
+                    if cfg.keep_best:
+                        state.best_checkpoint = checkpoint_dir(output_dir, step).name
+                        save_now = True
                 accuracy = eval_metrics.get("eval_accuracy")
                 if cfg.target_accuracy is not None and accuracy is not None and accuracy >= cfg.target_accuracy:
                     time_to_target = time.perf_counter() - started
                     accelerator.print(f"reached eval accuracy {accuracy:.4f} >= {cfg.target_accuracy} in {time_to_target:.1f} s")
-                    break
                 model.train()
-                throughput.resume(step)
-            if last_step:
+                throughput.resume(step - launch_start_step)
+
+            if signals.received is not None:
+                accelerator.set_trigger()
+            if accelerator.check_trigger():  # every process stops at this same step
+                stop_signal = signals.name or "signal on another process"
+            launch_done = cfg.stop_after_steps is not None and step - launch_start_step >= cfg.stop_after_steps
+            if cfg.save_every_minutes:
+                save_now |= _minutes_passed(accelerator, last_save_time, cfg.save_every_minutes)
+            if (save_now or stop_signal or launch_done) and not last_step:
+                throughput.pause()
+                state = dataclasses.replace(
+                    state, step=step, samples_seen=samples_seen, train_seconds=time.perf_counter() - started,
+                    epoch=epoch + 1 if epoch_ends else epoch, batches_in_epoch=0 if epoch_ends else batch_index + 1,
+                )
+                _save(accelerator, state, output_dir, cfg)
+                last_save_time, last_saved_step = time.monotonic(), step
+                throughput.resume(step - launch_start_step)
+            if stop_signal or launch_done:
+                stop_signal = stop_signal or "stop_after_steps"
+                break
+            if last_step or time_to_target is not None:
                 break
         else:
             epoch += 1
+        skip_batches = 0
     wall_seconds = time.perf_counter() - started
     progress.close()
 
+    if stop_signal is not None:  # checkpointed above: close cleanly and tell the launcher to come back
+        accelerator.print(f"stopped at step {step} ({stop_signal}); checkpoint saved; continue with --resume auto")
+        events.close()
+        accelerator.wait_for_everyone()
+        accelerator.end_training()
+        signals.restore()
+        raise SystemExit(EXIT_PREEMPTED)
+
     # ---- outputs
+    if checkpointing and last_saved_step != step:
+        state = dataclasses.replace(state, step=step, samples_seen=samples_seen, train_seconds=wall_seconds, epoch=epoch, batches_in_epoch=0)
+        _save(accelerator, state, output_dir, cfg)
     weights_path = export_weights(accelerator, model, output_dir)
+    eval_metrics = state.last_eval
     summary = {
         "steps": step,
         "samples_seen": samples_seen,
@@ -192,6 +256,7 @@ def fit(
         "timed_steps": throughput.timed_steps,
         "wall_seconds": wall_seconds,
         "time_to_target_seconds": time_to_target,
+        "resumed_from_step": launch_start_step if cfg.resume else None,
         "num_processes": accelerator.num_processes,
         "distributed_type": accelerator.distributed_type.value,
         "mixed_precision": accelerator.mixed_precision,
@@ -203,11 +268,64 @@ def fit(
     }
     if main:
         write_summary(output_dir, summary)
-        accelerator.print(f"done: {step} steps, train loss {train_loss:.4f}, eval accuracy {summary['eval_accuracy']}, outputs in {output_dir}")
+        accelerator.print(f"done: {step} steps, train loss {train_loss}, eval accuracy {summary['eval_accuracy']}, outputs in {output_dir}")
     events.close()
     accelerator.wait_for_everyone()
     accelerator.end_training()  # closes the trackers (and, in Accelerate >= 1.x, the process group)
+    signals.restore()
     return summary
+
+
+def _resume(accelerator, resume: str, output_dir: Path, current: TrainerState) -> TrainerState:
+    """Find and verify the checkpoint on the main process, agree on it everywhere, load it."""
+    from accelerate.utils import broadcast_object_list
+
+    found = [None, None, None]  # path, state fields, error
+    if accelerator.is_main_process:
+        try:
+            hit = find_resume_checkpoint(resume, output_dir, warn=lambda message: print(f"warning: {message}", flush=True))
+            if hit is not None:
+                found[:2] = [str(hit[0]), dataclasses.asdict(hit[1])]
+        except ConfigError as err:
+            found[2] = str(err)
+    broadcast_object_list(found, from_process=0)
+    path, fields, error = found
+    if error:
+        raise ConfigError(error)
+    if path is None:
+        accelerator.print(f"--resume auto: no complete checkpoint in {output_dir / CHECKPOINTS_DIR}; starting fresh")
+        return current
+    saved = TrainerState(**fields)
+    saved.check_compatible(current, Path(path))
+    accelerator.load_state(path)
+    accelerator.print(f"resumed from {path} at step {saved.step} (epoch {saved.epoch}, {saved.batches_in_epoch} batches into it)")
+    return saved
+
+
+def _save(accelerator, state: TrainerState, output_dir: Path, cfg: TrainConfig) -> None:
+    path = save_checkpoint(accelerator, state, output_dir)
+    if accelerator.is_main_process:
+        rotate_checkpoints(output_dir, cfg.keep_last, state.best_checkpoint)
+    accelerator.wait_for_everyone()
+    accelerator.print(f"checkpoint: {path}")
+
+
+def _minutes_passed(accelerator, since: float, minutes: float) -> bool:
+    """The main process's clock decides, so that every process saves at the same step."""
+    from accelerate.utils import broadcast_object_list
+
+    due = [time.monotonic() - since >= minutes * 60]
+    broadcast_object_list(due, from_process=0)
+    return bool(due[0])
+
+
+def _improves(task, metrics: dict, best: float | None) -> bool:
+    value = metrics.get(f"eval_{task.primary_metric}")
+    if value is None:
+        return False
+    if best is None:
+        return True
+    return value > best if task.higher_is_better else value < best
 
 
 def evaluate(accelerator, model: nn.Module, batches, task) -> tuple[dict[str, float], int]:

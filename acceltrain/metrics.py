@@ -93,10 +93,19 @@ def peak_memory_mb(device: torch.device) -> dict[str, float]:
 
 
 class EventLog:
-    """Appends one JSON object per line to ``metrics.jsonl``; a no-op on non-main processes."""
+    """Appends one JSON object per line to ``metrics.jsonl``; a no-op on non-main processes.
 
-    def __init__(self, path: Path | None):
-        self._file = open(path, "a", buffering=1) if path is not None else None
+    A resumed run first drops the events past its checkpoint's step (logged before the interruption,
+    about to be replayed), so every step appears once."""
+
+    def __init__(self, path: Path | None, keep_until_step: int = 0):
+        self._file = None
+        if path is None:
+            return
+        if path.exists():
+            kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= keep_until_step]
+            path.write_text("".join(line + "\n" for line in kept))
+        self._file = open(path, "a", buffering=1)
 
     def write(self, event: dict) -> None:
         if self._file is not None:

@@ -13,7 +13,8 @@ class ClassificationTask:
     """Batches are ``(inputs, labels)``; trains on cross-entropy (optionally label-smoothed) and
     evaluates per-sample loss and accuracy."""
 
-    primary_metric = "accuracy"
+    primary_metric = "accuracy"  # what --keep-best and --target-accuracy look at
+    higher_is_better = True
 
     def __init__(self, label_smoothing: float = 0.0):
         self.label_smoothing = label_smoothing

@@ -16,14 +16,18 @@ RECIPE = REPO / "recipes" / "resnet_cifar.py"
 TINY_RECIPE = REPO / "tests" / "helpers" / "tiny_recipe.py"
 
 
-@pytest.fixture(autouse=True)
-def fresh_accelerate_state():
+def reset_accelerate_state() -> None:
     """Accelerate's state objects are process-wide singletons; in-process runs must not share them."""
-    yield
     from accelerate.state import AcceleratorState, GradientState
 
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
+
+
+@pytest.fixture(autouse=True)
+def fresh_accelerate_state():
+    yield
+    reset_accelerate_state()
 
 
 def subprocess_env(**extra: str) -> dict[str, str]:
