@@ -236,6 +236,13 @@ class PreemptionSignals:
     def _handle(self, signum, frame) -> None:
         self.received = signum
 
+    def ignore_further(self) -> None:
+        """On the way out after a stop: ignore more signals. A Python handler would be reset to the default
+        (kill) during interpreter shutdown, turning a clean exit 75 into death by SIGTERM."""
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                signal.signal(sig, signal.SIG_IGN)
+
     def restore(self) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)

@@ -236,7 +236,7 @@ def fit(
         events.close()
         accelerator.wait_for_everyone()
         accelerator.end_training()
-        signals.restore()
+        signals.ignore_further()
         raise SystemExit(EXIT_PREEMPTED)
 
     # ---- outputs

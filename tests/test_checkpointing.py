@@ -114,8 +114,10 @@ def test_sigterm_checkpoints_exits_75_and_resume_is_identical(tmp_path, long_uni
     _wait_for(lambda: (out / "metrics.jsonl").exists() and (out / "metrics.jsonl").stat().st_size > 0)
     time.sleep(random.uniform(0.0, 0.5))  # an unpredictable step, often inside an accumulation window
     process.send_signal(signal.SIGTERM)
+    time.sleep(0.05)
+    process.send_signal(signal.SIGTERM)  # a second signal while stopping/saving changes nothing
     stdout, stderr = process.communicate(timeout=120)
-    assert process.returncode == EXIT_PREEMPTED, stderr[-2000:]
+    assert process.returncode == EXIT_PREEMPTED, stdout[-3000:] + stderr[-2000:]
     stopped_at = int(re.search(r"stopped at step (\d+) \(SIGTERM\)", stdout).group(1))
     assert 0 < stopped_at < 256
     check(launch(TINY_RECIPE, [*LONG, "--output-dir", str(out), "--resume", "auto"]))
@@ -193,3 +195,19 @@ def test_toolkit_never_calls_torch_load_without_weights_only():
     for source in (REPO / "acceltrain").glob("*.py"):
         for call in re.findall(r"torch\.load\([^)]*\)", source.read_text()):
             assert "weights_only=True" in call, f"{source.name}: {call}"
+
+
+def test_rotation_orders_by_step_not_by_name_or_save_count(tmp_path):
+    """accelerate#1163, #1601: total_limit deleted the wrong folder and the save counter was lost on resume.
+    Checkpoints here are named by global step and rotated by it; nothing to restore."""
+    from acceltrain.checkpointing import rotate_checkpoints
+
+    for step in (9, 10, 100, 1000):
+        folder = tmp_path / "checkpoints" / f"step_{step:08d}"
+        folder.mkdir(parents=True)
+        (folder / "COMPLETE").write_text("{}")
+    (tmp_path / "checkpoints" / "step_00000011").mkdir()  # incomplete: not a checkpoint, left alone
+    (tmp_path / "checkpoints" / ".tmp-step_00001001").mkdir()  # an interrupted save: removed
+    rotate_checkpoints(tmp_path, keep_last=2, best="step_00000009")
+    left = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert left == ["step_00000009", "step_00000011", "step_00000100", "step_00001000"]
