@@ -5,6 +5,11 @@ and at the end of the epoch. When an epoch's batch count is not a multiple of ``
 window is shorter; each micro-batch loss is scaled by ``1 / window length`` (not ``1 / grad_accum``),
 so every optimizer step, the last one included, applies the mean gradient of the samples it saw.
 
+Token normalisation. A task whose ``train_loss`` returns ``(loss_sum, target_count)`` (a language model:
+summed token losses and the number of target tokens) gets the gradient of the summed loss of the whole
+window on all processes divided by its total target count: the same gradient as one big batch, however
+the tokens fall across micro-batches and processes. The counts are all-reduced once per optimizer step.
+
 Learning rate. The schedule is counted in optimizer steps of this run: the loop steps the scheduler
 once per optimizer step, on every process, whatever the process count and accumulation.
 """
@@ -128,7 +133,8 @@ def fit(
     throughput = Throughput(accelerator.device, warmup_steps=min(cfg.timing_warmup_steps, total_steps - state.step - 1))
     progress = tqdm(total=total_steps, initial=state.step, disable=not (main and cfg.progress), desc="train", dynamic_ncols=True)
     loss_sum = torch.zeros((), device=accelerator.device)
-    loss_batches = 0
+    loss_batches = 0  # micro-batches, or loss targets (tokens) for a task that returns (sum, count)
+    window_targets = 0
     step, epoch, samples_seen, launch_start_step = state.step, state.epoch, state.samples_seen, state.step
     skip_batches = state.batches_in_epoch
     train_loss = grad_norm = step_lr = None
@@ -148,8 +154,17 @@ def fit(
             window = min(cfg.grad_accum, batches_per_epoch - window_start)
             with accelerator.accumulate(model):
                 loss = task.train_loss(model, batch)
-                accelerator.backward(loss * (cfg.grad_accum / window))
+                if isinstance(loss, tuple):  # (sum of per-target losses, target count): see the module docstring
+                    loss, count = loss
+                    window_targets += count
+                    accelerator.backward(loss)
+                else:
+                    count = 1.0
+                    accelerator.backward(loss * (cfg.grad_accum / window))
                 if accelerator.sync_gradients:
+                    if isinstance(window_targets, torch.Tensor):
+                        _divide_gradients(model, accelerator.reduce(window_targets, "sum") / (cfg.grad_accum * accelerator.num_processes))
+                        window_targets = 0
                     if cfg.max_grad_norm is not None:
                         grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
                     step_lr = scheduler.get_last_lr()[0]
@@ -158,7 +173,7 @@ def fit(
                         scheduler.step()
                     optimizer.zero_grad(set_to_none=True)
             loss_sum += loss.detach().float()
-            loss_batches += 1
+            loss_batches += count
             if not accelerator.sync_gradients:
                 continue
 
@@ -170,7 +185,7 @@ def fit(
             last_step = step == total_steps
             epoch_ends = batch_index + 1 == batches_per_epoch
             if step % cfg.log_every == 0 or last_step:
-                totals = accelerator.reduce(torch.stack([loss_sum, loss_sum.new_tensor(float(loss_batches))]), "sum")
+                totals = accelerator.reduce(torch.stack([loss_sum, loss_sum.new_tensor(0.0) + loss_batches]), "sum")
                 train_loss = (totals[0] / totals[1]).item()
                 loss_sum.zero_()
                 loss_batches = 0
@@ -329,18 +344,28 @@ def _improves(task, metrics: dict, best: float | None) -> bool:
 
 
 def evaluate(accelerator, model: nn.Module, batches, task) -> tuple[dict[str, float], int]:
-    """Mean of each per-sample eval value over the whole eval set, exact across processes:
-    ``gather_for_metrics`` drops the samples that even batches padded onto the last one."""
+    """Each per-sample eval value summed over the whole eval set, exact across processes
+    (``gather_for_metrics`` drops the samples that even batches padded onto the last one), then turned
+    into metrics by ``task.eval_metrics(sums, samples)`` if the task has it, else into means."""
     model.eval()
-    sums: dict[str, torch.Tensor] = {}
+    totals: dict[str, torch.Tensor] = {}
     count = 0
     with torch.no_grad():
         for batch in batches:
             values = accelerator.gather_for_metrics(task.eval_values(model, batch))
             for key, value in values.items():
-                sums[key] = sums.get(key, 0) + value.double().sum()
+                totals[key] = totals.get(key, 0) + value.double().sum()
             count += len(next(iter(values.values())))
-    return {f"eval_{key}": (total / count).item() for key, total in sums.items()}, count
+    sums = {key: total.item() for key, total in totals.items()}
+    summarise = getattr(task, "eval_metrics", None)
+    metrics = summarise(sums, count) if summarise else {key: total / count for key, total in sums.items()}
+    return {f"eval_{key}": value for key, value in metrics.items()}, count
+
+
+def _divide_gradients(model: nn.Module, divisor: torch.Tensor) -> None:
+    for param in model.parameters():
+        if param.grad is not None:
+            param.grad.div_(divisor.to(param.grad.dtype))
 
 
 def _log(accelerator, events: EventLog, progress, event: dict) -> None:

@@ -39,6 +39,16 @@ def test_accumulating_k_micro_batches_equals_one_k_times_batch(tmp_path):
         torch.testing.assert_close(accumulated[key], big[key], rtol=1e-5, atol=1e-6)
 
 
+def test_summed_loss_is_normalised_by_the_window_target_count(tmp_path):
+    """A (loss sum, target count) task: 4 micro-batches with different target counts give the big batch's
+    gradient, not the mean of per-micro-batch means."""
+    common = ["--num-train", "128", "--max-steps", "3", "--lr", "0.2", "--masked-loss", "--lr-schedule", "constant"]
+    _, _, accumulated = run_tiny(tmp_path / "accum", *common, "--batch-size", "8", "--grad-accum", "4")
+    _, _, big = run_tiny(tmp_path / "big", *common, "--batch-size", "32")
+    for key in big:
+        torch.testing.assert_close(accumulated[key], big[key], rtol=1e-5, atol=1e-6)
+
+
 def test_partial_last_window_applies_the_mean_gradient_of_its_samples(tmp_path):
     """40 samples, batch 4, accumulate 3: windows of 3, 3, 3 and 1 micro-batches, 4 optimizer steps."""
     torch.manual_seed(0)

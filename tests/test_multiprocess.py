@@ -19,12 +19,14 @@ COMMON = ["--batchnorm", "--num-train", "96", "--num-eval", "37", "--grad-accum"
           "--lr", "0.05", "--warmup-steps", "1", "--log-every", "1", "--no-progress", "--num-workers", "0"]
 
 
-@pytest.fixture(scope="module")
-def ddp_and_single(tmp_path_factory):
+@pytest.fixture(scope="module", params=["mean-loss", "summed-loss"])
+def ddp_and_single(request, tmp_path_factory):
+    """The summed-loss variant returns (loss sum, target count) with uneven counts per process."""
     root = tmp_path_factory.mktemp("ddp")
-    ddp = check(launch(TINY_RECIPE, [*COMMON, "--batch-size", "4", "--sync-bn", "--output-dir", str(root / "ddp")],
+    common = COMMON + (["--masked-loss"] if request.param == "summed-loss" else [])
+    ddp = check(launch(TINY_RECIPE, [*common, "--batch-size", "4", "--sync-bn", "--output-dir", str(root / "ddp")],
                        processes=2, launcher="accelerate"))
-    single = check(launch(TINY_RECIPE, [*COMMON, "--batch-size", "8", "--output-dir", str(root / "single")]))
+    single = check(launch(TINY_RECIPE, [*common, "--batch-size", "8", "--output-dir", str(root / "single")]))
     return root / "ddp", root / "single", ddp
 
 

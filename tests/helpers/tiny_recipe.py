@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from acceltrain import TrainConfig, fit, option, run_recipe
+from acceltrain import ClassificationTask, TrainConfig, fit, option, run_recipe
 from acceltrain.data import CropFlip, ImageClassification, synthetic_images
 
 
@@ -20,6 +20,17 @@ class TinyConfig(TrainConfig):
     num_train: int = option(96, "training samples")
     num_eval: int = option(37, "eval samples (odd on purpose: uneven last batch)")
     batchnorm: bool = option(False, "put a BatchNorm in the net")
+    masked_loss: bool = option(False, "train on classes 0-4 only, as (loss sum, target count): like padded tokens")
+
+
+class MaskedClassification(ClassificationTask):
+    """Only samples of classes 0-4 are targets, so micro-batches hold different numbers of them."""
+
+    def train_loss(self, model, batch):
+        inputs, labels = batch
+        mask = labels < 5
+        losses = torch.nn.functional.cross_entropy(model(inputs), labels, reduction="none")
+        return (losses * mask).sum(), mask.sum()
 
 
 class CountingSGD(torch.optim.SGD):
@@ -50,7 +61,8 @@ def main(cfg: TinyConfig) -> None:
     eval_set = ImageClassification(eval_images, eval_labels, classes)
     model = build_net(cfg.batchnorm)
     optimizer = CountingSGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
-    summary = fit(cfg, model, optimizer, train_set, eval_set, name="tiny")
+    task = MaskedClassification() if cfg.masked_loss else ClassificationTask()
+    summary = fit(cfg, model, optimizer, train_set, eval_set, task=task, name="tiny")
     rank = int(os.environ.get("RANK", "0"))
     out = Path(summary["config"]["output_dir"])
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(out / f"rank{rank}.safetensors"))
