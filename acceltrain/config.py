@@ -33,6 +33,7 @@ MixedPrecision = Literal["no", "fp16", "bf16"]
 ReportTo = Literal["wandb", "tensorboard", "all", "none"]
 LRSchedule = Literal["constant", "cosine", "onecycle"]
 Optimizer = Literal["sgd", "adamw"]
+WandbMode = Literal["online", "offline", "disabled"]
 
 
 @dataclasses.dataclass
@@ -89,9 +90,17 @@ class TrainConfig:
         5, "optimizer steps excluded from the throughput figure (warm-up, allocator, compile)"
     )
     progress: bool = option(True, "show a tqdm progress bar on the main process")
-    report_to: ReportTo = option("none", "experiment tracker through Accelerate: wandb, tensorboard, all, none")
-    project_name: str = option("acceltrain", "tracker project name")
+    # -- tracking (Accelerate's trackers)
+    report_to: ReportTo = option("wandb", "experiment tracker: wandb, tensorboard, all (both) or none")
+    wandb_project: str | None = option(None, "W&B project (default: $WANDB_PROJECT, else 'acceltrain'); also TensorBoard's subfolder")
     run_name: str | None = option(None, "tracker run name (default: the output folder's name)")
+    wandb_group: str | None = option(None, "W&B group, e.g. to gather the runs of a sweep")
+    wandb_tags: str | None = option(None, "comma-separated W&B tags")
+    wandb_notes: str | None = option(None, "W&B run notes")
+    wandb_mode: WandbMode | None = option(
+        None, "online, offline or disabled (default: $WANDB_MODE, else online with an API key, offline without)"
+    )
+    log_model: bool = option(False, "upload the final model.safetensors as a W&B artifact (offline: kept for wandb sync)")
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` on the first bad value. Subclasses extend and call super()."""

@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import platform
 import time
 from pathlib import Path
 
+import accelerate
 import torch
 import yaml
 from torch import nn
@@ -47,7 +49,7 @@ from .distributed import check_backend_honoured, convert_sync_batchnorm, init_pr
 from .metrics import EventLog, Throughput, peak_memory_mb
 from .optim import build_scheduler
 from .tasks import ClassificationTask
-from .tracking import check_trackers_installed, start_tracking, tracker_names
+from .tracking import active_trackers, finish_tracking, start_tracking
 
 
 def fit(
@@ -68,7 +70,7 @@ def fit(
     from tqdm.auto import tqdm
 
     task = task or ClassificationTask()
-    check_trackers_installed(cfg.report_to)
+    trackers = active_trackers(cfg)
     init_process_state(cfg)
     output_dir = resolve_output_dir(cfg, name)
     accelerator = Accelerator(
@@ -76,7 +78,7 @@ def fit(
         mixed_precision=cfg.mixed_precision,
         gradient_accumulation_steps=cfg.grad_accum,
         step_scheduler_with_optimizer=False,
-        log_with=tracker_names(cfg.report_to) or None,
+        log_with=trackers or None,
         project_config=ProjectConfiguration(project_dir=str(output_dir), logging_dir=str(output_dir / "logs")),
     )
     check_backend_honoured(accelerator.distributed_type)
@@ -109,9 +111,11 @@ def fit(
     runtime = {
         "acceltrain": __version__,
         "torch": str(torch.__version__),
+        "accelerate": accelerate.__version__,
         "distributed_type": accelerator.distributed_type.value,
         "num_processes": accelerator.num_processes,
         "device": str(accelerator.device),
+        "device_name": torch.cuda.get_device_name(accelerator.device) if accelerator.device.type == "cuda" else platform.processor() or "cpu",
         "global_batch_size": global_batch * cfg.grad_accum,
         "steps_per_epoch": steps_per_epoch,
         "total_steps": total_steps,
@@ -125,7 +129,10 @@ def fit(
     state = TrainerState(seed=cfg.seed, global_batch_size=global_batch, grad_accum=cfg.grad_accum, train_samples=len(train_set))
     if cfg.resume:
         state = _resume(accelerator, cfg.resume, output_dir, state)
-    start_tracking(accelerator, cfg, run_name, {**resolved.to_dict(), "runtime": runtime})
+    state.tracker_run_id = start_tracking(
+        accelerator, cfg, trackers, run_name=run_name, output_dir=output_dir,
+        run_config={**resolved.to_dict(), "runtime": runtime}, resume_run_id=state.tracker_run_id,
+    ) or state.tracker_run_id
     events = EventLog(output_dir / METRICS_FILE if main else None, keep_until_step=state.step)
 
     # ---- train
@@ -286,7 +293,7 @@ def fit(
         accelerator.print(f"done: {step} steps, train loss {train_loss}, eval accuracy {summary['eval_accuracy']}, outputs in {output_dir}")
     events.close()
     accelerator.wait_for_everyone()
-    accelerator.end_training()  # closes the trackers (and, in Accelerate >= 1.x, the process group)
+    finish_tracking(accelerator, trackers, summary, weights_path, cfg.log_model)  # also ends the process group
     signals.restore()
     return summary
 

@@ -1,8 +1,17 @@
-"""Experiment tracking through Accelerate's trackers (``log_with``, ``init_trackers``, ``log``)."""
+"""Experiment tracking through Accelerate's trackers (``log_with``, ``init_trackers``, ``log``), with the
+W&B rough edges handled: one run for N processes (Accelerate creates it on the main process only), a
+name, offline mode instead of a crash when there is no API key, the same run continued on resume, and
+the final summary equal to ``summary.json``. The API key is never read into the config, printed or saved."""
 
 from __future__ import annotations
 
 import importlib.util
+import netrc
+import os
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+from urllib.parse import urlparse
 
 from .config import ConfigError, TrainConfig
 
@@ -17,22 +26,74 @@ def tracker_names(report_to: str) -> list[str]:
     return [report_to]
 
 
-def check_trackers_installed(report_to: str) -> None:
-    for name in tracker_names(report_to):
-        package = TRACKER_PACKAGES[name]
-        if importlib.util.find_spec(package) is None:
-            raise ConfigError(f"--report-to {report_to} needs the {package!r} package: pip install {package}")
+def active_trackers(cfg: TrainConfig) -> list[str]:
+    """The trackers to start: ``--report-to`` less W&B when its mode resolves to disabled. Checks that
+    each is installed, before anything heavy happens."""
+    names = [n for n in tracker_names(cfg.report_to) if not (n == "wandb" and wandb_mode(cfg) == "disabled")]
+    for name in names:
+        if importlib.util.find_spec(TRACKER_PACKAGES[name]) is None:
+            raise ConfigError(f"--report-to {cfg.report_to} needs the {TRACKER_PACKAGES[name]!r} package: pip install {TRACKER_PACKAGES[name]}")
+    return names
 
 
-def start_tracking(accelerator, cfg: TrainConfig, run_name: str, run_config: dict) -> None:
-    """One tracker run, created by the main process only (Accelerate's ``on_main_process``)."""
-    if not tracker_names(cfg.report_to):
-        return
-    accelerator.init_trackers(
-        cfg.project_name,
-        config=_flat_scalars(run_config),
-        init_kwargs={"wandb": {"name": run_name}},
-    )
+def wandb_credentials_present() -> bool:
+    """An API key in the environment, an identity token file, or a ~/.netrc entry for the W&B host
+    (where ``wandb login`` writes). Only presence is checked; the key itself is never read."""
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return True
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    try:
+        return netrc.netrc(os.environ.get("NETRC")).authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
+
+
+def wandb_mode(cfg: TrainConfig) -> str:
+    """``--wandb-mode``, else ``$WANDB_MODE``, else online with credentials and offline without."""
+    mode = cfg.wandb_mode or os.environ.get("WANDB_MODE")
+    if mode in ("dryrun",):
+        return "offline"
+    return mode or ("online" if wandb_credentials_present() else "offline")
+
+
+def start_tracking(accelerator, cfg: TrainConfig, names: list[str], *, run_name: str, output_dir: Path,
+                   run_config: dict, resume_run_id: str | None) -> str | None:
+    """Start the trackers' run on the main process; returns the W&B run id (to save in checkpoints)."""
+    if not names:
+        return None
+    project = cfg.wandb_project or os.environ.get("WANDB_PROJECT") or "acceltrain"
+    wandb_kwargs = {"name": run_name, "dir": str(output_dir), "mode": wandb_mode(cfg)}
+    if cfg.wandb_group:
+        wandb_kwargs["group"] = cfg.wandb_group
+    if cfg.wandb_tags:
+        wandb_kwargs["tags"] = [tag.strip() for tag in cfg.wandb_tags.split(",") if tag.strip()]
+    if cfg.wandb_notes:
+        wandb_kwargs["notes"] = cfg.wandb_notes
+    if resume_run_id:
+        wandb_kwargs.update(id=resume_run_id, resume="allow")
+    accelerator.init_trackers(project, config=_flat_scalars(run_config), init_kwargs={"wandb": wandb_kwargs})
+    if "wandb" not in names or not accelerator.is_main_process:
+        return None
+    run = accelerator.get_tracker("wandb", unwrap=True)
+    if wandb_kwargs["mode"] == "offline":
+        why = "" if cfg.wandb_mode or os.environ.get("WANDB_MODE") else "no W&B API key found (WANDB_API_KEY or `wandb login`), so "
+        accelerator.print(f"W&B: {why}logging offline; upload later with: wandb sync {run.settings.sync_dir}")
+    return run.id
+
+
+def finish_tracking(accelerator, names: list[str], summary: dict, weights: Path, log_model: bool) -> None:
+    """Make the W&B run summary equal ``summary.json`` and attach the weights if asked; then close."""
+    if "wandb" in names and accelerator.is_main_process:
+        run = accelerator.get_tracker("wandb", unwrap=True)
+        run.log({}, commit=True)  # flush the last step's row first: its auto-summary would overwrite ours
+        run.summary.update(summary)
+        if log_model:
+            import wandb
+
+            artifact = wandb.Artifact(f"model-{run.id}", type="model", metadata={"steps": summary["steps"]})
+            artifact.add_file(str(weights))
+            run.log_artifact(artifact)
+    accelerator.end_training()
 
 
 def _flat_scalars(config: dict, prefix: str = "") -> dict:
@@ -47,3 +108,62 @@ def _flat_scalars(config: dict, prefix: str = "") -> dict:
         else:
             flat[name] = str(value)
     return flat
+
+
+# --------------------------------------------------------------------------- reading offline runs
+
+_BLOCK, _HEADER = 32768, 7
+
+
+def wandb_records(path: Path) -> Iterator:
+    """The protobuf records of a ``run-*.wandb`` file, parsed with wandb's own ``Record`` message.
+    The file is a LevelDB-style log: a 7-byte file header, then 32 KiB blocks of (checksum, length,
+    type) framed chunks; type 1 is a whole record, 2/3/4 its first/middle/last parts."""
+    from wandb.proto import wandb_internal_pb2
+
+    data = Path(path).read_bytes()
+    if data[:4] != b":W&B":
+        raise ValueError(f"{path} is not a W&B run file")
+    position, pending = _HEADER, b""
+    while position + _HEADER <= len(data):
+        left_in_block = _BLOCK - position % _BLOCK
+        if left_in_block < _HEADER:
+            position += left_in_block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[position : position + _HEADER])
+        if length == 0 and kind == 0:  # block padding
+            position += left_in_block
+            continue
+        chunk = data[position + _HEADER : position + _HEADER + length]
+        position += _HEADER + length
+        pending = chunk if kind in (1, 2) else pending + chunk
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            yield record
+            pending = b""
+
+
+def read_offline_run(run_dir: Path) -> dict:
+    """Run id, config, history rows (by step), summary and artifact names of an offline W&B run folder."""
+    import json
+
+    (run_file,) = Path(run_dir).glob("run-*.wandb")
+    out = {"id": None, "name": None, "config": {}, "history": [], "summary": {}, "artifacts": []}
+    for record in wandb_records(run_file):
+        kind = record.WhichOneof("record_type")
+        if kind == "run":
+            out["id"], out["name"] = record.run.run_id, record.run.display_name
+            for item in record.run.config.update:
+                out["config"][item.key] = json.loads(item.value_json)
+        elif kind == "config":
+            for item in record.config.update:
+                out["config"][item.key] = json.loads(item.value_json)
+        elif kind == "history":
+            out["history"].append({item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item})
+        elif kind == "summary":
+            for item in record.summary.update:
+                out["summary"][item.key or "/".join(item.nested_key)] = json.loads(item.value_json)
+        elif kind == "artifact":
+            out["artifacts"].append(record.artifact.name)
+    return out

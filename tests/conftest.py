@@ -25,14 +25,22 @@ def reset_accelerate_state() -> None:
 
 
 @pytest.fixture(autouse=True)
-def fresh_accelerate_state():
+def fresh_accelerate_state(monkeypatch):
+    """Also: no W&B unless a test asks for it (the default --report-to is wandb)."""
+    monkeypatch.setenv("WANDB_MODE", "disabled")
     yield
     reset_accelerate_state()
 
 
 def subprocess_env(**extra: str) -> dict[str, str]:
+    """A clean environment: no W&B (unless ``extra`` asks), one thread per process; '' unsets a variable."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "ACCELERATE_"))}
-    env.update(OMP_NUM_THREADS="1", WANDB_MODE="disabled", PYTHONUNBUFFERED="1", **extra)
+    env.update(OMP_NUM_THREADS="1", WANDB_MODE="disabled", PYTHONUNBUFFERED="1")
+    for key, value in extra.items():
+        if value:
+            env[key] = value
+        else:
+            env.pop(key, None)
     return env
 
 
