@@ -88,25 +88,55 @@ class EpochKeyed(Dataset):
 # --------------------------------------------------------------------------- images
 
 
+def hash32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (lowbias32) of int64 tensors holding values in [0, 2**32), computed without
+    64-bit overflow, so it gives the same bits on every device and in every process."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def _mul32(x: torch.Tensor, constant: int) -> torch.Tensor:
+    low, high = constant & 0xFFFF, constant >> 16
+    return (x * low + (((x * high) & 0xFFFF) << 16)) & 0xFFFFFFFF
+
+
 class CropFlip:
-    """Random crop with zero padding plus horizontal flip on a uint8 CHW tensor, from an explicit generator."""
+    """Random crop with zero padding plus horizontal flip on uint8 images.
+
+    The draws are a pure function of ``(seed, epoch, sample index)`` (``draws``), in vectorised integer
+    arithmetic, and ``apply`` crops and flips a whole batch with one gather on any device. So the
+    per-sample DataLoader path and the on-device loader augment every sample identically.
+    """
 
     def __init__(self, padding: int = 4, flip: bool = True):
         self.padding = padding
         self.flip = flip
 
-    def __call__(self, image: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-        _, height, width = image.shape
+    def draws(self, seed: int, epoch: int, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(top, left, flip) for each sample index: crop offsets in [0, 2*padding] and a 0/1 flip."""
+        base = int(hash32(torch.tensor(seed & 0xFFFFFFFF)) ^ (epoch & 0xFFFFFFFF))
+        bits = hash32(hash32(torch.tensor(base)) ^ (indices.long() & 0xFFFFFFFF))
+        span = 2 * self.padding + 1
+        top, left = bits % span, (bits >> 8) % span
+        flip = (bits >> 16) & 1 if self.flip else torch.zeros_like(bits)
+        return top, left, flip
+
+    def apply(self, images: torch.Tensor, top: torch.Tensor, left: torch.Tensor, flip: torch.Tensor) -> torch.Tensor:
+        """Crop and flip a uint8 batch (B, C, H, W) in one gather."""
+        batch, _, height, width = images.shape
         pad = self.padding
-        draws = torch.randint(0, 2 * pad + 1, (2,), generator=generator).tolist()
-        flip = self.flip and bool(torch.randint(0, 2, (1,), generator=generator))
-        if pad:
-            image = torch.nn.functional.pad(image, (pad, pad, pad, pad))
-            top, left = draws
-            image = image[:, top : top + height, left : left + width]
-        if flip:
-            image = image.flip(-1)
-        return image
+        padded = torch.nn.functional.pad(images, (pad, pad, pad, pad)) if pad else images
+        rows = top.view(-1, 1) + torch.arange(height, device=images.device)
+        columns = torch.arange(width, device=images.device)
+        columns = torch.where(flip.view(-1, 1).bool(), width - 1 - columns, columns) + left.view(-1, 1)
+        gathered = padded[torch.arange(batch, device=images.device).view(-1, 1, 1), :, rows.view(batch, -1, 1), columns.view(batch, 1, -1)]
+        return gathered.permute(0, 3, 1, 2)  # advanced indexing put channels last
+
+    def __call__(self, image: torch.Tensor, seed: int, epoch: int, index: int) -> torch.Tensor:
+        return self.apply(image[None], *self.draws(seed, epoch, torch.tensor([index])))[0]
 
 
 class ImageClassification(Dataset):
@@ -155,8 +185,7 @@ class ImageClassification(Dataset):
     def sample(self, index: int, epoch: int):
         image = self._load(index)
         if self.augment is not None:
-            generator = torch.Generator().manual_seed(mix_seed(self.seed, epoch, index))
-            image = self.augment(image, generator)
+            image = self.augment(image, self.seed, epoch, index)
         return self._normalise(image), self.labels[index]
 
 

@@ -46,12 +46,26 @@ def test_augmentation_depends_only_on_seed_epoch_and_index():
     assert plain.shape == forward[0].shape == (3, 32, 32) and plain.dtype == torch.float32
 
 
-def test_crop_flip_keeps_shape_and_content():
+def test_crop_flip_matches_a_plain_pad_crop_flip():
     image = torch.arange(3 * 8 * 8, dtype=torch.uint8).view(3, 8, 8)
-    out = CropFlip(padding=0, flip=True)(image, torch.Generator().manual_seed(0))
-    assert torch.equal(out, image) or torch.equal(out, image.flip(-1))
-    padded = CropFlip(padding=2)(image, torch.Generator().manual_seed(1))
-    assert padded.shape == image.shape
+    augment = CropFlip(padding=2)
+    padded = torch.nn.functional.pad(image, (2, 2, 2, 2))
+    seen = set()
+    for index in range(40):
+        (top,), (left,), (flip,) = (t.tolist() for t in augment.draws(3, 1, torch.tensor([index])))
+        expected = padded[:, top : top + 8, left : left + 8]
+        expected = expected.flip(-1) if flip else expected
+        assert torch.equal(augment(image, 3, 1, index), expected)
+        seen.add((top, left, flip))
+    assert len(seen) > 20  # the draws vary
+
+
+def test_crop_flip_on_a_batch_equals_per_sample():
+    (images, _), _ = synthetic_images(16, 1, seed=0)
+    augment = CropFlip()
+    indices = torch.arange(100, 116)
+    batch = augment.apply(images, *augment.draws(5, 2, indices))
+    assert all(torch.equal(batch[i], augment(images[i], 5, 2, 100 + i)) for i in range(16))
 
 
 def test_loader_with_workers_gives_the_same_batches_as_without():
