@@ -34,6 +34,8 @@ ReportTo = Literal["wandb", "tensorboard", "all", "none"]
 LRSchedule = Literal["constant", "cosine", "onecycle"]
 Optimizer = Literal["sgd", "adamw"]
 WandbMode = Literal["online", "offline", "disabled"]
+CompileMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
+ScaleLR = Literal["none", "linear"]
 
 
 @dataclasses.dataclass
@@ -69,7 +71,25 @@ class TrainConfig:
     )
     cpu: bool = option(False, "train on CPU even when an accelerator is present")
     sync_bn: bool = option(False, "convert BatchNorm to SyncBatchNorm under DDP (no-op on 1 process)")
-    num_workers: int | None = option(None, "DataLoader workers per process (default: from CPUs per process)")
+    # -- speed toolkit
+    compile: bool = option(False, "torch.compile the model before the DDP wrap; compile time is reported apart, not in throughput")
+    compile_mode: CompileMode = option("default", "torch.compile mode")
+    channels_last: bool = option(False, "channels_last memory format for the model and image batches (conv nets)")
+    activation_checkpointing: bool = option(
+        False, "recompute activations in backward (ResNet blocks, Hugging Face models): less memory, more time"
+    )
+    data_on_device: bool = option(
+        False, "keep the uint8 training images on the training device and augment there in batch (image datasets)"
+    )
+    auto_batch_size: bool = option(
+        False, "probe from --batch-size down, halving on out-of-memory, and train with the largest that fits"
+    )
+    keep_effective_batch: bool = option(True, "with --auto-batch-size: raise --grad-accum to keep batch x grad-accum")
+    scale_lr: ScaleLR = option("none", "when the effective batch changes: none, or linear (lr x new/old batch)")
+    num_workers: int | None = option(None, "DataLoader workers per process (default: the CPUs per process less one, at most 8)")
+    prefetch_factor: int = option(4, "batches each DataLoader worker prepares ahead")
+    pin_memory: bool | None = option(None, "pin host memory for faster copies (default: on when training on CUDA)")
+    peak_tflops: float | None = option(None, "peak TFLOP/s of one device, for MFU on devices missing from the built-in table")
     # -- checkpoints, resume and preemption
     save_every_steps: int | None = option(None, "save a checkpoint every N optimizer steps")
     save_every_minutes: float | None = option(None, "save a checkpoint once N minutes have passed since the last one")
@@ -127,6 +147,9 @@ class TrainConfig:
             require(self.save_every_minutes > 0, "save_every_minutes", self.save_every_minutes, "a number > 0")
         if self.resume == "auto" and self.output_dir is None:
             raise ConfigError("--resume auto needs --output-dir: the run folder whose checkpoints to continue from")
+        require(self.prefetch_factor >= 1, "prefetch_factor", self.prefetch_factor, "an integer >= 1")
+        if self.peak_tflops is not None:
+            require(self.peak_tflops > 0, "peak_tflops", self.peak_tflops, "a number > 0")
         if self.num_workers is not None:
             require(self.num_workers >= 0, "num_workers", self.num_workers, "an integer >= 0")
 

@@ -273,27 +273,29 @@ def default_num_workers() -> int:
     return max(0, min(8, cpus // local_processes - 1))
 
 
-def _loader_options(num_workers: int, pin_memory: bool) -> dict:
+def loader_options(num_workers: int, pin_memory: bool, prefetch_factor: int = 4) -> dict:
+    """Worker processes stay alive across epochs and prefetch; host memory is pinned for CUDA copies."""
     options = {"num_workers": num_workers, "pin_memory": pin_memory}
     if num_workers > 0:
-        options.update(persistent_workers=True, prefetch_factor=4)
+        options.update(persistent_workers=True, prefetch_factor=prefetch_factor)
     return options
 
 
-def train_loader(dataset: Dataset, *, batch_size: int, seed: int, num_workers: int, pin_memory: bool) -> DataLoader:
-    """Shuffled per epoch, last incomplete batch dropped; prepare it with Accelerate to shard it."""
+def train_loader(dataset: Dataset, *, batch_size: int, seed: int, **options) -> DataLoader:
+    """Shuffled per epoch, last incomplete batch dropped; prepare it with Accelerate to shard it.
+    ``options``: see :func:`loader_options`."""
     return DataLoader(
         EpochKeyed(dataset),
         batch_size=batch_size,
         sampler=EpochSampler(len(dataset), seed=seed, shuffle=True),
         drop_last=True,
-        **_loader_options(num_workers, pin_memory),
+        **loader_options(**options),
     )
 
 
-def eval_loader(dataset: Dataset, *, batch_size: int, num_workers: int, pin_memory: bool) -> DataLoader:
+def eval_loader(dataset: Dataset, *, batch_size: int, **options) -> DataLoader:
     """Every sample once, in order; ``gather_for_metrics`` drops the duplicates that padding adds."""
-    return DataLoader(dataset, batch_size=batch_size, shuffle=False, drop_last=False, **_loader_options(num_workers, pin_memory))
+    return DataLoader(dataset, batch_size=batch_size, shuffle=False, drop_last=False, **loader_options(**options))
 
 
 IMAGE_DATASETS = ("cifar10", "imagefolder", "synthetic")

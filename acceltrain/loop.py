@@ -26,7 +26,7 @@ import accelerate
 import torch
 import yaml
 from torch import nn
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, default_collate
 
 from . import __version__
 from .checkpointing import (
@@ -45,8 +45,16 @@ from .checkpointing import (
 )
 from .config import ConfigError, TrainConfig
 from .data import default_num_workers, eval_loader, train_loader
+from .speed import (
+    apply_batch_size,
+    enable_activation_checkpointing,
+    find_batch_size,
+    peak_flops_per_device,
+    to_channels_last,
+    training_flops_per_sample,
+)
 from .distributed import check_backend_honoured, convert_sync_batchnorm, init_process_state, use_cpu
-from .metrics import EventLog, Throughput, peak_memory_mb
+from .metrics import EventLog, Throughput, peak_memory_mb, synchronize
 from .optim import build_scheduler
 from .tasks import ClassificationTask
 from .tracking import active_trackers, finish_tracking, start_tracking
@@ -84,17 +92,10 @@ def fit(
     check_backend_honoured(accelerator.distributed_type)
     main = accelerator.is_main_process
 
-    # ---- model and data on the devices Accelerate chose
-    if cfg.sync_bn and accelerator.num_processes > 1:
-        model = convert_sync_batchnorm(model, on_cpu=accelerator.device.type == "cpu")
-    num_workers = default_num_workers() if cfg.num_workers is None else cfg.num_workers
-    pin_memory = accelerator.device.type == "cuda"
-    loaders = [train_loader(train_set, batch_size=cfg.batch_size, seed=cfg.seed, num_workers=num_workers, pin_memory=pin_memory)]
-    if eval_set is not None:
-        loaders.append(eval_loader(eval_set, batch_size=cfg.batch_size, num_workers=num_workers, pin_memory=pin_memory))
-    model, optimizer, *loaders = accelerator.prepare(model, optimizer, *loaders)
-    train_batches, eval_batches = loaders[0], (loaders[1] if eval_set is not None else None)
-
+    # ---- model and data on the devices Accelerate chose, with the speed flags applied
+    cfg, model, optimizer, train_batches, eval_batches, flops_per_sample, notes = _prepare(
+        cfg, accelerator, model, optimizer, train_set, eval_set, task
+    )
     batches_per_epoch = len(train_batches)
     global_batch = cfg.batch_size * accelerator.num_processes
     if batches_per_epoch == 0:
@@ -107,7 +108,8 @@ def fit(
     scheduler = accelerator.prepare(build_scheduler(getattr(optimizer, "optimizer", optimizer), cfg, total_steps))
 
     run_name = cfg.run_name or output_dir.name
-    resolved = dataclasses.replace(cfg, output_dir=str(output_dir), mixed_precision=accelerator.mixed_precision, num_workers=num_workers)
+    resolved = dataclasses.replace(cfg, output_dir=str(output_dir), mixed_precision=accelerator.mixed_precision)
+    peak_flops = peak_flops_per_device(accelerator.device, accelerator.mixed_precision, cfg.peak_tflops)
     runtime = {
         "acceltrain": __version__,
         "torch": str(torch.__version__),
@@ -119,11 +121,15 @@ def fit(
         "global_batch_size": global_batch * cfg.grad_accum,
         "steps_per_epoch": steps_per_epoch,
         "total_steps": total_steps,
+        "model_flops_per_sample": flops_per_sample,
+        "peak_flops_per_device": peak_flops,
     }
     if main:  # created only now: bad input found above leaves nothing behind
         output_dir.mkdir(parents=True, exist_ok=True)
     accelerator.wait_for_everyone()
     accelerator.print(yaml.safe_dump({"config": resolved.to_dict(), "runtime": runtime}, sort_keys=False).rstrip())
+    for note in notes:
+        accelerator.print(note)
 
     # ---- resume: Accelerate restores model, optimizer, scheduler, scaler, RNG; TrainerState the rest
     state = TrainerState(seed=cfg.seed, global_batch_size=global_batch, grad_accum=cfg.grad_accum, train_samples=len(train_set))
@@ -149,14 +155,20 @@ def fit(
     started = time.perf_counter() - state.train_seconds
     last_save_time, last_saved_step = time.monotonic(), state.step if cfg.resume else None
     stop_signal = None
+    skipped_steps = 0  # fp16 overflow: the grad scaler skipped the optimizer step
+    first_step_seconds = None
+    synchronize(accelerator.device)
+    launch_started = time.perf_counter()
     throughput.resume(0)
 
     signals = PreemptionSignals().install()  # until the outputs are written; see EXIT_PREEMPTED
     while step < total_steps and time_to_target is None and stop_signal is None:
         train_batches.set_epoch(epoch)
-        batches = accelerator.skip_first_batches(train_batches, skip_batches) if skip_batches else train_batches
+        batches = _skip(accelerator, train_batches, skip_batches) if skip_batches else train_batches
         model.train()
-        for batch_index, batch in enumerate(batches, start=skip_batches):
+        for batch_index, batch in enumerate(_timed(batches, throughput), start=skip_batches):
+            if cfg.channels_last:
+                batch = to_channels_last(batch)
             window_start = batch_index - batch_index % cfg.grad_accum
             window = min(cfg.grad_accum, batches_per_epoch - window_start)
             with accelerator.accumulate(model):
@@ -176,7 +188,9 @@ def fit(
                         grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
                     step_lr = scheduler.get_last_lr()[0]
                     optimizer.step()
-                    if not accelerator.optimizer_step_was_skipped:
+                    if accelerator.optimizer_step_was_skipped:
+                        skipped_steps += 1
+                    else:
                         scheduler.step()
                     optimizer.zero_grad(set_to_none=True)
             loss_sum += loss.detach().float()
@@ -188,6 +202,9 @@ def fit(
             step += 1
             samples_seen += window * global_batch
             throughput.step_done(step - launch_start_step, window * global_batch)
+            if first_step_seconds is None:
+                synchronize(accelerator.device)
+                first_step_seconds = time.perf_counter() - launch_started
             progress.update(1)
             last_step = step == total_steps
             epoch_ends = batch_index + 1 == batches_per_epoch
@@ -201,10 +218,13 @@ def fit(
                     "epoch": round(epoch + (batch_index + 1) / batches_per_epoch, 4),
                     "loss": train_loss,
                     "lr": step_lr,
-                    "samples_per_second": throughput.window_rate(),
+                    **_speed_figures(throughput.window(), task, flops_per_sample, peak_flops, accelerator.num_processes),
+                    **peak_memory_mb(accelerator.device),
                 }
                 if grad_norm is not None:
                     event["grad_norm"] = float(grad_norm)
+                if skipped_steps or accelerator.mixed_precision == "fp16":
+                    event["skipped_steps"] = skipped_steps
                 _log(accelerator, events, progress, event)
 
             save_now = bool(cfg.save_every_steps and step % cfg.save_every_steps == 0)
@@ -274,8 +294,11 @@ def fit(
         "train_loss": train_loss,
         "eval_accuracy": eval_metrics.get("eval_accuracy"),
         "eval_loss": eval_metrics.get("eval_loss"),
-        "samples_per_second": throughput.rate(),
-        "timed_steps": throughput.timed_steps,
+        **_speed_figures(totals := throughput.totals(), task, flops_per_sample, peak_flops, accelerator.num_processes),
+        "timed_steps": totals["timed_steps"],
+        "first_step_seconds": first_step_seconds,
+        "compile_seconds": _compile_seconds(cfg, first_step_seconds, totals["ms_per_step"]),
+        "skipped_steps": skipped_steps,
         "wall_seconds": wall_seconds,
         "time_to_target_seconds": time_to_target,
         "resumed_from_step": launch_start_step if cfg.resume else None,
@@ -296,6 +319,92 @@ def fit(
     finish_tracking(accelerator, trackers, summary, weights_path, cfg.log_model)  # also ends the process group
     signals.restore()
     return summary
+
+
+def _prepare(cfg: TrainConfig, accelerator, model: nn.Module, optimizer, train_set, eval_set, task):
+    """Apply the speed flags in the order they must happen, then ``Accelerator.prepare``: memory format
+    and activation checkpointing change the module; the batch-size probe needs the final module on the
+    device; FLOPs are counted before compilation; compilation happens before the DDP wrap."""
+    notes = []
+    if cfg.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    if cfg.activation_checkpointing:
+        notes.append(f"activation checkpointing: {enable_activation_checkpointing(model)}")
+    if cfg.sync_bn and accelerator.num_processes > 1:
+        model = convert_sync_batchnorm(model, on_cpu=accelerator.device.type == "cpu")
+    if cfg.auto_batch_size:
+        found = find_batch_size(accelerator, model, optimizer, task, train_set, start=cfg.batch_size)
+        cfg, note = apply_batch_size(cfg, found, optimizer)
+        accelerator.gradient_accumulation_steps = cfg.grad_accum
+        notes.append(note)
+    flops_per_sample = getattr(task, "flops_per_sample", None)
+    if flops_per_sample is None:
+        sample_batch = default_collate([train_set[i] for i in range(min(2, len(train_set)))])
+        flops_per_sample = training_flops_per_sample(model, task, sample_batch)
+    if cfg.compile:
+        model.compile(mode=cfg.compile_mode)  # in place: no OptimizedModule wrapper, no `_orig_mod.` keys
+
+    num_workers = default_num_workers() if cfg.num_workers is None else cfg.num_workers
+    pin_memory = accelerator.device.type == "cuda" if cfg.pin_memory is None else cfg.pin_memory
+    options = {"num_workers": num_workers, "pin_memory": pin_memory, "prefetch_factor": cfg.prefetch_factor}
+    cfg = dataclasses.replace(cfg, num_workers=num_workers, pin_memory=pin_memory)
+    loaders = [] if cfg.data_on_device else [train_loader(train_set, batch_size=cfg.batch_size, seed=cfg.seed, **options)]
+    if eval_set is not None:
+        loaders.append(eval_loader(eval_set, batch_size=cfg.batch_size, **options))
+    model, optimizer, *loaders = accelerator.prepare(model, optimizer, *loaders)
+    if cfg.data_on_device:
+        from .device_loader import DeviceImageLoader
+
+        train_batches = DeviceImageLoader.from_dataset(
+            train_set, batch_size=cfg.batch_size, seed=cfg.seed, device=accelerator.device,
+            process_index=accelerator.process_index, num_processes=accelerator.num_processes,
+            channels_last=cfg.channels_last, cache_dir=getattr(train_set, "cache_dir", None),
+        )
+        loaders.insert(0, train_batches)
+    eval_batches = loaders[1] if eval_set is not None else None
+    return cfg, model, optimizer, loaders[0], eval_batches, flops_per_sample, notes
+
+
+def _skip(accelerator, batches, count: int):
+    """The rest of the current epoch after ``count`` batches (exact mid-epoch resume). The on-device
+    loader skips by itself; a prepared DataLoader through ``Accelerator.skip_first_batches``."""
+    if hasattr(batches, "skip_first"):
+        return batches.skip_first(count)
+    return accelerator.skip_first_batches(batches, count)
+
+
+def _timed(batches, throughput: Throughput):
+    """Yield the batches, telling ``throughput`` how long the host waited for each."""
+    iterator = iter(batches)
+    while True:
+        started = time.perf_counter()
+        try:
+            batch = next(iterator)
+        except StopIteration:
+            return
+        throughput.add_data_wait(time.perf_counter() - started)
+        yield batch
+
+
+def _speed_figures(figures: dict, task, flops_per_sample: float | None, peak_flops: float | None, processes: int) -> dict:
+    """samples/s, ms/step and data-wait fraction, plus tokens/s for tasks that count tokens, and model
+    FLOP/s and MFU (against the peak of all devices) where the FLOPs and the device's peak are known."""
+    rate = figures["samples_per_second"]
+    out = {**figures}
+    tokens_per_sample = getattr(task, "tokens_per_sample", None)
+    if tokens_per_sample:
+        out["tokens_per_second"] = rate * tokens_per_sample if rate else None
+    if flops_per_sample and rate:
+        out["model_tflops_per_second"] = rate * flops_per_sample / 1e12
+        out["mfu"] = rate * flops_per_sample / (peak_flops * processes) if peak_flops else None
+    return out
+
+
+def _compile_seconds(cfg: TrainConfig, first_step_seconds: float | None, ms_per_step: float | None) -> float | None:
+    """With --compile: the first step's time less a steady step's, i.e. what compilation cost."""
+    if not cfg.compile or first_step_seconds is None:
+        return None
+    return max(0.0, first_step_seconds - (ms_per_step or 0.0) / 1000)
 
 
 def _resume(accelerator, resume: str, output_dir: Path, current: TrainerState) -> TrainerState:

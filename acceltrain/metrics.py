@@ -23,18 +23,16 @@ def synchronize(device: torch.device) -> None:
 
 
 class Throughput:
-    """Samples and seconds of training only, counted from the end of the first ``warmup_steps``
-    optimizer steps. ``pause``/``resume`` bracket evaluation; ``window_rate`` gives samples/s since
-    its previous call (for log lines), ``rate`` the steady-state figure for the summary."""
+    """Samples, seconds and data-wait seconds of training only, counted from the end of the first
+    ``warmup_steps`` optimizer steps (warm-up, allocator growth, compilation). ``pause``/``resume``
+    bracket evaluation and checkpointing; ``window`` gives the figures since its previous call (for log
+    lines), ``totals`` the steady-state figures of the whole run (for the summary)."""
 
     def __init__(self, device: torch.device, warmup_steps: int):
         self.device = device
         self.warmup_steps = warmup_steps
-        self.samples = 0
-        self.seconds = 0.0
-        self.timed_steps = 0
-        self._window_samples = 0
-        self._window_seconds = 0.0
+        self._total = _Tally()
+        self._window = _Tally()
         self._running_since: float | None = None
 
     @property
@@ -50,8 +48,8 @@ class Throughput:
             return
         synchronize(self.device)
         elapsed = time.perf_counter() - self._running_since
-        self.seconds += elapsed
-        self._window_seconds += elapsed
+        self._total.seconds += elapsed
+        self._window.seconds += elapsed
         self._running_since = None
 
     def resume(self, step: int) -> None:
@@ -59,26 +57,46 @@ class Throughput:
             self.start()
 
     def step_done(self, step: int, samples: int) -> None:
-        """Call after optimizer step ``step`` (1-based) that consumed ``samples`` samples on all processes."""
+        """Call after optimizer step ``step`` (1-based, counted in this launch) that used ``samples`` samples."""
         if step > self.warmup_steps:
-            self.samples += samples
-            self._window_samples += samples
-            self.timed_steps += 1
+            for tally in (self._total, self._window):
+                tally.samples += samples
+                tally.steps += 1
         elif step == self.warmup_steps:
             self.start()
 
-    def window_rate(self) -> float | None:
+    def add_data_wait(self, seconds: float) -> None:
+        """Host time spent blocked on the next batch."""
+        if self.timing:
+            self._total.data_wait += seconds
+            self._window.data_wait += seconds
+
+    def window(self) -> dict:
         was_timing = self.timing
         self.pause()
-        rate = self._window_samples / self._window_seconds if self._window_samples and self._window_seconds > 0 else None
-        self._window_samples, self._window_seconds = 0, 0.0
+        figures = self._window.figures()
+        self._window = _Tally()
         if was_timing:
             self.start()
-        return rate
+        return figures
 
-    def rate(self) -> float | None:
+    def totals(self) -> dict:
         self.pause()
-        return self.samples / self.seconds if self.seconds > 0 and self.samples else None
+        return {**self._total.figures(), "timed_steps": self._total.steps}
+
+
+class _Tally:
+    def __init__(self):
+        self.samples, self.steps, self.seconds, self.data_wait = 0, 0, 0.0, 0.0
+
+    def figures(self) -> dict:
+        if not (self.steps and self.seconds > 0):
+            return {"samples_per_second": None, "ms_per_step": None, "data_wait_fraction": None}
+        return {
+            "samples_per_second": self.samples / self.seconds,
+            "ms_per_step": 1000 * self.seconds / self.steps,
+            "data_wait_fraction": min(1.0, self.data_wait / self.seconds),
+        }
 
 
 def peak_memory_mb(device: torch.device) -> dict[str, float]:

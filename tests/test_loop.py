@@ -156,12 +156,16 @@ def test_throughput_excludes_warmup_steps_and_paused_time(monkeypatch):
     meter = Throughput(torch.device("cpu"), warmup_steps=2)
     meter.resume(0)  # still warming up: the clock is not read
     meter.step_done(1, 50)
+    meter.add_data_wait(5.0)  # not timed yet: ignored
     meter.step_done(2, 50)  # end of warm-up: clock starts at 0
     meter.step_done(3, 50)
+    meter.add_data_wait(2.0)
     meter.pause()  # evaluation from t=10 ...
     meter.resume(3)  # ... to t=12 is not training time
     meter.step_done(4, 50)
-    meter.window_rate()  # t=100: reads and restarts the window
+    window = meter.window()  # t=100: reads and restarts the window
+    assert window["samples_per_second"] == pytest.approx(100 / 98) and window["ms_per_step"] == pytest.approx(49000)
     meter.step_done(5, 50)
-    assert meter.rate() == pytest.approx(150 / (10 + 88 + 7))
-    assert meter.timed_steps == 3
+    totals = meter.totals()
+    assert totals["samples_per_second"] == pytest.approx(150 / (10 + 88 + 7))
+    assert totals["timed_steps"] == 3 and totals["data_wait_fraction"] == pytest.approx(2 / 105)
