@@ -69,7 +69,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="acceltrain", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("env", help="print versions, devices and what Accelerate would use here")
-    args = parser.parse_args(argv)
+    commands.add_parser("bench", help="speed ladder: fp32 -> mixed precision -> channels_last -> compile -> ... (see bench --help)", add_help=False)
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "bench":
+        from .bench import main as bench_main
+
+        return bench_main(rest)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "env":
         for key, value in environment_report().items():
             print(f"{key}: {value}")

@@ -90,6 +90,12 @@ class TrainConfig:
     prefetch_factor: int = option(4, "batches each DataLoader worker prepares ahead")
     pin_memory: bool | None = option(None, "pin host memory for faster copies (default: on when training on CUDA)")
     peak_tflops: float | None = option(None, "peak TFLOP/s of one device, for MFU on devices missing from the built-in table")
+    # -- looking inside
+    profile_steps: str | None = option(None, "A:B: torch.profiler over optimizer steps A..B, trace and top ops in <output_dir>/profile/")
+    profile_with_stack: bool = option(False, "record Python stacks in the profile (slower, bigger trace)")
+    memory_report: bool = option(
+        False, "print memory after model build, first forward, first backward, first optimizer step (memory.json)"
+    )
     # -- checkpoints, resume and preemption
     save_every_steps: int | None = option(None, "save a checkpoint every N optimizer steps")
     save_every_minutes: float | None = option(None, "save a checkpoint once N minutes have passed since the last one")
@@ -145,6 +151,10 @@ class TrainConfig:
                 require(getattr(self, name) >= 1, name, getattr(self, name), "an integer >= 1")
         if self.save_every_minutes is not None:
             require(self.save_every_minutes > 0, "save_every_minutes", self.save_every_minutes, "a number > 0")
+        if self.profile_steps is not None:
+            from .profiling import parse_step_range
+
+            parse_step_range(self.profile_steps)
         if self.resume == "auto" and self.output_dir is None:
             raise ConfigError("--resume auto needs --output-dir: the run folder whose checkpoints to continue from")
         require(self.prefetch_factor >= 1, "prefetch_factor", self.prefetch_factor, "an integer >= 1")

@@ -56,6 +56,7 @@ from .speed import (
 from .distributed import check_backend_honoured, convert_sync_batchnorm, init_process_state, use_cpu
 from .metrics import EventLog, Throughput, peak_memory_mb, synchronize
 from .optim import build_scheduler
+from .profiling import MemoryReport, StepProfiler
 from .tasks import ClassificationTask
 from .tracking import active_trackers, finish_tracking, start_tracking
 
@@ -157,9 +158,13 @@ def fit(
     stop_signal = None
     skipped_steps = 0  # fp16 overflow: the grad scaler skipped the optimizer step
     first_step_seconds = None
+    profiler = StepProfiler(cfg.profile_steps, output_dir, cfg.profile_with_stack, enabled=main)
+    memory = MemoryReport(accelerator.device, enabled=cfg.memory_report and main)
+    memory.mark("model on device")
     synchronize(accelerator.device)
     launch_started = time.perf_counter()
     throughput.resume(0)
+    profiler.step_ended(step)
 
     signals = PreemptionSignals().install()  # until the outputs are written; see EXIT_PREEMPTED
     while step < total_steps and time_to_target is None and stop_signal is None:
@@ -173,6 +178,7 @@ def fit(
             window = min(cfg.grad_accum, batches_per_epoch - window_start)
             with accelerator.accumulate(model):
                 loss = task.train_loss(model, batch)
+                memory.mark("first forward")
                 if isinstance(loss, tuple):  # (sum of per-target losses, target count): see the module docstring
                     loss, count = loss
                     window_targets += count
@@ -180,6 +186,7 @@ def fit(
                 else:
                     count = 1.0
                     accelerator.backward(loss * (cfg.grad_accum / window))
+                memory.mark("first backward")
                 if accelerator.sync_gradients:
                     if isinstance(window_targets, torch.Tensor):
                         _divide_gradients(model, accelerator.reduce(window_targets, "sum") / (cfg.grad_accum * accelerator.num_processes))
@@ -192,6 +199,7 @@ def fit(
                         skipped_steps += 1
                     else:
                         scheduler.step()
+                    memory.mark("first optimizer step")
                     optimizer.zero_grad(set_to_none=True)
             loss_sum += loss.detach().float()
             loss_batches += count
@@ -205,6 +213,8 @@ def fit(
             if first_step_seconds is None:
                 synchronize(accelerator.device)
                 first_step_seconds = time.perf_counter() - launch_started
+                memory.write(output_dir, accelerator.print)
+            profiler.step_ended(step)
             progress.update(1)
             last_step = step == total_steps
             epoch_ends = batch_index + 1 == batches_per_epoch
@@ -316,7 +326,7 @@ def fit(
         accelerator.print(f"done: {step} steps, train loss {train_loss}, eval accuracy {summary['eval_accuracy']}, outputs in {output_dir}")
     events.close()
     accelerator.wait_for_everyone()
-    finish_tracking(accelerator, trackers, summary, weights_path, cfg.log_model)  # also ends the process group
+    finish_tracking(accelerator, trackers, summary, weights_path, cfg.log_model, extra_files=profiler.files)  # also ends the process group
     signals.restore()
     return summary
 

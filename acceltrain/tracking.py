@@ -81,12 +81,15 @@ def start_tracking(accelerator, cfg: TrainConfig, names: list[str], *, run_name:
     return run.id
 
 
-def finish_tracking(accelerator, names: list[str], summary: dict, weights: Path, log_model: bool) -> None:
-    """Make the W&B run summary equal ``summary.json`` and attach the weights if asked; then close."""
+def finish_tracking(accelerator, names: list[str], summary: dict, weights: Path, log_model: bool, extra_files=()) -> None:
+    """Make the W&B run summary equal ``summary.json``, attach the weights if asked and ``extra_files``
+    (the profiler's trace and tables); then close."""
     if "wandb" in names and accelerator.is_main_process:
         run = accelerator.get_tracker("wandb", unwrap=True)
         run.log({}, commit=True)  # flush the last step's row first: its auto-summary would overwrite ours
         run.summary.update(summary)
+        for file in extra_files:
+            run.save(str(file), base_path=str(weights.parent), policy="now")
         if log_model:
             import wandb
 

@@ -1,0 +1,264 @@
+"""``acceltrain bench``: the same model and data through a ladder of speed configurations, each in a
+fresh process (one row cannot pollute the next: allocator state, compile caches, threads), then the
+scaling rows with more processes. Every figure comes from the recipe's own ``summary.json``: steady
+state after ``--warmup`` steps, device synchronised, evaluation excluded."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+LADDER = ("fp32", "mixed-precision", "channels-last", "compile", "device-loader", "auto-batch-size")
+
+
+@dataclass
+class Row:
+    name: str
+    flags: list[str]
+    processes: int = 1
+    status: str = "ok"  # or "skipped: <reason>"
+    figures: dict = field(default_factory=dict)
+    reference: float | None = None  # samples/s of the same configuration on 1 process, for scaling rows
+
+
+def ladder(args, mixed_precision: str) -> list[Row]:
+    """Cumulative rows over the ones picked by ``--rows``: each adds one technique to the row before.
+    A later ``--mixed-precision`` or ``--batch-size`` overrides an earlier one (argparse keeps the last)."""
+    additions = {
+        "fp32": ["--mixed-precision", "no"],
+        "mixed-precision": ["--mixed-precision", mixed_precision],
+        "channels-last": ["--channels-last"],
+        "compile": ["--compile"],
+        "device-loader": ["--data-on-device"],
+        "auto-batch-size": ["--auto-batch-size", "--batch-size", str(args.batch_size * 4), "--no-keep-effective-batch"],
+    }
+    rows, flags = [], []
+    for name in (n for n in LADDER if n in args.rows):
+        flags = flags + additions[name]
+        rows.append(Row(name, flags))
+    return rows
+
+
+def skip_reason(row: Row, mixed_precision: str, on_cuda: bool) -> str | None:
+    """Rows that cannot run here, said before trying."""
+    if "--compile" in row.flags and not on_cuda and shutil.which(os.environ.get("CXX", "g++")) is None:
+        return "torch.compile on CPU needs a C++ compiler (g++), none found"
+    if mixed_precision == "fp16" and not on_cuda:
+        return "fp16 needs a CUDA GPU"
+    return None
+
+
+def run_row(row: Row, args, out: Path, position: int) -> None:
+    """One row in a fresh process: the recipe under ``python`` or ``accelerate launch``, its progress
+    shown from its metrics.jsonl, its figures read from its summary.json."""
+    from tqdm.auto import tqdm
+
+    row_dir = out / "rows" / f"{position:02d}-{row.name}"
+    if row_dir.exists():
+        shutil.rmtree(row_dir)
+    total = args.warmup + args.steps
+    recipe_args = [
+        "--dataset", args.dataset, "--model", args.model, "--batch-size", str(args.batch_size), "--max-steps", str(total),
+        "--timing-warmup-steps", str(args.warmup), "--log-every", "1", "--report-to", "none", "--no-progress",
+        "--output-dir", str(row_dir), *row.flags, *args.recipe_args,
+    ]
+    if row.processes > 1:
+        config = "multi_gpu.yaml" if args.on_cuda else "multi_cpu.yaml"
+        command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(args.configs / config),
+                   "--num_processes", str(row.processes), args.recipe, *recipe_args]
+    else:
+        command = [sys.executable, args.recipe, *recipe_args]
+    log_path = out / "rows" / f"{position:02d}-{row.name}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    bar = tqdm(total=total, desc=f"{row.name} x{row.processes}", leave=False, disable=None)  # None: only on a terminal
+    with open(log_path, "w") as log, bar:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "WANDB_MODE": "disabled"})
+        while process.poll() is None:
+            time.sleep(0.5)
+            bar.n = _steps_done(row_dir / "metrics.jsonl")
+            bar.refresh()
+    if process.returncode != 0:
+        row.status = f"skipped: {_reason(log_path.read_text())}"
+        return
+    summary = json.loads((row_dir / "summary.json").read_text())
+    memory = summary.get("peak_allocated_mb", summary.get("peak_rss_mb"))
+    row.figures = {
+        "samples_per_second": summary["samples_per_second"],
+        "ms_per_step": summary["ms_per_step"],
+        "peak_memory_mb": memory,
+        "mfu": summary.get("mfu"),
+        "batch_size": summary["config"]["batch_size"],
+        "compile_seconds": summary.get("compile_seconds"),
+    }
+
+
+def _steps_done(metrics: Path) -> int:
+    try:
+        return sum(1 for line in metrics.read_text().splitlines() if '"loss"' in line)
+    except OSError:
+        return 0
+
+
+def _reason(log: str) -> str:
+    """The most telling line of a failed row: the toolkit's own error, an out-of-memory, or the last line."""
+    lines = [line.strip() for line in log.splitlines() if line.strip()]
+    for marker in ("error: ", "OutOfMemoryError", "out of memory", "Error"):
+        for line in reversed(lines):
+            if marker in line:
+                return line[:200]
+    return lines[-1][:200] if lines else "failed without output"
+
+
+def render(rows: list[Row], machine: str) -> str:
+    """The Markdown table: speed-up against the first row that ran."""
+    base = next((r.figures["samples_per_second"] for r in rows if r.figures.get("samples_per_second")), None)
+    lines = [
+        f"Machine: {machine}",
+        "",
+        "| configuration | processes | batch | samples/s | ms/step | speed-up | peak memory (MB) | MFU | note |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for row in rows:
+        if row.status != "ok":
+            lines.append(f"| {row.name} | {row.processes} | | | | | | | {row.status} |")
+            continue
+        f = row.figures
+        speedup = f["samples_per_second"] / base if base else None
+        notes = []
+        if row.reference:
+            notes.append(f"scaling efficiency {f['samples_per_second'] / (row.processes * row.reference):.0%}")
+        if f.get("compile_seconds"):
+            notes.append(f"compile {f['compile_seconds']:.0f} s (excluded)")
+        note = "; ".join(notes)
+        mfu = "" if f["mfu"] is None else f"{f['mfu']:.1%}"
+        lines.append(
+            f"| {row.name} | {row.processes} | {f['batch_size']} | {f['samples_per_second']:.1f} | {f['ms_per_step']:.1f} | "
+            f"{speedup:.2f}x | {f['peak_memory_mb']:.0f} | {mfu} | {note} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(rows: list[Row], path: Path) -> str | None:
+    """bench.png: speed-up and peak memory per row; None, or why not (matplotlib is an optional extra)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "bench.png not written: pip install matplotlib (or acceltrain[bench])"
+    done = [r for r in rows if r.status == "ok"]
+    if not done:
+        return "bench.png not written: no row ran"
+    base = done[0].figures["samples_per_second"]
+    labels = [f"{r.name} x{r.processes}" for r in done]
+    figure, (speed, memory) = plt.subplots(1, 2, figsize=(12, 4))
+    speed.barh(labels, [r.figures["samples_per_second"] / base for r in done])
+    speed.set_xlabel(f"speed-up vs {done[0].name}")
+    memory.barh(labels, [r.figures["peak_memory_mb"] for r in done])
+    memory.set_xlabel("peak memory (MB)")
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return None
+
+
+def machine_description(on_cuda: bool) -> str:
+    import platform
+
+    import torch
+
+    if on_cuda:
+        return f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}, torch {torch.__version__}"
+    cpu = platform.processor() or "CPU"
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{cpu}, {os.cpu_count()} cores, no GPU, torch {torch.__version__}"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="acceltrain bench", description=__doc__)
+    parser.add_argument("--recipe", default="recipes/resnet_cifar.py", help="recipe script to run (default: %(default)s)")
+    parser.add_argument("--model", default="resnet_tiny", help="the recipe's --model (default: %(default)s)")
+    parser.add_argument("--dataset", default="synthetic", help="the recipe's --dataset (default: %(default)s)")
+    parser.add_argument("--batch-size", type=int, default=64, help="per-process batch (default: %(default)s)")
+    parser.add_argument("--steps", type=int, default=20, help="timed optimizer steps per row (default: %(default)s)")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed steps first, compilation included (default: %(default)s)")
+    parser.add_argument("--rows", default=",".join(LADDER), help="ladder rows to run (default: all): " + ", ".join(LADDER))
+    parser.add_argument("--processes", default="1", help="comma list, e.g. 1,2: adds scaling rows with the fastest configuration")
+    parser.add_argument("--output-dir", default="bench", help="where bench.json, bench.md, bench.png go (default: %(default)s)")
+    parser.add_argument("--report-to", choices=("none", "wandb"), default="none", help="also log the table to W&B")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    import torch
+
+    from .config import ConfigError
+
+    parser = build_parser()
+    args, args.recipe_args = parser.parse_known_args(argv)
+    try:
+        args.rows = [r.strip() for r in args.rows.split(",") if r.strip()]
+        unknown = [r for r in args.rows if r not in LADDER]
+        processes = [int(p) for p in args.processes.split(",")]
+        if unknown:
+            raise ConfigError(f"--rows {','.join(unknown)!r} is invalid: choose from {', '.join(LADDER)}")
+        if not Path(args.recipe).is_file():
+            raise ConfigError(f"--recipe {args.recipe!r} not found (run from the repository root or pass the path)")
+        if min(args.steps, args.batch_size) < 1 or args.warmup < 0 or min(processes) < 1:
+            raise ConfigError("--steps, --batch-size and --processes must be >= 1, --warmup >= 0")
+    except (ConfigError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    args.on_cuda = torch.cuda.is_available()
+    args.configs = Path(args.recipe).resolve().parent.parent / "accelerate_configs"
+    mixed_precision = "bf16" if (not args.on_cuda or torch.cuda.is_bf16_supported()) else "fp16"
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    machine = machine_description(args.on_cuda)
+
+    rows = ladder(args, mixed_precision)
+    for position, row in enumerate(rows):
+        reason = skip_reason(row, mixed_precision, args.on_cuda)
+        if reason:
+            row.status = f"skipped: {reason}"
+        else:
+            run_row(row, args, out, position)
+        print(f"{row.name}: {row.status} {json.dumps(row.figures) if row.figures else ''}", flush=True)
+    ran = [r for r in rows if r.status == "ok"]
+    best = max(ran, key=lambda r: r.figures["samples_per_second"], default=None)
+    for count in (p for p in processes if p > 1 and best is not None):
+        scaling = Row(f"{best.name}, DDP", best.flags, processes=count, reference=best.figures["samples_per_second"])
+        run_row(scaling, args, out, len(rows))
+        rows.append(scaling)
+        print(f"{scaling.name} x{count}: {scaling.status}", flush=True)
+
+    table = render(rows, machine)
+    print(table)
+    (out / "bench.md").write_text(table + "\n")
+    (out / "bench.json").write_text(json.dumps({"machine": machine, "model": args.model, "dataset": args.dataset,
+                                                "steps": args.steps, "warmup": args.warmup,
+                                                "rows": [r.__dict__ for r in rows]}, indent=2))
+    note = plot(rows, out / "bench.png")
+    if note:
+        print(note)
+    if args.report_to == "wandb":
+        import wandb
+
+        run = wandb.init(project=os.environ.get("WANDB_PROJECT", "acceltrain"), job_type="bench", dir=str(out))
+        columns = ["configuration", "processes", "status", "samples_per_second", "ms_per_step", "peak_memory_mb", "mfu"]
+        data = [[r.name, r.processes, r.status, *(r.figures.get(c) for c in columns[3:])] for r in rows]
+        run.log({"bench": wandb.Table(columns=columns, data=data)})
+        run.finish()
+    print(f"wrote {out / 'bench.json'}, {out / 'bench.md'}" + ("" if note else f", {out / 'bench.png'}"))
+    return 0

@@ -1,0 +1,121 @@
+"""Looking inside a run: ``--profile-steps A:B`` (torch.profiler over those optimizer steps) and
+``--memory-report`` (memory after model build, first forward, first backward, first optimizer step)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from .config import ConfigError
+
+
+def parse_step_range(text: str) -> tuple[int, int]:
+    """``"A:B"`` -> (A, B), optimizer steps counted from 1, A <= B; else ConfigError."""
+    try:
+        first, last = (int(part) for part in text.split(":"))
+    except ValueError:
+        first = last = -1
+    if not 1 <= first <= last:
+        raise ConfigError(f"--profile-steps {text!r} is invalid: must be A:B with 1 <= A <= B (optimizer steps)")
+    return first, last
+
+
+class StepProfiler:
+    """Runs ``torch.profiler`` from the start of optimizer step A to the end of step B (CPU and CUDA
+    activities, shapes and memory recorded), then writes ``profile/trace.json`` (open it in Perfetto
+    or chrome://tracing) and ``profile/top_ops.txt`` (top operators by time and by memory)."""
+
+    def __init__(self, steps: str | None, output_dir: Path, with_stack: bool, enabled: bool):
+        self.range = parse_step_range(steps) if steps else None
+        self.folder = output_dir / "profile"
+        self.with_stack = with_stack
+        self.enabled = enabled and self.range is not None  # the main process profiles; others train
+        self._profiler = None
+        self.files: list[Path] = []
+
+    def step_ended(self, step: int) -> None:
+        """Call with 0 before the first step and with each optimizer step number after it."""
+        if not self.enabled:
+            return
+        first, last = self.range
+        if step == first - 1:
+            from torch.profiler import ProfilerActivity, profile
+
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+            self._profiler = profile(activities=activities, record_shapes=True, profile_memory=True, with_stack=self.with_stack)
+            self._profiler.__enter__()
+        elif step == last and self._profiler is not None:
+            self._profiler.__exit__(None, None, None)
+            self._write()
+            self._profiler = None
+
+    def _write(self) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        trace = self.folder / "trace.json"
+        self._profiler.export_chrome_trace(str(trace))
+        averages = self._profiler.key_averages()
+        time_key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+        memory_key = "self_cuda_memory_usage" if torch.cuda.is_available() else "self_cpu_memory_usage"
+        first, last = self.range
+        table = (
+            f"optimizer steps {first}..{last}\n\n== top operators by time ({time_key})\n"
+            + averages.table(sort_by=time_key, row_limit=25)
+            + f"\n\n== top operators by memory ({memory_key})\n"
+            + averages.table(sort_by=memory_key, row_limit=25)
+        )
+        top = self.folder / "top_ops.txt"
+        top.write_text(table)
+        self.files = [trace, top]
+
+
+class MemoryReport:
+    """Memory at the points that separate weights, activations, gradients and optimizer state: after the
+    model is on its device, after the first forward, after the first backward, after the first
+    optimizer step. CUDA: allocated / reserved / max allocated; CPU: the process's resident set."""
+
+    def __init__(self, device: torch.device, enabled: bool):
+        self.device = device
+        self.enabled = enabled
+        self.rows: list[dict] = []
+
+    def mark(self, stage: str) -> None:
+        if not self.enabled or any(row["stage"] == stage for row in self.rows):
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            row = {
+                "allocated_mb": torch.cuda.memory_allocated(self.device) / 2**20,
+                "reserved_mb": torch.cuda.memory_reserved(self.device) / 2**20,
+                "max_allocated_mb": torch.cuda.max_memory_allocated(self.device) / 2**20,
+            }
+        else:
+            row = {"rss_mb": _current_rss_mb()}
+        self.rows.append({"stage": stage, **row})
+
+    def write(self, output_dir: Path, printer) -> None:
+        if not self.enabled or not self.rows:
+            return
+        (output_dir / "memory.json").write_text(json.dumps(self.rows, indent=2))
+        columns = [key for key in self.rows[0] if key != "stage"]
+        lines = [f"{'memory':<24}" + "".join(f"{c:>18}" for c in columns)]
+        previous = None
+        for row in self.rows:
+            delta = f"  (+{row[columns[0]] - previous:.1f})" if previous is not None else ""
+            lines.append(f"{row['stage']:<24}" + "".join(f"{row[c]:>18.1f}" for c in columns) + delta)
+            previous = row[columns[0]]
+        printer("\n".join(lines))
+
+
+def _current_rss_mb() -> float:
+    try:
+        with open("/proc/self/statm") as statm:
+            pages = int(statm.read().split()[1])
+        import os
+
+        return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except OSError:  # not Linux: fall back to the peak, which is what the platform offers
+        from .metrics import peak_memory_mb
+
+        return next(iter(peak_memory_mb(torch.device("cpu")).values()))
