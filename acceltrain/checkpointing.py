@@ -44,10 +44,19 @@ def resolve_output_dir(cfg: TrainConfig, recipe_name: str) -> Path:
 
 
 def export_weights(accelerator, model, output_dir: Path) -> Path:
-    """Final full weights through ``Accelerator.save_model`` (gathers DeepSpeed/FSDP shards, unwraps
-    DDP and torch.compile, so keys carry no ``module.``/``_orig_mod.`` prefix)."""
-    accelerator.save_model(model, output_dir, safe_serialization=True)
-    return output_dir / WEIGHTS_FILE
+    """Final full weights, loadable by the plain model: ``Accelerator.get_state_dict`` gathers DeepSpeed
+    ZeRO-3 / FSDP shards and unwraps DDP and compilation (no ``module.``/``_orig_mod.`` prefix). Written
+    by hand rather than with ``save_model``, which drops every tensor that shares storage with another
+    as an "alias" (a logger warning only), and ZeRO-3's gathered weights are views of one flat buffer."""
+    from safetensors.torch import save_file
+
+    state_dict = accelerator.get_state_dict(model)
+    path = output_dir / WEIGHTS_FILE
+    if accelerator.is_main_process:
+        tensors = {name: tensor.detach().to("cpu").contiguous().clone() for name, tensor in state_dict.items()}
+        save_file(tensors, str(path), metadata={"format": "pt"})
+    accelerator.wait_for_everyone()
+    return path
 
 
 def write_summary(output_dir: Path, summary: dict) -> None:
@@ -80,6 +89,7 @@ class TrainerState:
     best_checkpoint: str | None = None
     last_eval: dict = dataclasses.field(default_factory=dict)
     tracker_run_id: str | None = None
+    scheduler: dict = dataclasses.field(default_factory=dict)  # the LR scheduler's state_dict
     # what must not change across a resume for it to be exact
     seed: int = 0
     global_batch_size: int = 0

@@ -22,6 +22,8 @@ def use_cpu(force_cpu: bool) -> bool:
     """True when training must run on CPU: asked for, or no accelerator (CUDA, XPU, MPS, ...) present."""
     if force_cpu or os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes"):
         return True
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":
+        return False  # Accelerate drops DeepSpeed under cpu=True; DeepSpeed picks its own CPU accelerator
     accelerator_api = getattr(torch, "accelerator", None)
     if accelerator_api is not None:
         return not accelerator_api.is_available()
@@ -134,3 +136,60 @@ def check_backend_honoured(distributed_type) -> None:
                 f"({'no GPU' if use_cpu(False) else 'check the config'}); refusing to fall back silently: "
                 f"use a GPU machine or a config without {backend} (accelerate_configs/multi_cpu.yaml on CPU)"
             )
+
+
+# --------------------------------------------------------------------------- DeepSpeed: one source of truth
+
+_DEEPSPEED_OWNED = {
+    "train_micro_batch_size_per_gpu": "--batch-size",
+    "gradient_accumulation_steps": "--grad-accum",
+    "train_batch_size": "--batch-size x --grad-accum x processes",
+    "gradient_clipping": "--max-grad-norm",
+}
+
+
+def deepspeed_plugin(cfg: TrainConfig):
+    """The DeepSpeed plugin with its JSON resolved from the toolkit config: every ``"auto"`` the toolkit
+    owns is filled (micro batch, accumulation, global batch, clipping, bf16/fp16), and a JSON value that
+    contradicts the toolkit config is a one-line error naming both, before Accelerate resolves anything
+    its own way (accelerate#2210, #2298). None when the launch is not a DeepSpeed one."""
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() != "true":
+        return None
+    import json
+
+    from accelerate.utils import DeepSpeedPlugin
+
+    path = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")
+    if path == "none":
+        raise ConfigError("the accelerate config asks for DeepSpeed without deepspeed_config_file: use accelerate_configs/deepspeed_zero{2,3}.yaml")
+    try:
+        config = json.loads(open(path).read())
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"DeepSpeed config {path!r} cannot be read: {err}") from None
+    for section in ("optimizer", "scheduler"):
+        if section in config:
+            raise ConfigError(f"DeepSpeed config {path!r} defines an {section}: acceltrain builds it from the flags; remove that section")
+    processes = int(os.environ.get("WORLD_SIZE", "1"))
+    wanted = {
+        "train_micro_batch_size_per_gpu": cfg.batch_size,
+        "gradient_accumulation_steps": cfg.grad_accum,
+        "train_batch_size": cfg.batch_size * cfg.grad_accum * processes,
+        "gradient_clipping": cfg.max_grad_norm or 0.0,
+    }
+    for key, value in wanted.items():
+        current = config.get(key, "auto")
+        if current != "auto" and float(current) != float(value):
+            raise ConfigError(f"DeepSpeed config {path!r} sets {key}={current} but {_DEEPSPEED_OWNED[key]} gives {value}: set it to \"auto\" or make them agree")
+        config[key] = value
+    precision = cfg.mixed_precision or os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+    for name in ("bf16", "fp16"):
+        enabled = config.get(name, {}).get("enabled", "auto")
+        if enabled != "auto" and bool(enabled) != (precision == name):
+            raise ConfigError(f"DeepSpeed config {path!r} sets {name}.enabled={enabled} but --mixed-precision is {precision}: set it to \"auto\" or make them agree")
+        config.setdefault(name, {})["enabled"] = precision == name
+    return DeepSpeedPlugin(
+        hf_ds_config=config,
+        gradient_accumulation_steps=cfg.grad_accum,
+        gradient_clipping=cfg.max_grad_norm or 0.0,
+        zero3_init_flag=os.environ.get("ACCELERATE_DEEPSPEED_ZERO3_INIT", "false").lower() == "true",
+    )

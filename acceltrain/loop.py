@@ -53,7 +53,7 @@ from .speed import (
     to_channels_last,
     training_flops_per_sample,
 )
-from .distributed import check_backend_honoured, convert_sync_batchnorm, init_process_state, use_cpu
+from .distributed import check_backend_honoured, convert_sync_batchnorm, deepspeed_plugin, init_process_state, use_cpu
 from .metrics import EventLog, Throughput, peak_memory_mb, synchronize
 from .optim import build_scheduler
 from .profiling import MemoryReport, StepProfiler
@@ -86,7 +86,7 @@ def fit(
         cpu=use_cpu(cfg.cpu),
         mixed_precision=cfg.mixed_precision,
         gradient_accumulation_steps=cfg.grad_accum,
-        step_scheduler_with_optimizer=False,
+        deepspeed_plugin=deepspeed_plugin(cfg),
         log_with=trackers or None,
         project_config=ProjectConfiguration(project_dir=str(output_dir), logging_dir=str(output_dir / "logs")),
     )
@@ -94,6 +94,7 @@ def fit(
     main = accelerator.is_main_process
 
     # ---- model and data on the devices Accelerate chose, with the speed flags applied
+    torch_optimizer = optimizer  # the schedule drives its param groups, whatever Accelerate wraps it in
     cfg, model, optimizer, train_batches, eval_batches, flops_per_sample, notes = _prepare(
         cfg, accelerator, model, optimizer, train_set, eval_set, task
     )
@@ -106,7 +107,9 @@ def fit(
         )
     steps_per_epoch = math.ceil(batches_per_epoch / cfg.grad_accum)
     total_steps = cfg.max_steps or max(1, math.ceil(cfg.epochs * steps_per_epoch))
-    scheduler = accelerator.prepare(build_scheduler(getattr(optimizer, "optimizer", optimizer), cfg, total_steps))
+    # Not prepared: Accelerate would step it once per process (#1382) and, under DeepSpeed, leave it out
+    # of checkpoints; its state travels in TrainerState instead.
+    scheduler = build_scheduler(torch_optimizer, cfg, total_steps)
 
     run_name = cfg.run_name or output_dir.name
     resolved = dataclasses.replace(cfg, output_dir=str(output_dir), mixed_precision=accelerator.mixed_precision)
@@ -132,10 +135,12 @@ def fit(
     for note in notes:
         accelerator.print(note)
 
-    # ---- resume: Accelerate restores model, optimizer, scheduler, scaler, RNG; TrainerState the rest
+    # ---- resume: Accelerate restores model, optimizer, grad scaler, RNG; TrainerState the rest
     state = TrainerState(seed=cfg.seed, global_batch_size=global_batch, grad_accum=cfg.grad_accum, train_samples=len(train_set))
     if cfg.resume:
         state = _resume(accelerator, cfg.resume, output_dir, state)
+        if state.scheduler:
+            scheduler.load_state_dict(state.scheduler)
     state.tracker_run_id = start_tracking(
         accelerator, cfg, trackers, run_name=run_name, output_dir=output_dir,
         run_config={**resolved.to_dict(), "runtime": runtime}, resume_run_id=state.tracker_run_id,
@@ -268,6 +273,7 @@ def fit(
                 state = dataclasses.replace(
                     state, step=step, samples_seen=samples_seen, train_seconds=time.perf_counter() - started,
                     epoch=epoch + 1 if epoch_ends else epoch, batches_in_epoch=0 if epoch_ends else batch_index + 1,
+                    scheduler=scheduler.state_dict(),
                 )
                 _save(accelerator, state, output_dir, cfg)
                 last_save_time, last_saved_step = time.monotonic(), step
@@ -293,7 +299,8 @@ def fit(
 
     # ---- outputs
     if checkpointing and last_saved_step != step:
-        state = dataclasses.replace(state, step=step, samples_seen=samples_seen, train_seconds=wall_seconds, epoch=epoch, batches_in_epoch=0)
+        state = dataclasses.replace(state, step=step, samples_seen=samples_seen, train_seconds=wall_seconds, epoch=epoch,
+                                    batches_in_epoch=0, scheduler=scheduler.state_dict())
         _save(accelerator, state, output_dir, cfg)
     weights_path = export_weights(accelerator, model, output_dir)
     eval_metrics = state.last_eval

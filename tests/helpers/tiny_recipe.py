@@ -21,6 +21,28 @@ class TinyConfig(TrainConfig):
     num_eval: int = option(37, "eval samples (odd on purpose: uneven last batch)")
     batchnorm: bool = option(False, "put a BatchNorm in the net")
     masked_loss: bool = option(False, "train on classes 0-4 only, as (loss sum, target count): like padded tokens")
+    count_allreduce: bool = option(False, "count DDP gradient all-reduces (a comm hook) into rank<N>.json")
+
+
+def count_gradient_allreduces(counter: dict) -> None:
+    """Instrument Accelerate's DDP wrap with a comm hook that counts bucket all-reduces."""
+    import accelerate
+
+    prepare_model = accelerate.Accelerator.prepare_model
+
+    def counting_prepare_model(self, model, *args, **kwargs):
+        wrapped = prepare_model(self, model, *args, **kwargs)
+        if isinstance(wrapped, torch.nn.parallel.DistributedDataParallel):
+            from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+            def hook(state, bucket):
+                counter["allreduces"] += 1
+                return allreduce_hook(state, bucket)
+
+            wrapped.register_comm_hook(None, hook)
+        return wrapped
+
+    accelerate.Accelerator.prepare_model = counting_prepare_model
 
 
 class MaskedClassification(ClassificationTask):
@@ -61,12 +83,15 @@ def main(cfg: TinyConfig) -> None:
     eval_set = ImageClassification(eval_images, eval_labels, classes)
     model = build_net(cfg.batchnorm)
     optimizer = CountingSGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
+    allreduce_counter = {"allreduces": 0}
+    if cfg.count_allreduce:
+        count_gradient_allreduces(allreduce_counter)
     task = MaskedClassification() if cfg.masked_loss else ClassificationTask()
     summary = fit(cfg, model, optimizer, train_set, eval_set, task=task, name="tiny")
     rank = int(os.environ.get("RANK", "0"))
     out = Path(summary["config"]["output_dir"])
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(out / f"rank{rank}.safetensors"))
-    counts = {"steps": optimizer.steps, "zero_grads": optimizer.zero_grads, "lrs": optimizer.lrs}
+    counts = {"steps": optimizer.steps, "zero_grads": optimizer.zero_grads, "lrs": optimizer.lrs, **allreduce_counter}
     (out / f"rank{rank}.json").write_text(json.dumps(counts))
 
 
