@@ -127,6 +127,7 @@ def fit(
         "total_steps": total_steps,
         "model_flops_per_sample": flops_per_sample,
         "peak_flops_per_device": peak_flops,
+        **_backend_settings(accelerator),
     }
     if main:  # created only now: bad input found above leaves nothing behind
         output_dir.mkdir(parents=True, exist_ok=True)
@@ -380,6 +381,17 @@ def _prepare(cfg: TrainConfig, accelerator, model: nn.Module, optimizer, train_s
         loaders.insert(0, train_batches)
     eval_batches = loaders[1] if eval_set is not None else None
     return cfg, model, optimizer, loaders[0], eval_batches, flops_per_sample, notes
+
+
+def _backend_settings(accelerator) -> dict:
+    """The resolved DeepSpeed JSON or FSDP plugin settings, for the start-up print and the run config."""
+    if accelerator.distributed_type.value == "DEEPSPEED":
+        return {"deepspeed_config": accelerator.state.deepspeed_plugin.deepspeed_config}
+    if accelerator.distributed_type.value == "FSDP":
+        plugin = accelerator.state.fsdp_plugin
+        keys = ("fsdp_version", "reshard_after_forward", "state_dict_type", "auto_wrap_policy", "cpu_offload", "mixed_precision_policy")
+        return {"fsdp": {key: str(getattr(plugin, key, None)) for key in keys}}
+    return {}
 
 
 def _skip(accelerator, batches, count: int):

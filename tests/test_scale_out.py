@@ -103,3 +103,30 @@ def test_accumulation_under_ddp_all_reduces_only_on_optimizer_steps(tmp_path):
     for rank in (0, 1):
         counts = json.loads((out / f"rank{rank}.json").read_text())
         assert counts["steps"] == 3 and counts["allreduces"] == 3  # the tiny net fits one bucket
+
+
+def test_slurm_script_launches_each_node_with_its_rank_and_requeues_until_done(tmp_path):
+    """The sbatch script with stand-ins for srun, scontrol and accelerate: the command each node runs,
+    and the requeue while no summary.json exists."""
+    bin_dir, calls = tmp_path / "bin", tmp_path / "calls.txt"
+    bin_dir.mkdir()
+    stubs = {
+        "srun": 'for node in 0 1; do SLURM_NODEID=$node "${@:2}"; done',  # skip --kill-on-bad-exit
+        "scontrol": 'if [ "$1" = show ]; then printf "node-a\\nnode-b\\n"; else echo "scontrol $*" >> "$CALLS"; fi',
+        "accelerate": 'echo "accelerate $*" >> "$CALLS"',
+    }
+    for name, body in stubs.items():
+        (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    env = subprocess_env(PATH=f"{bin_dir}:/usr/bin:/bin", CALLS=str(calls), SLURM_JOB_NAME="demo", SLURM_JOB_ID="42",
+                         SLURM_JOB_NODELIST="node-[a-b]", SLURM_NNODES="2", SLURM_GPUS_ON_NODE="4")
+    result = subprocess.run(["bash", str(REPO / "recipes" / "slurm" / "train.sbatch"), "recipes/resnet_cifar.py", "--lr", "0.2",
+                             "--run-name", "two words"], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    lines = calls.read_text().splitlines()
+    launches = [line for line in lines if line.startswith("accelerate")]
+    assert len(launches) == 2
+    for rank, line in enumerate(launches):
+        assert f"--machine_rank {rank}" in line and "--num_processes 8" in line and "--main_process_ip node-a" in line
+        assert line.endswith("recipes/resnet_cifar.py --output-dir runs/demo --save-every-minutes 30 --resume auto --lr 0.2 --run-name two words")
+    assert lines[-1] == "scontrol requeue 42"
