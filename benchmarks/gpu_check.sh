@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The GPU check, sized for one lent H200 in about 8 minutes (nothing can be downloaded there):
+#   1. the GPU-marked tests;
+#   2. ResNet-50 (CIFAR stem, synthetic CIFAR-shaped data, batch 256) through `acceltrain bench`:
+#      fp32 -> bf16 -> + channels_last -> + torch.compile -> + on-device loader;
+#   3. the same model on one GPU through the shipped configs: plain (single_gpu), DeepSpeed ZeRO-2,
+#      ZeRO-3 and FSDP2, throughput and peak memory side by side.
+# Prepare once on a machine with network: bash benchmarks/gpu_wheels.sh  (wheels into .device/wheels)
+# Then, with the device tool:  run(command="bash benchmarks/gpu_check.sh", carry=[".device"], timeout_s=590)
+# Results: $OUT (the device tool's output folder) or benchmarks/results/gpu/.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+RESULTS=${OUT:-benchmarks/results/gpu}
+mkdir -p "$RESULTS"
+export PYTHONPATH=$PWD WANDB_MODE=disabled TOKENIZERS_PARALLELISM=false
+if [ -d .device/wheels ]; then
+    python3 -m pip install -q --no-index --find-links .device/wheels deepspeed hjson 2>&1 | tail -1
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$RESULTS/gpu.txt"
+
+echo "== 1. GPU tests"
+timeout 150 python3 -m pytest -q -m gpu tests/test_gpu.py 2>&1 | tail -3 | tee "$RESULTS/gpu_tests.txt"
+
+echo "== 2. ResNet-50 speed ladder"
+timeout 300 python3 -m acceltrain.cli bench --model resnet50 --dataset synthetic --batch-size 256 --steps 30 --warmup 10 \
+    --rows fp32,mixed-precision,channels-last,compile,device-loader --output-dir "$RESULTS/bench" 2>&1 | tail -12
+
+echo "== 3. Backends on one GPU (bf16, batch 256, 30 timed steps)"
+for config in single_gpu deepspeed_zero2 deepspeed_zero3 fsdp; do
+    timeout 120 python3 -m accelerate.commands.launch --config_file "accelerate_configs/$config.yaml" --num_processes 1 \
+        recipes/resnet_cifar.py --model resnet50 --dataset synthetic --batch-size 256 --max-steps 40 --timing-warmup-steps 10 \
+        --mixed-precision bf16 --report-to none --no-progress --output-dir "$RESULTS/$config" --overwrite \
+        > "$RESULTS/$config.log" 2>&1 || echo "$config: failed, see $config.log: $(grep -m1 'error:' "$RESULTS/$config.log")"
+done
+python3 - "$RESULTS" <<'PY'
+import json, sys
+from pathlib import Path
+out = Path(sys.argv[1]); rows = ["| config | samples/s | ms/step | peak allocated MB | vs single_gpu |", "| --- | ---: | ---: | ---: | ---: |"]
+base = None
+for config in ("single_gpu", "deepspeed_zero2", "deepspeed_zero3", "fsdp"):
+    path = out / config / "summary.json"
+    if not path.exists():
+        rows.append(f"| {config} | failed | | | |"); continue
+    s = json.loads(path.read_text()); base = base or s["samples_per_second"]
+    rows.append(f"| {config} | {s['samples_per_second']:.0f} | {s['ms_per_step']:.1f} | {s.get('peak_allocated_mb', 0):.0f} | {s['samples_per_second'] / base:.2f}x |")
+(out / "backends.md").write_text("\n".join(rows) + "\n"); print("\n".join(rows))
+PY
