@@ -136,15 +136,17 @@ class CropFlip:
         return top, left, flip
 
     def apply(self, images: torch.Tensor, top: torch.Tensor, left: torch.Tensor, flip: torch.Tensor) -> torch.Tensor:
-        """Crop and flip a uint8 batch (B, C, H, W) in one gather."""
-        batch, _, height, width = images.shape
-        pad = self.padding
-        padded = torch.nn.functional.pad(images, (pad, pad, pad, pad)) if pad else images
-        rows = top.view(-1, 1) + torch.arange(height, device=images.device)
-        columns = torch.arange(width, device=images.device)
-        columns = torch.where(flip.view(-1, 1).bool(), width - 1 - columns, columns) + left.view(-1, 1)
-        gathered = padded[torch.arange(batch, device=images.device).view(-1, 1, 1), :, rows.view(batch, -1, 1), columns.view(batch, 1, -1)]
-        return gathered.permute(0, 3, 1, 2)  # advanced indexing put channels last
+        """Crop and flip a uint8 batch (B, C, H, W) with one flat gather, no padded copy: source pixels
+        outside the image are the zero padding. Returns a contiguous NCHW batch."""
+        batch, channels, height, width = images.shape
+        pad, device = self.padding, images.device
+        rows = top.view(-1, 1) - pad + torch.arange(height, device=device)
+        columns = torch.arange(width, device=device)
+        columns = torch.where(flip.view(-1, 1).bool(), width - 1 - columns, columns) + left.view(-1, 1) - pad
+        inside = ((rows >= 0) & (rows < height)).view(batch, 1, height, 1) & ((columns >= 0) & (columns < width)).view(batch, 1, 1, width)
+        source = rows.clamp(0, height - 1).view(batch, height, 1) * width + columns.clamp(0, width - 1).view(batch, 1, width)
+        cropped = images.flatten(2).gather(2, source.view(batch, 1, -1).expand(batch, channels, -1))
+        return cropped.view(batch, channels, height, width).masked_fill_(~inside, 0)
 
     def __call__(self, image: torch.Tensor, seed: int, epoch: int, index: int) -> torch.Tensor:
         """One CHW image: the same result as ``apply`` on a batch of one, by plain slicing (much faster)."""
@@ -162,7 +164,8 @@ class ImageClassification(Dataset):
     ``sample(i, epoch)`` the augmented one for training (randomness from ``(seed, epoch, i)`` only).
 
     ``images`` is either a uint8 tensor (N, C, H, W) held in memory, or a list of file paths decoded on
-    access (and resized to ``image_size`` when they differ).
+    access (and resized to ``image_size`` when they differ); ``cache_dir`` is where the on-device loader
+    may keep them decoded.
     """
 
     def __init__(
@@ -176,6 +179,7 @@ class ImageClassification(Dataset):
         seed: int = 0,
         mean: tuple[float, ...] = CIFAR10_MEAN,
         std: tuple[float, ...] = CIFAR10_STD,
+        cache_dir: str | None = None,
     ):
         self.images = images
         self.labels = torch.as_tensor(labels, dtype=torch.long)
@@ -185,6 +189,7 @@ class ImageClassification(Dataset):
         self.seed = seed
         self.mean = torch.tensor(mean).view(-1, 1, 1) * 255
         self.std = torch.tensor(std).view(-1, 1, 1) * 255
+        self.cache_dir = cache_dir  # where --data-on-device may cache the decoded files (the data folder)
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -333,6 +338,7 @@ def image_datasets(
     from accelerate import PartialState
 
     augment = CropFlip(padding=4, flip=True)
+    cache_dir = None
     if name == "cifar10":
         root = data_dir or "data"
         with PartialState().main_process_first():
@@ -343,6 +349,7 @@ def image_datasets(
             raise ConfigError("--dataset imagefolder needs --data-dir DIR holding train/<class>/* and test/<class>/*")
         splits = scan_image_folder(data_dir)
         (train_images, train_labels, classes), (eval_images, eval_labels, _) = splits["train"], splits["test"]
+        cache_dir = data_dir
     elif name == "synthetic":
         (train_images, train_labels), (eval_images, eval_labels) = synthetic_images(
             *synthetic_sizes, image_size=image_size, seed=seed
@@ -350,7 +357,7 @@ def image_datasets(
         classes = [f"class{i}" for i in range(10)]
     else:
         raise ConfigError(f"--dataset {name!r} is invalid: choose one of {', '.join(IMAGE_DATASETS)}")
-    common = {"image_size": image_size, "seed": seed}
+    common = {"image_size": image_size, "seed": seed, "cache_dir": cache_dir}
     return (
         ImageClassification(train_images, train_labels, classes, augment=augment, **common),
         ImageClassification(eval_images, eval_labels, classes, **common),

@@ -138,3 +138,15 @@ def test_compile_on_a_tiny_model_saves_plain_keys_and_reports_compile_time(tmp_p
     assert set(load_file(str(out / "model.safetensors"))) == plain_keys
     (checkpoint,) = (out / "checkpoints").glob("step_00000004")
     assert set(load_file(str(checkpoint / "model.safetensors"))) == plain_keys
+
+
+def test_data_on_device_trains_exactly_like_the_dataloader_path(tmp_path, plain):
+    summary = run_cifar(tmp_path / "device", "--data-on-device")
+    assert (tmp_path / "device" / "model.safetensors").read_bytes() == (plain[0] / "model.safetensors").read_bytes()
+    assert summary["train_loss"] == plain[1]["train_loss"]
+
+
+def test_data_on_device_on_an_image_folder_caches_the_decoded_images_in_the_data_dir(tmp_path, image_folder):
+    run_cifar(tmp_path / "run", "--dataset", "imagefolder", "--data-dir", str(image_folder), "--batch-size", "6",
+              "--max-steps", "3", "--data-on-device")
+    assert len(list(image_folder.rglob("*.safetensors"))) == 1

@@ -1,0 +1,252 @@
+"""``--data-on-device``: the whole uint8 training set lives on the training device and every batch is
+gathered, cropped, flipped and normalised there, so the host does no per-sample work at all.
+
+It is a drop-in for ``train_loader(...)`` prepared by Accelerate: the same global order per epoch
+(``EpochSampler``), the same sharding (process r's i-th batch is global batch ``i*P + r``, last
+incomplete global batches dropped), the same augmentation (``CropFlip`` draws keyed on
+``(seed, epoch, index)``) and normalisation. So it yields the very same tensors, and a run can switch
+loaders, or resume mid-epoch with the other one, without changing what the model sees.
+
+ImageFolder files are decoded once into a safetensors cache (keyed on the files' paths, sizes and
+mtimes and the image size), so later runs start in seconds instead of re-decoding every JPEG.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from accelerate.data_loader import DataLoaderStateMixin
+from accelerate.state import GradientState
+
+from .config import ConfigError
+from .data import CropFlip, EpochSampler, ImageClassification, decode_image_file
+
+FALLBACK_CACHE_DIR = Path.home() / ".cache" / "acceltrain"
+
+
+class DeviceImageLoader(DataLoaderStateMixin):
+    """Ready training batches ``(float32 normalised images, int64 labels)`` made on ``device``.
+
+    Subclasses Accelerate's ``DataLoaderStateMixin`` and registers itself with ``GradientState`` while
+    iterated, exactly as a prepared ``DataLoaderShard`` does, so ``Accelerator.accumulate`` syncs at the
+    end of each epoch without this loader going through ``accelerator.prepare``.
+    """
+
+    def __init__(
+        self,
+        images: torch.Tensor,
+        labels: torch.Tensor,
+        *,
+        batch_size: int,
+        seed: int,
+        mean: torch.Tensor,
+        std: torch.Tensor,
+        augment: CropFlip | None = None,
+        augment_seed: int = 0,
+        process_index: int = 0,
+        num_processes: int = 1,
+        channels_last: bool = False,
+    ):
+        if not 0 <= process_index < num_processes:
+            raise ValueError(f"process_index {process_index} is not in [0, {num_processes})")
+        device = images.device
+        self.images = images  # uint8 (N, C, H, W) on the training device
+        self.labels = labels.to(device)
+        self.batch_size = batch_size
+        self.seed = seed
+        self.mean = mean.to(device).view(1, -1, 1, 1)  # already scaled by 255, like ImageClassification's
+        self.std = std.to(device).view(1, -1, 1, 1)
+        self.augment = augment
+        self.augment_seed = augment_seed  # the dataset's seed, which keys its draws; ``seed`` keys the order
+        self.process_index = process_index
+        self.num_processes = num_processes
+        self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
+        self.sampler = EpochSampler(len(images), seed=seed, shuffle=True)
+        self.epoch = 0
+        self.gradient_state = GradientState()
+        self._drop_last = True  # read by DataLoaderStateMixin.begin: no padded remainder to drop in gather_for_metrics
+
+    @classmethod
+    def from_dataset(
+        cls,
+        dataset: ImageClassification,
+        *,
+        batch_size: int,
+        seed: int,
+        device: torch.device | str,
+        process_index: int,
+        num_processes: int,
+        channels_last: bool = False,
+        cache_dir: str | os.PathLike | None = None,
+    ) -> DeviceImageLoader:
+        """The loader for one of the project's image datasets: in-memory uint8 images are moved to
+        ``device``; file lists are decoded once into a safetensors cache in ``cache_dir`` (the data dir)."""
+        if not isinstance(dataset, ImageClassification):
+            raise ConfigError(
+                f"--data-on-device needs an image classification dataset (acceltrain.data.ImageClassification), "
+                f"not {type(dataset).__name__}"
+            )
+        if isinstance(dataset.images, torch.Tensor):
+            images = dataset.images
+        else:
+            images = decoded_images(list(dataset.images), dataset.image_size, cache_dir)
+        if images.dtype != torch.uint8 or images.dim() != 4:
+            raise ConfigError(
+                f"--data-on-device needs uint8 images of shape (N, C, H, W), got {images.dtype} {tuple(images.shape)}"
+            )
+        return cls(
+            images.to(device),
+            dataset.labels,
+            batch_size=batch_size,
+            seed=seed,
+            mean=dataset.mean,
+            std=dataset.std,
+            augment=dataset.augment,
+            augment_seed=dataset.seed,
+            process_index=process_index,
+            num_processes=num_processes,
+            channels_last=channels_last,
+        )
+
+    # ---- the DataLoader interface the loop uses
+
+    def __len__(self) -> int:
+        """Batches per process per epoch: only global batches that give every process a full batch."""
+        return len(self.images) // (self.batch_size * self.num_processes)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        return self._iterate(skip=0)
+
+    def skip_first(self, num_batches: int) -> _RestOfEpoch:
+        """The remaining batches of the current epoch after its first ``num_batches`` (exact mid-epoch resume;
+        what ``accelerator.skip_first_batches`` does for a prepared DataLoader)."""
+        return _RestOfEpoch(self, num_batches)
+
+    # ---- batches
+
+    def epoch_indices(self, epoch: int) -> torch.Tensor:
+        """(batches, batch_size) sample indices of this process for ``epoch``, on the device: row i is
+        global batch ``i * num_processes + process_index`` of the epoch's global order."""
+        order = torch.tensor(self.sampler.order(epoch), dtype=torch.long)
+        count, size, processes = len(self), self.batch_size, self.num_processes
+        mine = order[: count * processes * size].view(count, processes, size)[:, self.process_index]
+        return mine.to(self.images.device, non_blocking=True)
+
+    def make_batch(self, indices: torch.Tensor, draws: tuple[torch.Tensor, ...] | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gather, crop/flip, lay out and normalise one batch: uint8 until the last step (4x less traffic)."""
+        images = self.images.index_select(0, indices)  # on CPU 30x faster than images[indices]
+        if draws is not None:
+            images = self.augment.apply(images, *draws)
+        # .float() then in-place ops: a mixed uint8-float op takes a slow path on CPU (13 ms vs 0.3 ms a batch)
+        images = images.contiguous(memory_format=self.memory_format).float()
+        return images.sub_(self.mean).div_(self.std), self.labels.index_select(0, indices)
+
+    def _iterate(self, skip: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """What ``DataLoaderShard.__iter__`` does with the mixin: ``begin()``, ``end_of_dataloader`` set
+        before the last batch is yielded, ``end()``; and, like it, move to the next epoch after a full pass.
+        The crop/flip draws of the whole epoch are computed at once (a handful of kernels per epoch)."""
+        epoch = self.epoch
+        batches = self.epoch_indices(epoch)[skip:]
+        draws = self.augment.draws(self.augment_seed, epoch, batches) if self.augment is not None else None
+        self.begin()
+        try:
+            for position in range(len(batches)):
+                if position == len(batches) - 1:
+                    self.end_of_dataloader = True
+                yield self.make_batch(batches[position], None if draws is None else tuple(d[position] for d in draws))
+            self.epoch = epoch + 1
+        finally:  # also when the consumer stops early, so the GradientState does not keep a stale loader
+            self.end()
+
+
+class _RestOfEpoch:
+    """What ``DeviceImageLoader.skip_first`` returns: an iterable with a length, like a skipped DataLoader."""
+
+    def __init__(self, loader: DeviceImageLoader, skip: int):
+        self.loader = loader
+        self.skip = skip
+
+    def __len__(self) -> int:
+        return max(0, len(self.loader) - self.skip)
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        return self.loader._iterate(self.skip)
+
+
+# --------------------------------------------------------------------------- the decode cache
+
+
+def decoded_images(paths: list[str], image_size: int, cache_dir: str | os.PathLike | None) -> torch.Tensor:
+    """All ``paths`` as one uint8 (N, 3, S, S) tensor, decoded once and cached as safetensors.
+
+    The main process decodes while the others wait (``main_process_first``), then they read its cache.
+    The cache file is named after the folder and image size and holds a fingerprint of every file's
+    path, size and mtime: a changed, added or removed file makes it stale, and it is rewritten.
+    """
+    from accelerate import PartialState
+    from safetensors.torch import save_file
+
+    state = PartialState()
+    cache_file = _cache_root(cache_dir, state) / f"decoded-{_folder_key(paths, image_size)}.safetensors"
+    fingerprint = _fingerprint(paths, image_size)
+    with state.main_process_first():
+        cached = _read_cache(cache_file, fingerprint)
+        if cached is not None:
+            return cached
+        images = torch.empty((len(paths), 3, image_size, image_size), dtype=torch.uint8)
+        for position, path in enumerate(paths):
+            images[position] = decode_image_file(path, image_size)
+        partial = cache_file.with_name(f".{cache_file.name}.{os.getpid()}.tmp")
+        save_file({"images": images}, str(partial), metadata={"fingerprint": fingerprint})
+        os.replace(partial, cache_file)  # readers never see a half-written cache
+        return images
+
+
+def _read_cache(cache_file: Path, fingerprint: str) -> torch.Tensor | None:
+    """The cached images if the file exists, is readable and was made from exactly these files; else None."""
+    from safetensors import SafetensorError, safe_open
+
+    if not cache_file.exists():
+        return None
+    try:
+        with safe_open(str(cache_file), framework="pt") as cached:
+            if (cached.metadata() or {}).get("fingerprint") != fingerprint:
+                return None
+            return cached.get_tensor("images")
+    except (OSError, SafetensorError):  # truncated or foreign file: decode again and overwrite it
+        return None
+
+
+def _cache_root(cache_dir: str | os.PathLike | None, state) -> Path:
+    """``cache_dir`` if we may write there, else ``~/.cache/acceltrain`` (said once, by the main process)."""
+    if cache_dir is not None:
+        root = Path(cache_dir)
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            if os.access(root, os.W_OK | os.X_OK):
+                return root
+        except OSError:
+            pass
+        state.print(f"--data-on-device: {root} is not writable; caching decoded images in {FALLBACK_CACHE_DIR}")
+    FALLBACK_CACHE_DIR.mkdir(parents=True, exist_ok=True)
+    return FALLBACK_CACHE_DIR
+
+
+def _folder_key(paths: list[str], image_size: int) -> str:
+    folder = os.path.commonpath([os.path.abspath(p) for p in paths]) if paths else ""
+    return f"{Path(folder).name or 'images'}-{image_size}px-{hashlib.sha256(folder.encode()).hexdigest()[:12]}"
+
+
+def _fingerprint(paths: list[str], image_size: int) -> str:
+    digest = hashlib.sha256(f"image_size={image_size}\n".encode())
+    for path in paths:
+        info = os.stat(path)
+        digest.update(f"{os.path.abspath(path)}\t{info.st_size}\t{info.st_mtime_ns}\n".encode())
+    return digest.hexdigest()
