@@ -186,6 +186,11 @@ def fit(
                 loss = task.train_loss(model, batch)
                 memory.mark("first forward")
                 if isinstance(loss, tuple):  # (sum of per-target losses, target count): see the module docstring
+                    if accelerator.distributed_type.value == "DEEPSPEED":
+                        raise ConfigError(
+                            "a task returning (loss sum, target count) needs the gradients in param.grad to normalise "
+                            "them, and DeepSpeed keeps them in its partitions: use DDP or FSDP for this recipe"
+                        )
                     loss, count = loss
                     window_targets += count
                     accelerator.backward(loss)
@@ -248,7 +253,8 @@ def fit(
             if eval_batches is not None and (eval_due or last_step):
                 throughput.pause()
                 eval_metrics, eval_samples = evaluate(accelerator, model, eval_batches, task)
-                _log(accelerator, events, progress, {"step": step, **eval_metrics, "eval_samples": eval_samples})
+                _log(accelerator, events, progress, {"step": step, **eval_metrics, "eval_samples": eval_samples,
+                                                     "wall_seconds": round(time.perf_counter() - started, 3)})
                 state.last_eval = eval_metrics
                 if _improves(task, eval_metrics, state.best_metric):
                     state.best_metric = eval_metrics[f"eval_{task.primary_metric}"]
