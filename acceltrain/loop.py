@@ -16,6 +16,7 @@ once per optimizer step, on every process, whatever the process count and accumu
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import platform
@@ -266,12 +267,16 @@ def fit(
                     time_to_target = time.perf_counter() - started
                     accelerator.print(f"reached eval accuracy {accuracy:.4f} >= {cfg.target_accuracy} in {time_to_target:.1f} s")
                 model.train()
-                throughput.resume(step - launch_start_step)
+                if not last_step:
+                    throughput.resume(step - launch_start_step)
 
-            if signals.received is not None:
-                accelerator.set_trigger()
-            if accelerator.check_trigger():  # every process stops at this same step
-                stop_signal = signals.name or "signal on another process"
+            if accelerator.num_processes == 1:  # no collective (and no device sync) needed to agree
+                stop_signal = signals.name
+            else:
+                if signals.received is not None:
+                    accelerator.set_trigger()
+                if accelerator.check_trigger():  # every process stops at this same step
+                    stop_signal = signals.name or "signal on another process"
             launch_done = cfg.stop_after_steps is not None and step - launch_start_step >= cfg.stop_after_steps
             if cfg.save_every_minutes:
                 save_now |= _minutes_passed(accelerator, last_save_time, cfg.save_every_minutes)
@@ -294,6 +299,7 @@ def fit(
             epoch += 1
         skip_batches = 0
     wall_seconds = time.perf_counter() - started
+    speed = _speed_figures(totals := throughput.totals(), task, flops_per_sample, peak_flops, accelerator.num_processes)
     progress.close()
 
     if stop_signal is not None:  # checkpointed above: close cleanly and tell the launcher to come back
@@ -318,7 +324,7 @@ def fit(
         "train_loss": train_loss,
         "eval_accuracy": eval_metrics.get("eval_accuracy"),
         "eval_loss": eval_metrics.get("eval_loss"),
-        **_speed_figures(totals := throughput.totals(), task, flops_per_sample, peak_flops, accelerator.num_processes),
+        **speed,
         "timed_steps": totals["timed_steps"],
         "first_step_seconds": first_step_seconds,
         "compile_seconds": _compile_seconds(cfg, first_step_seconds, totals["ms_per_step"]),
@@ -373,6 +379,11 @@ def _prepare(cfg: TrainConfig, accelerator, model: nn.Module, optimizer, train_s
     options = {"num_workers": num_workers, "pin_memory": pin_memory, "prefetch_factor": cfg.prefetch_factor}
     cfg = dataclasses.replace(cfg, num_workers=num_workers, pin_memory=pin_memory)
     loaders = [] if cfg.data_on_device else [train_loader(train_set, batch_size=cfg.batch_size, seed=cfg.seed, **options)]
+    if cfg.data_on_device and isinstance(getattr(eval_set, "images", None), list):  # decode the eval files once too
+        from .device_loader import decoded_images
+
+        eval_set = copy.copy(eval_set)  # the recipe's dataset stays as it was
+        eval_set.images = decoded_images(eval_set.images, eval_set.image_size, eval_set.cache_dir)
     if eval_set is not None:
         loaders.append(eval_loader(eval_set, batch_size=cfg.batch_size, **options))
     model, optimizer, *loaders = accelerator.prepare(model, optimizer, *loaders)

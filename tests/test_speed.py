@@ -149,4 +149,4 @@ def test_data_on_device_trains_exactly_like_the_dataloader_path(tmp_path, plain)
 def test_data_on_device_on_an_image_folder_caches_the_decoded_images_in_the_data_dir(tmp_path, image_folder):
     run_cifar(tmp_path / "run", "--dataset", "imagefolder", "--data-dir", str(image_folder), "--batch-size", "6",
               "--max-steps", "3", "--data-on-device")
-    assert len(list(image_folder.rglob("*.safetensors"))) == 1
+    assert len(list(image_folder.rglob("*.safetensors"))) == 2  # train and test split, each decoded once
