@@ -1,0 +1,295 @@
+"""Text for causal language models: raw text in, fixed-length token blocks out.
+
+Text comes from local files (``datasets.load_dataset("text")``, one row per line, line breaks kept) or
+from a Hub dataset. The tokenizer is a local one, a Hub one, or a byte-level BPE trained here on the
+text and saved as ``<output_dir>/tokenizer.json``, which a resumed run reuses instead of retraining.
+Tokenisation is row by row, so its result does not depend on ``num_proc``; packing then concatenates
+the rows (a row that does not end a line ends a document and gets the tokenizer's end-of-text token)
+and cuts the stream into ``block_size`` blocks. A seeded fraction of the blocks is held out for
+evaluation. Both steps go through ``Dataset.map`` and its cache: the main process computes, the
+others find the cache files (``PartialState().main_process_first()``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+import shutil
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TypeVar
+
+import numpy as np
+import torch
+
+from .config import ConfigError
+from .data import mix_seed
+
+TOKENIZER_FILE = "tokenizer.json"
+END_OF_TEXT = "<|endoftext|>"
+PACK_ROWS = 10_000  # rows concatenated per packing batch; each batch drops its last partial block
+T = TypeVar("T")
+
+
+def on_main_process_first(work: Callable[[], T]) -> T:
+    """``work()`` on the main process, then on the others, which find what it wrote (cache files, the
+    tokenizer). A :class:`ConfigError` is raised only once every process has passed the barrier, so
+    bad input stops all of them with one line instead of leaving the others waiting for the main one."""
+    from accelerate import PartialState
+
+    failure = None
+    with PartialState().main_process_first():
+        try:
+            result = work()
+        except ConfigError as err:
+            failure = err
+    if failure is not None:
+        raise failure
+    return result
+
+
+@contextlib.contextmanager
+def removed_on_bad_input(output_dir: Path) -> Iterator[None]:
+    """Bad input leaves nothing behind: the tokenizer is written before the loop checks the rest, so an
+    output folder that this launch created is removed again (by the main process) on a ConfigError."""
+    from accelerate import PartialState
+
+    created_here = not output_dir.exists()
+    try:
+        yield
+    except ConfigError:
+        if created_here and PartialState().is_main_process:
+            shutil.rmtree(output_dir, ignore_errors=True)
+        raise
+
+
+def show_progress_bars(enabled: bool) -> None:
+    """The progress bars of datasets (tokenising, packing) and Transformers (loading weights) on or off,
+    like the loop's ``--progress``."""
+    import datasets
+    from transformers.utils import logging as transformers_logging
+
+    if enabled:
+        datasets.enable_progress_bars()
+        transformers_logging.enable_progress_bar()
+    else:
+        datasets.disable_progress_bars()
+        transformers_logging.disable_progress_bar()
+
+
+# --------------------------------------------------------------------------- raw text
+
+
+def expand_text_files(spec: str) -> list[str]:
+    """``--text-files``: comma-separated paths or globs, each of which must name at least one file."""
+    files: list[str] = []
+    for pattern in (part.strip() for part in spec.split(",")):
+        if not pattern:
+            continue
+        matches = sorted(glob.glob(os.path.expanduser(pattern), recursive=True))
+        if not matches:
+            raise ConfigError(f"--text-files {pattern!r} matches no file")
+        for match in matches:
+            if Path(match).is_dir():
+                raise ConfigError(f"--text-files {match!r} is a directory: name the files, e.g. {os.path.join(match, '*.txt')!r}")
+            if match not in files:
+                files.append(match)
+    if not files:
+        raise ConfigError(f"--text-files {spec!r} names no file")
+    return [os.path.abspath(path) for path in files]
+
+
+def load_text(text_files: str | None, dataset_name: str | None = None, dataset_config: str | None = None):
+    """A ``datasets.Dataset`` with one column, ``text``: the lines of ``text_files`` (line breaks kept)
+    or the ``train`` split of the Hub dataset ``dataset_name``."""
+    import datasets
+
+    if text_files is not None:
+        files = expand_text_files(text_files)
+        if all(os.path.getsize(path) == 0 for path in files):
+            raise ConfigError(f"--text-files {text_files!r}: the files are empty")
+
+        def read():
+            try:
+                return datasets.load_dataset("text", data_files=files, split="train", keep_linebreaks=True)
+            except datasets.exceptions.DatasetGenerationError as err:
+                reason = one_line(err.__cause__ or err)
+                raise ConfigError(f"--text-files {text_files!r} cannot be read as UTF-8 text ({reason})") from None
+
+        texts, flag = on_main_process_first(read), f"--text-files {text_files!r}"
+    else:
+
+        def fetch():
+            try:
+                return datasets.load_dataset(dataset_name, dataset_config, split="train")
+            except (OSError, ValueError, datasets.exceptions.DatasetsError) as err:
+                raise ConfigError(
+                    f"--dataset-name {dataset_name!r} could not be loaded from the Hugging Face Hub ({one_line(err)}); "
+                    "offline, use --text-files with a local copy"
+                ) from None
+
+        texts, flag = on_main_process_first(fetch), f"--dataset-name {dataset_name!r}"
+        if "text" not in texts.column_names:
+            raise ConfigError(f"{flag} has no 'text' column (columns: {', '.join(texts.column_names)})")
+        texts = texts.select_columns(["text"])
+    if len(texts) == 0:
+        raise ConfigError(f"{flag} holds no text")
+    return texts
+
+
+# --------------------------------------------------------------------------- tokenizer
+
+
+def load_tokenizer(source: str, flag: str):
+    """A tokenizer from a ``tokenizer.json`` file, a local folder, or (online) a Hub name."""
+    from transformers import AutoTokenizer
+
+    path = Path(source).expanduser()
+    if path.is_file():
+        return _as_transformers_tokenizer(_read_tokenizer_file(path, flag))
+    return load_local_or_hub(AutoTokenizer.from_pretrained, source, flag, "a tokenizer")
+
+
+def tokenizer_for_run(source: str | None, flag: str, texts, output_dir: Path, vocab_size: int):
+    """The tokenizer named by ``source``; without one, ``<output_dir>/tokenizer.json`` when it exists
+    (a resumed run keeps its vocabulary), else a byte-level BPE trained on ``texts`` by the main process
+    and saved there for the other processes and for later runs. It is trained on all of the text: the
+    held-out blocks shape the vocabulary, never the model's weights."""
+    if source is not None:
+        return on_main_process_first(lambda: load_tokenizer(source, flag))
+    from accelerate import PartialState
+
+    saved = output_dir / TOKENIZER_FILE
+    state = PartialState()
+
+    def trained_or_reused():
+        if saved.is_file():
+            tokenizer = _read_tokenizer_file(saved, "--output-dir")
+            state.print(f"tokenizer: reusing {saved} (vocabulary {tokenizer.get_vocab_size()})")
+            return tokenizer
+        if not state.is_main_process:
+            raise ConfigError(f"{saved} is missing: the main process did not write it")
+        tokenizer = train_byte_level_bpe(texts, vocab_size)
+        output_dir.mkdir(parents=True, exist_ok=True)
+        staging = saved.with_name(f".tmp-{TOKENIZER_FILE}")
+        tokenizer.save(str(staging))
+        os.replace(staging, saved)  # a crash mid-write must not leave a truncated file to be reused
+        state.print(f"tokenizer: trained a byte-level BPE of {tokenizer.get_vocab_size()} tokens, saved to {saved}")
+        return tokenizer
+
+    return _as_transformers_tokenizer(on_main_process_first(trained_or_reused))
+
+
+def train_byte_level_bpe(texts, vocab_size: int):
+    """A GPT-2 style byte-level BPE (any byte sequence is encodable, no unknown token) with one special
+    token, ``<|endoftext|>``, trained on the ``text`` column."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[END_OF_TEXT],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    batches = (texts[start : start + 1000]["text"] for start in range(0, len(texts), 1000))
+    tokenizer.train_from_iterator(batches, trainer=trainer, length=len(texts))
+    return tokenizer
+
+
+def _read_tokenizer_file(path: Path, flag: str):
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as err:  # tokenizers raises a bare Exception on malformed JSON
+        raise ConfigError(f"{flag} {str(path)!r} is not a tokenizers JSON file ({one_line(err)})") from None
+
+
+def _as_transformers_tokenizer(tokenizer):
+    """The Transformers interface around a ``tokenizers.Tokenizer``, end-of-text token set when it has one."""
+    from transformers import PreTrainedTokenizerFast
+
+    eos = END_OF_TEXT if tokenizer.token_to_id(END_OF_TEXT) is not None else None
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=eos)
+
+
+def load_local_or_hub(loader: Callable, source: str, flag: str, what: str):
+    """``loader(source)`` for a local folder or a Hub name; a one-line ConfigError naming ``flag`` when
+    it fails (offline, a typo, a folder without the files)."""
+    path = Path(source).expanduser()
+    local = path.is_dir()
+    if not local and (source.startswith((".", "/", "~")) or source.count("/") > 1):  # a path, not "org/name"
+        raise ConfigError(f"{flag} {source!r}: no such file or folder")
+    try:
+        return loader(str(path) if local else source)
+    except (OSError, ValueError, KeyError) as err:
+        where = "the local folder" if local else "the Hugging Face Hub (offline? pass a local folder instead)"
+        raise ConfigError(f"{flag} {source!r}: could not load {what} from {where}: {one_line(err)}") from None
+
+
+def one_line(err: BaseException, limit: int = 200) -> str:
+    """A library's error message on one line, shortened: enough to say why, never a wall of text."""
+    text = " ".join(str(err).split()) or type(err).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# --------------------------------------------------------------------------- blocks
+
+
+def default_num_proc(rows: int) -> int:
+    """Tokenising processes: one per CPU, at most 8, and none beyond one per 10,000 rows (forking costs more
+    than it saves on small text)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(8, cpus, rows // 10_000))
+
+
+def token_blocks(texts, tokenizer, *, block_size: int, num_proc: int | None = None):
+    """``texts`` tokenised (``num_proc`` processes, default :func:`default_num_proc`) and packed into rows
+    of exactly ``block_size`` tokens."""
+    num_proc = num_proc or default_num_proc(len(texts))
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # map and loader workers fork after the tokenizer ran
+    end_of_text = tokenizer.eos_token_id
+
+    def tokenize(batch):
+        rows = tokenizer(batch["text"], add_special_tokens=False, return_attention_mask=False)["input_ids"]
+        if end_of_text is not None:
+            rows = [ids if text.endswith("\n") else ids + [end_of_text] for ids, text in zip(rows, batch["text"], strict=True)]
+        return {"input_ids": rows}
+
+    def pack(batch):
+        stream = np.concatenate([np.asarray(ids, dtype=np.int64) for ids in batch["input_ids"]])
+        usable = len(stream) - len(stream) % block_size
+        return {"input_ids": stream[:usable].reshape(-1, block_size)}
+
+    def build():
+        tokens = texts.map(tokenize, batched=True, num_proc=num_proc, remove_columns=texts.column_names, desc="tokenize")
+        # packing runs in one process: batches then start at the same rows whatever num_proc is
+        packed = tokens.with_format("numpy").map(pack, batched=True, batch_size=PACK_ROWS, desc=f"pack into blocks of {block_size}")
+        return packed, tokens
+
+    blocks, tokens = on_main_process_first(build)
+    if len(blocks) == 0:
+        total = sum(len(ids) for ids in tokens["input_ids"])
+        raise ConfigError(f"--block-size {block_size} is larger than the text: it holds {total} tokens")
+    return blocks
+
+
+def split_blocks(blocks, *, eval_fraction: float, seed: int):
+    """(train, eval) torch-formatted datasets: a seeded ``eval_fraction`` of the blocks held out (at least
+    one when the fraction is not 0), the rest for training; eval is None when the fraction is 0."""
+    if eval_fraction == 0:
+        return blocks.with_format("torch"), None
+    held_out = max(1, round(eval_fraction * len(blocks)))
+    if held_out >= len(blocks):
+        raise ConfigError(
+            f"--eval-fraction {eval_fraction} leaves no training data: the text makes only {len(blocks)} blocks; "
+            "use more text, a smaller --block-size or a smaller --eval-fraction"
+        )
+    order = torch.randperm(len(blocks), generator=torch.Generator().manual_seed(mix_seed(seed, 0xE7A1))).tolist()
+    eval_rows, train_rows = sorted(order[:held_out]), sorted(order[held_out:])
+    train = blocks.select(train_rows, keep_in_memory=True).with_format("torch")
+    return train, blocks.select(eval_rows, keep_in_memory=True).with_format("torch")
