@@ -18,6 +18,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from .config import ConfigError
+from .distributed import on_main_process_first
 
 CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR10_STD = (0.2470, 0.2435, 0.2616)
@@ -289,11 +290,15 @@ def scan_image_folder(data_dir: str) -> dict[str, tuple[list[str], list[int], li
 # --------------------------------------------------------------------------- loaders
 
 
+def available_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask where the OS has one)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def default_num_workers() -> int:
     """Loader workers per process: the CPUs this process may use, less one for the training loop, at most 8."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    return max(0, min(8, cpus // local_processes - 1))
+    return max(0, min(8, available_cpus() // local_processes - 1))
 
 
 def loader_options(num_workers: int, pin_memory: bool, prefetch_factor: int = 4) -> dict:
@@ -335,15 +340,13 @@ def image_datasets(
     """(train, eval) image datasets: ``cifar10`` (torchvision, downloaded once by the main process),
     ``imagefolder`` (``data_dir/{train,test}/<class>/*``) or ``synthetic``. Training samples get
     crop (padding 4) + flip; both are normalised with CIFAR-10 statistics."""
-    from accelerate import PartialState
-
     augment = CropFlip(padding=4, flip=True)
     cache_dir = None
     if name == "cifar10":
         root = data_dir or "data"
-        with PartialState().main_process_first():
-            train_images, train_labels, classes = cifar10_arrays(root, train=True)
-            eval_images, eval_labels, _ = cifar10_arrays(root, train=False)
+        (train_images, train_labels, classes), (eval_images, eval_labels, _) = on_main_process_first(
+            lambda: (cifar10_arrays(root, train=True), cifar10_arrays(root, train=False))
+        )
     elif name == "imagefolder":
         if not data_dir:
             raise ConfigError("--dataset imagefolder needs --data-dir DIR holding train/<class>/* and test/<class>/*")

@@ -24,6 +24,7 @@ from accelerate.state import GradientState
 
 from .config import ConfigError
 from .data import CropFlip, EpochSampler, ImageClassification, decode_image_file
+from .distributed import on_main_process_first
 
 FALLBACK_CACHE_DIR = Path.home() / ".cache" / "acceltrain"
 
@@ -186,17 +187,17 @@ class _RestOfEpoch:
 def decoded_images(paths: list[str], image_size: int, cache_dir: str | os.PathLike | None) -> torch.Tensor:
     """All ``paths`` as one uint8 (N, 3, S, S) tensor, decoded once and cached as safetensors.
 
-    The main process decodes while the others wait (``main_process_first``), then they read its cache.
-    The cache file is named after the folder and image size and holds a fingerprint of every file's
-    path, size and mtime: a changed, added or removed file makes it stale, and it is rewritten.
+    The main process decodes while the others wait (:func:`on_main_process_first`), then they read its
+    cache. The cache file is named after the folder and image size and holds a fingerprint of every
+    file's path, size and mtime: a changed, added or removed file makes it stale, and it is rewritten.
     """
     from accelerate import PartialState
     from safetensors.torch import save_file
 
-    state = PartialState()
-    cache_file = _cache_root(cache_dir, state) / f"decoded-{_folder_key(paths, image_size)}.safetensors"
+    cache_file = _cache_root(cache_dir, PartialState()) / f"decoded-{_folder_key(paths, image_size)}.safetensors"
     fingerprint = _fingerprint(paths, image_size)
-    with state.main_process_first():
+
+    def cached_or_decoded() -> torch.Tensor:
         cached = _read_cache(cache_file, fingerprint)
         if cached is not None:
             return cached
@@ -207,6 +208,8 @@ def decoded_images(paths: list[str], image_size: int, cache_dir: str | os.PathLi
         save_file({"images": images}, str(partial), metadata={"fingerprint": fingerprint})
         os.replace(partial, cache_file)  # readers never see a half-written cache
         return images
+
+    return on_main_process_first(cached_or_decoded)
 
 
 def _read_cache(cache_file: Path, fingerprint: str) -> torch.Tensor | None:

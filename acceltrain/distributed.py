@@ -10,12 +10,16 @@ Accelerate joined.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from .config import ConfigError, TrainConfig
+
+T = TypeVar("T")
 
 
 def use_cpu(force_cpu: bool) -> bool:
@@ -50,6 +54,32 @@ def init_process_state(cfg: TrainConfig):
             "check the accelerate config (FSDP and DeepSpeed need a GPU for more than one process)"
         )
     return state
+
+
+def on_main_process_first(work: Callable[[], T]) -> T:
+    """``work()`` on the main process, then on the others, which find what it wrote (downloads, cache
+    files, a tokenizer). Accelerate's ``main_process_first`` leaves the other processes waiting at its
+    barrier for good when the main one raises; here every process always reaches the barrier, and then
+    all of them fail when any did: with the main process's one-line ConfigError when that was the cause."""
+    from accelerate import PartialState
+    from accelerate.utils import gather_object
+
+    state = PartialState()
+    failure: BaseException | None = None
+    with state.main_process_first():
+        try:
+            result = work()
+        except Exception as err:  # noqa: BLE001 - re-raised below, after the barrier
+            failure = err
+    if state.num_processes > 1:
+        reports = gather_object([None if failure is None else (type(failure) is ConfigError, str(failure))])
+        first = next((report for report in reports if report is not None), None)
+        if failure is None and first is not None:
+            is_config_error, message = first
+            failure = ConfigError(message) if is_config_error else RuntimeError(f"another process failed: {message}")
+    if failure is not None:
+        raise failure
+    return result
 
 
 class _SumAcrossProcesses(torch.autograd.Function):

@@ -86,7 +86,7 @@ def matmul_parameters(model: nn.Module) -> int:
     return count
 
 
-def training_flops_per_sample(model: nn.Module, block_size: int) -> int:
+def flops_per_block(model: nn.Module, block_size: int) -> int:
     """FLOPs of one forward and backward pass over one block of T = ``block_size`` tokens:
     ``6·N·T + 12·L·d·T²`` (PaLM, appendix B; nanoGPT's MFU), N from :func:`matmul_parameters`, L layers of
     width d. The second term is attention (scores and weighted sum), counted over the full T x T

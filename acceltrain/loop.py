@@ -62,6 +62,12 @@ from .tasks import ClassificationTask
 from .tracking import active_trackers, finish_tracking, start_tracking
 
 
+TOKEN_NORMALISATION_UNDER_DEEPSPEED = (
+    "a task returning (loss sum, target count) needs the gradients in param.grad to normalise them, and "
+    "DeepSpeed keeps them in its partitions: use DDP or FSDP for this recipe"
+)
+
+
 def fit(
     cfg: TrainConfig,
     model: nn.Module,
@@ -188,10 +194,7 @@ def fit(
                 memory.mark("first forward")
                 if isinstance(loss, tuple):  # (sum of per-target losses, target count): see the module docstring
                     if accelerator.distributed_type.value == "DEEPSPEED":
-                        raise ConfigError(
-                            "a task returning (loss sum, target count) needs the gradients in param.grad to normalise "
-                            "them, and DeepSpeed keeps them in its partitions: use DDP or FSDP for this recipe"
-                        )
+                        raise ConfigError(TOKEN_NORMALISATION_UNDER_DEEPSPEED)
                     loss, count = loss
                     window_targets += count
                     accelerator.backward(loss)
@@ -324,6 +327,7 @@ def fit(
         "train_loss": train_loss,
         "eval_accuracy": eval_metrics.get("eval_accuracy"),
         "eval_loss": eval_metrics.get("eval_loss"),
+        **eval_metrics,  # a task's own metrics too (eval_perplexity)
         **speed,
         "timed_steps": totals["timed_steps"],
         "first_step_seconds": first_step_seconds,
@@ -343,7 +347,8 @@ def fit(
     }
     if main:
         write_summary(output_dir, summary)
-        accelerator.print(f"done: {step} steps, train loss {train_loss}, eval accuracy {summary['eval_accuracy']}, outputs in {output_dir}")
+        metric = f"eval_{task.primary_metric}"
+        accelerator.print(f"done: {step} steps, train loss {train_loss}, {metric} {summary.get(metric)}, outputs in {output_dir}")
     events.close()
     accelerator.wait_for_everyone()
     finish_tracking(accelerator, trackers, summary, weights_path, cfg.log_model, extra_files=profiler.files)  # also ends the process group

@@ -4,10 +4,12 @@ Text comes from local files (``datasets.load_dataset("text")``, one row per line
 from a Hub dataset. The tokenizer is a local one, a Hub one, or a byte-level BPE trained here on the
 text and saved as ``<output_dir>/tokenizer.json``, which a resumed run reuses instead of retraining.
 Tokenisation is row by row, so its result does not depend on ``num_proc``; packing then concatenates
-the rows (a row that does not end a line ends a document and gets the tokenizer's end-of-text token)
-and cuts the stream into ``block_size`` blocks. A seeded fraction of the blocks is held out for
-evaluation. Both steps go through ``Dataset.map`` and its cache: the main process computes, the
-others find the cache files (``PartialState().main_process_first()``).
+the rows and cuts the stream into ``block_size`` blocks. A non-empty row without a trailing line break
+counts as the end of a document and gets the tokenizer's end-of-text token: a Hub row holding a whole
+document, or the last line of a file that does not end with a newline (files that do run on into the
+next one: the ``text`` loader does not say where a file ends). A seeded fraction of the blocks is held
+out for evaluation. Both steps go through ``Dataset.map`` and its cache: the main process computes,
+the others find the cache files (:func:`~acceltrain.distributed.on_main_process_first`).
 """
 
 from __future__ import annotations
@@ -18,35 +20,17 @@ import os
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TypeVar
 
 import numpy as np
 import torch
 
 from .config import ConfigError
-from .data import mix_seed
+from .data import available_cpus, mix_seed
+from .distributed import on_main_process_first
 
 TOKENIZER_FILE = "tokenizer.json"
 END_OF_TEXT = "<|endoftext|>"
 PACK_ROWS = 10_000  # rows concatenated per packing batch; each batch drops its last partial block
-T = TypeVar("T")
-
-
-def on_main_process_first(work: Callable[[], T]) -> T:
-    """``work()`` on the main process, then on the others, which find what it wrote (cache files, the
-    tokenizer). A :class:`ConfigError` is raised only once every process has passed the barrier, so
-    bad input stops all of them with one line instead of leaving the others waiting for the main one."""
-    from accelerate import PartialState
-
-    failure = None
-    with PartialState().main_process_first():
-        try:
-            result = work()
-        except ConfigError as err:
-            failure = err
-    if failure is not None:
-        raise failure
-    return result
 
 
 @contextlib.contextmanager
@@ -151,11 +135,12 @@ def load_tokenizer(source: str, flag: str):
     return load_local_or_hub(AutoTokenizer.from_pretrained, source, flag, "a tokenizer")
 
 
-def tokenizer_for_run(source: str | None, flag: str, texts, output_dir: Path, vocab_size: int):
-    """The tokenizer named by ``source``; without one, ``<output_dir>/tokenizer.json`` when it exists
-    (a resumed run keeps its vocabulary), else a byte-level BPE trained on ``texts`` by the main process
-    and saved there for the other processes and for later runs. It is trained on all of the text: the
-    held-out blocks shape the vocabulary, never the model's weights."""
+def tokenizer_for_run(source: str | None, flag: str, texts, output_dir: Path, vocab_size: int, *, resuming: bool = False):
+    """The tokenizer named by ``source``; without one, when ``resuming``, the run's own
+    ``<output_dir>/tokenizer.json`` (its checkpoints were trained on that vocabulary), else a byte-level
+    BPE trained on ``texts`` by the main process and saved there for the other processes and for
+    resumes. It is trained on all of the text: the held-out blocks shape the vocabulary, never the
+    model's weights."""
     if source is not None:
         return on_main_process_first(lambda: load_tokenizer(source, flag))
     from accelerate import PartialState
@@ -164,21 +149,30 @@ def tokenizer_for_run(source: str | None, flag: str, texts, output_dir: Path, vo
     state = PartialState()
 
     def trained_or_reused():
-        if saved.is_file():
+        if not state.is_main_process:  # the main process went first: its file is the run's tokenizer
+            return _read_tokenizer_file(saved, "--output-dir")
+        if resuming and saved.is_file():
             tokenizer = _read_tokenizer_file(saved, "--output-dir")
             state.print(f"tokenizer: reusing {saved} (vocabulary {tokenizer.get_vocab_size()})")
             return tokenizer
-        if not state.is_main_process:
-            raise ConfigError(f"{saved} is missing: the main process did not write it")
         tokenizer = train_byte_level_bpe(texts, vocab_size)
         output_dir.mkdir(parents=True, exist_ok=True)
-        staging = saved.with_name(f".tmp-{TOKENIZER_FILE}")
-        tokenizer.save(str(staging))
-        os.replace(staging, saved)  # a crash mid-write must not leave a truncated file to be reused
+        save_tokenizer(_as_transformers_tokenizer(tokenizer), output_dir)
         state.print(f"tokenizer: trained a byte-level BPE of {tokenizer.get_vocab_size()} tokens, saved to {saved}")
         return tokenizer
 
     return _as_transformers_tokenizer(on_main_process_first(trained_or_reused))
+
+
+def save_tokenizer(tokenizer, output_dir: Path) -> None:
+    """``tokenizer.save_pretrained(output_dir)`` (``tokenizer.json`` and its config, which
+    ``AutoTokenizer`` needs for the end-of-text token), staged and moved in with ``tokenizer.json`` last:
+    a crash mid-write never leaves a truncated file for a resume to reuse. Saving again gives the same bytes."""
+    staging = output_dir / f".tmp-tokenizer-{os.getpid()}"
+    tokenizer.save_pretrained(staging)
+    for name in sorted(os.listdir(staging), key=lambda name: name == TOKENIZER_FILE):
+        os.replace(staging / name, output_dir / name)
+    staging.rmdir()
 
 
 def train_byte_level_bpe(texts, vocab_size: int):
@@ -243,8 +237,7 @@ def one_line(err: BaseException, limit: int = 200) -> str:
 def default_num_proc(rows: int) -> int:
     """Tokenising processes: one per CPU, at most 8, and none beyond one per 10,000 rows (forking costs more
     than it saves on small text)."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, min(8, cpus, rows // 10_000))
+    return max(1, min(8, available_cpus(), rows // 10_000))
 
 
 def token_blocks(texts, tokenizer, *, block_size: int, num_proc: int | None = None):
@@ -257,7 +250,8 @@ def token_blocks(texts, tokenizer, *, block_size: int, num_proc: int | None = No
     def tokenize(batch):
         rows = tokenizer(batch["text"], add_special_tokens=False, return_attention_mask=False)["input_ids"]
         if end_of_text is not None:
-            rows = [ids if text.endswith("\n") else ids + [end_of_text] for ids, text in zip(rows, batch["text"], strict=True)]
+            ends = [bool(text) and not text.endswith("\n") for text in batch["text"]]
+            rows = [ids + [end_of_text] if end else ids for ids, end in zip(rows, ends, strict=True)]
         return {"input_ids": rows}
 
     def pack(batch):
@@ -274,7 +268,9 @@ def token_blocks(texts, tokenizer, *, block_size: int, num_proc: int | None = No
     blocks, tokens = on_main_process_first(build)
     if len(blocks) == 0:
         total = sum(len(ids) for ids in tokens["input_ids"])
-        raise ConfigError(f"--block-size {block_size} is larger than the text: it holds {total} tokens")
+        raise ConfigError(
+            f"--block-size {block_size} is too long for the text: it holds {total} tokens, packed {PACK_ROWS} lines at a time"
+        )
     return blocks
 
 

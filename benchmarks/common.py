@@ -43,10 +43,11 @@ def machine() -> dict:
     """What the numbers were measured on: CPU model and cores, accelerator, library versions, date."""
     import accelerate
 
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    from acceltrain.data import available_cpus
+
     return {
         "cpu": cpu_model(),
-        "cpu_cores": cores,
+        "cpu_cores": available_cpus(),
         "torch_threads": torch.get_num_threads(),
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "torch": torch.__version__,

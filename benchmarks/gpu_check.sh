@@ -4,7 +4,9 @@
 #   2. ResNet-50 (CIFAR stem, synthetic CIFAR-shaped data, batch 256) through `acceltrain bench`:
 #      fp32 -> bf16 -> + channels_last -> + torch.compile -> + on-device loader;
 #   3. the same model on one GPU through the shipped configs: plain (single_gpu), DeepSpeed ZeRO-2,
-#      ZeRO-3 and FSDP2, throughput and peak memory side by side.
+#      ZeRO-3 and FSDP2, throughput and peak memory side by side;
+#   4. GPT-2 small (124M, 1,024-token blocks) through recipes/causal_lm.py in bf16 with torch.compile on
+#      generated text: tokens/s and MFU.
 # Prepare once on a machine with network: bash benchmarks/gpu_wheels.sh  (wheels into .device/wheels)
 # Then, with the device tool:  run(command="bash benchmarks/gpu_check.sh", carry=[".device"], timeout_s=590)
 # Results: $OUT (the device tool's output folder) or benchmarks/results/gpu/.
@@ -45,3 +47,11 @@ for config in ("single_gpu", "deepspeed_zero2", "deepspeed_zero3", "fsdp"):
     rows.append(f"| {config} | {s['samples_per_second']:.0f} | {s['ms_per_step']:.1f} | {s.get('peak_allocated_mb', 0):.0f} | {s['samples_per_second'] / base:.2f}x |")
 (out / "backends.md").write_text("\n".join(rows) + "\n"); print("\n".join(rows))
 PY
+
+echo "== 4. GPT-2 small, bf16 + compile (generated text; tokens/s and MFU)"
+python3 -c "import random; r = random.Random(0); w = 'the king queen lord sword crown night day love war speak good ill heart'.split(); open('/tmp/lm.txt', 'w').write(''.join(' '.join(r.choice(w) for _ in range(r.randint(5, 30))) + '.\\n' for _ in range(200000)))"
+timeout 180 python3 recipes/causal_lm.py --config recipes/configs/lm_gpt2_124m_gpu.yaml --text-files /tmp/lm.txt --vocab-size 8192 \
+    --grad-accum 1 --max-steps 40 --timing-warmup-steps 10 --eval-fraction 0 --compile --report-to none --no-progress \
+    --output-dir "$RESULTS/gpt2_small" --overwrite > "$RESULTS/gpt2_small.log" 2>&1 || echo "gpt2_small: failed, see gpt2_small.log"
+python3 -c "import json, sys; s = json.load(open(sys.argv[1])); print({k: s.get(k) for k in ('tokens_per_second', 'mfu', 'ms_per_step', 'compile_seconds', 'peak_allocated_mb')})" \
+    "$RESULTS/gpt2_small/summary.json" 2>/dev/null | tee "$RESULTS/gpt2_small.txt"

@@ -99,10 +99,11 @@ def baselines(run_dir: Path, config: dict) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--budget-minutes", type=float, default=10.0, help="wall-clock budget of the measured launch")
-    parser.add_argument("--warmup-steps", type=int, default=30, help="optimizer steps of the throughput warm-up launch")
+    parser.add_argument("--warmup-steps", type=int, default=100, help="optimizer steps of the throughput warm-up launch")
     options = parser.parse_args()
     info = start(f"causal LM ({PRESET.name}) on tinyshakespeare, {options.budget_minutes:g}-minute budget")
     if not TEXT.is_file():
+        shutil.rmtree(WORK, ignore_errors=True)
         print(f"skipped: {TEXT} is absent (the tinyshakespeare text; see ../shared/README.md)")
         return
     budget_seconds = options.budget_minutes * 60

@@ -23,7 +23,7 @@ sys.path.insert(0, str(REPO / "tests" / "helpers"))
 import causal_lm  # noqa: E402
 import uneven_causal_lm  # noqa: E402
 
-from acceltrain.lm import CausalLMTask, build_causal_lm, matmul_parameters  # noqa: E402
+from acceltrain.lm import CausalLMTask, build_causal_lm, flops_per_block, matmul_parameters  # noqa: E402
 from acceltrain.text import TOKENIZER_FILE, split_blocks  # noqa: E402
 
 UNEVEN_RECIPE = REPO / "tests" / "helpers" / "uneven_causal_lm.py"
@@ -121,12 +121,14 @@ def test_trains_and_writes_summary_metrics_weights_and_a_loadable_folder(tmp_pat
     assert [e["step"] for e in evals] == [3, 6]
     assert evals[-1]["eval_perplexity"] == pytest.approx(math.exp(evals[-1]["eval_loss"]))
     assert summary["eval_loss"] == pytest.approx(evals[-1]["eval_loss"]) and summary["eval_loss"] < evals[0]["eval_loss"]
+    assert summary["eval_perplexity"] == pytest.approx(evals[-1]["eval_perplexity"])
     assert summary["eval_loss"] < math.log(300), "better than uniform over the vocabulary"
     assert summary["steps"] == 6 and summary["samples_seen"] == 48
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model, tokenizer = AutoModelForCausalLM.from_pretrained(out), AutoTokenizer.from_pretrained(out)
-    assert len(tokenizer) == model.config.vocab_size == 300
+    assert len(tokenizer) == model.config.vocab_size == 300 and tokenizer.eos_token == "<|endoftext|>"
+    assert tokenizer.decode(tokenizer("Good night, sweet lord.\n")["input_ids"]) == "Good night, sweet lord.\n"
     torch.testing.assert_close(model.transformer.h[0].attn.c_attn.weight, weights(out)["transformer.h.0.attn.c_attn.weight"])
 
 
@@ -171,20 +173,32 @@ def test_resume_is_byte_identical_and_reuses_the_tokenizer(tmp_path, text_file, 
     assert run(causal_lm.main, full, *args) == 0
     assert run(causal_lm.main, part, *args, "--stop-after-steps", "3") == EXIT_PREEMPTED
     tokenizer_file = part / TOKENIZER_FILE
-    trained = (tokenizer_file.read_bytes(), tokenizer_file.stat().st_mtime_ns)
+    trained = tokenizer_file.read_bytes()
     capsys.readouterr()
     assert run(causal_lm.main, part, *args, "--resume", "auto", "--vocab-size", "500") == 0
     assert "tokenizer: reusing" in capsys.readouterr().out
-    assert (tokenizer_file.read_bytes(), tokenizer_file.stat().st_mtime_ns) == trained, "reused, not retrained (--vocab-size ignored)"
+    assert tokenizer_file.read_bytes() == trained, "reused, not retrained (--vocab-size ignored)"
     assert (part / "model.safetensors").read_bytes() == (full / "model.safetensors").read_bytes()
     assert [e["step"] for e in read_events(part) if "loss" in e] == list(range(1, 7))
+
+
+def test_a_new_run_in_an_old_folder_trains_its_own_tokenizer(tmp_path, text_file, capsys):
+    out = tmp_path / "run"
+    args = [*SMALL, "--text-files", str(text_file), "--batch-size", "4", "--max-steps", "1"]
+    assert run(causal_lm.main, out, *args) == 0
+    capsys.readouterr()
+    assert run(causal_lm.main, out, *args, "--overwrite", "--vocab-size", "280") == 0
+    assert "tokenizer: trained a byte-level BPE of 280 tokens" in capsys.readouterr().out
+    from transformers import AutoTokenizer
+
+    assert len(AutoTokenizer.from_pretrained(out)) == 280, "not the earlier run's 300-token vocabulary"
 
 
 def test_continues_training_a_local_pretrained_folder_with_its_tokenizer(tmp_path, big_batch, text_file):
     out = tmp_path / "finetune"
     assert run(causal_lm.main, out, *SMALL, "--text-files", str(text_file), "--model-name-or-path", str(big_batch),
                "--batch-size", "4", "--max-steps", "2") == 0
-    assert not (out / TOKENIZER_FILE).exists(), "the model folder's tokenizer, not a new one"
+    assert (out / TOKENIZER_FILE).read_bytes() == (big_batch / TOKENIZER_FILE).read_bytes(), "the model folder's tokenizer, kept"
     assert read_summary(out)["eval_loss"] is not None
 
 
@@ -193,7 +207,8 @@ def test_llama_preset_and_flop_count():
     layers, width = model.config.num_hidden_layers, model.config.hidden_size
     non_embedding = sum(p.numel() for p in model.parameters()) - 300 * width  # tied: the output projection stays
     assert matmul_parameters(model) == non_embedding + 300 * width
-    task = CausalLMTask(32, 6 * matmul_parameters(model) * 32 + 12 * layers * width * 32**2)
+    assert flops_per_block(model, 32) == 6 * matmul_parameters(model) * 32 + 12 * layers * width * 32**2
+    task = CausalLMTask(32, flops_per_block(model, 32))
     batch = {"input_ids": torch.randint(0, 300, (2, 32))}
     loss_sum, count = task.train_loss(model, batch)
     assert count.item() == 2 * 31 and loss_sum.item() / 31 / 2 == pytest.approx(math.log(300), rel=0.1)
@@ -212,7 +227,7 @@ def test_presets_are_valid(preset, text_file):
 BAD_INPUTS = [
     (["--text-files", "{tmp}/nothing/*.txt"], "matches no file"),
     (["--text-files", "{tmp}/empty.txt"], "the files are empty"),
-    (["--text-files", "{text}", "--block-size", "100000"], "--block-size 100000 is larger than the text"),
+    (["--text-files", "{text}", "--block-size", "100000"], "--block-size 100000 is too long for the text"),
     (["--text-files", "{text}", "--eval-fraction", "0.99", "--block-size", "512"], "--eval-fraction 0.99 leaves no training data"),
     ([], "exactly one of --text-files FILES and --dataset-name NAME"),
     (["--dataset-name", "Salesforce/wikitext"], "--dataset-name 'Salesforce/wikitext' could not be loaded"),
@@ -220,6 +235,7 @@ BAD_INPUTS = [
     (["--text-files", "{text}", "--tokenizer", "{tmp}/missing"], "no such file or folder"),
     (["--text-files", "{text}", "--model-name-or-path", "openai-community/gpt2"], "--model-name-or-path 'openai-community/gpt2'"),
     (["--text-files", "{text}", "--vocab-size", "100"], "--vocab-size 100 is invalid"),
+    (["--text-files", "{text}", "--target-accuracy", "0.5"], "--target-accuracy 0.5 does not apply to a language model"),
 ]
 
 
@@ -232,6 +248,16 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, text_file, ca
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and "\n" not in err and message in err, err
     assert not out.exists(), "bad input must not write anything (the tokenizer included)"
+
+
+def test_deepspeed_is_refused_before_any_work(tmp_path, text_file, hf_root):
+    pytest.importorskip("deepspeed")
+    out = tmp_path / "ds"
+    result = launch(REPO / "recipes" / "causal_lm.py", [*SMALL, "--text-files", str(text_file), "--output-dir", str(out)],
+                    launcher="accelerate", config="deepspeed_zero2.yaml", HF_HOME=str(hf_root / "home"), HF_HUB_OFFLINE="1")
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert result.returncode != 0 and len(errors) == 1 and "DeepSpeed keeps them in its partitions" in errors[0], result.stderr[-2000:]
+    assert not out.exists() and "tokenizer:" not in result.stdout
 
 
 def test_defaults_suit_a_language_model_and_dataset_config_needs_a_dataset():

@@ -85,3 +85,18 @@ def test_fsdp_config_on_cpu_is_refused_not_silently_replaced(tmp_path):
     assert result.returncode != 0
     assert "error: the accelerate config asks for FSDP but Accelerate set up MULTI_CPU" in result.stderr
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("fail_rank,error", [(0, "os"), (0, "config"), (1, "os")])
+def test_a_failure_on_main_process_first_stops_every_process_instead_of_hanging(fail_rank, error):
+    from conftest import REPO
+
+    result = launch(REPO / "tests" / "helpers" / "main_first_failure.py", ["--fail-rank", str(fail_rank), "--error", error],
+                    processes=2, launcher="accelerate", timeout=120)
+    lines = sorted(line for line in result.stdout.splitlines() if line.startswith("rank "))
+    assert result.returncode != 0 and len(lines) == 2, result.stdout + result.stderr[-2000:]
+    if error == "config":  # the other process repeats the main process's one line
+        assert lines == ["rank 0: ConfigError: --data-dir 'x' is broken", "rank 1: ConfigError: --data-dir 'x' is broken"]
+    else:
+        assert f"rank {fail_rank}: OSError: disk full" in lines
+        assert f"rank {1 - fail_rank}: RuntimeError: another process failed: disk full" in lines
