@@ -26,10 +26,11 @@ class Row:
     status: str = "ok"  # or "skipped: <reason>"
     figures: dict = field(default_factory=dict)
     reference: float | None = None  # samples/s of the same configuration on 1 process, for scaling rows
+    kept: bool = True  # False: slower than the configuration it built on, left out of the next rows
 
 
-def ladder(args, mixed_precision: str) -> list[Row]:
-    """Cumulative rows over the ones picked by ``--rows``: each adds one technique to the row before.
+def ladder_steps(args, mixed_precision: str) -> list[tuple[str, list[str]]]:
+    """The rows picked by ``--rows``, each with the flags it adds to the fastest configuration so far.
     A later ``--mixed-precision`` or ``--batch-size`` overrides an earlier one (argparse keeps the last)."""
     additions = {
         "fp32": ["--mixed-precision", "no"],
@@ -39,11 +40,44 @@ def ladder(args, mixed_precision: str) -> list[Row]:
         "device-loader": ["--data-on-device"],
         "auto-batch-size": ["--auto-batch-size", "--batch-size", str(args.batch_size * 4), "--no-keep-effective-batch"],
     }
-    rows, flags = [], []
-    for name in (n for n in LADDER if n in args.rows):
-        flags = flags + additions[name]
-        rows.append(Row(name, flags))
+    return [(name, additions[name]) for name in LADDER if name in args.rows]
+
+
+def run_ladder(steps: list[tuple[str, list[str]]], args, out: Path, mixed_precision: str) -> list[Row]:
+    """Each row adds its technique to the fastest configuration so far. A technique that makes it slower
+    (bf16 autocast on a CPU without AVX-512 BF16, compile on a tiny model) is shown with its figures and
+    left out of the rows after it, so every later row still measures its own technique on the best base."""
+    rows, base_flags, base_rate = [], [], None
+    for position, (name, addition) in enumerate(steps):
+        row = Row(name, [*_without_options(base_flags, addition), *addition])
+        reason = skip_reason(row, mixed_precision, args.on_cuda)
+        if reason:
+            row.status = f"skipped: {reason}"
+        else:
+            run_row(row, args, out, position)
+        rate = row.figures.get("samples_per_second")
+        if rate is not None and (base_rate is None or rate >= base_rate):
+            base_flags, base_rate = row.flags, rate
+        elif rate is not None:
+            row.kept = False
+        print(f"{row.name}: {row.status}{'' if row.kept else ' (slower: not kept)'} "
+              f"{json.dumps(row.figures) if row.figures else ''}", flush=True)
+        rows.append(row)
     return rows
+
+
+def _without_options(flags: list[str], replacing: list[str]) -> list[str]:
+    """``flags`` less the ``--option value`` pairs that ``replacing`` sets again (``--mixed-precision``)."""
+    options = {flag for flag, value in zip(replacing, [*replacing[1:], None]) if flag.startswith("--") and value and not value.startswith("--")}
+    kept, skip_value = [], False
+    for flag in flags:
+        if skip_value:
+            skip_value = False
+        elif flag in options:
+            skip_value = True
+        else:
+            kept.append(flag)
+    return kept
 
 
 def skip_reason(row: Row, mixed_precision: str, on_cuda: bool) -> str | None:
@@ -122,25 +156,27 @@ def render(rows: list[Row], machine: str) -> str:
     lines = [
         f"Machine: {machine}",
         "",
-        "| configuration | processes | batch | samples/s | ms/step | speed-up | peak memory (MB) | MFU | note |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        "| configuration | processes | batch | samples/s | ms/step | speed-up | peak memory (MB) | MFU | note | flags |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |",
     ]
     for row in rows:
         if row.status != "ok":
-            lines.append(f"| {row.name} | {row.processes} | | | | | | | {row.status} |")
+            lines.append(f"| {row.name} | {row.processes} | | | | | | | {row.status} | `{' '.join(row.flags)}` |")
             continue
         f = row.figures
         speedup = f["samples_per_second"] / base if base else None
         notes = []
         if row.reference:
             notes.append(f"scaling efficiency {f['samples_per_second'] / (row.processes * row.reference):.0%}")
+        if not row.kept:
+            notes.append("slower than the row it builds on: not kept for the rows below")
         if f.get("compile_seconds"):
             notes.append(f"compile {f['compile_seconds']:.0f} s (excluded)")
         note = "; ".join(notes)
         mfu = "" if f["mfu"] is None else f"{f['mfu']:.1%}"
         lines.append(
             f"| {row.name} | {row.processes} | {f['batch_size']} | {f['samples_per_second']:.1f} | {f['ms_per_step']:.1f} | "
-            f"{speedup:.2f}x | {f['peak_memory_mb']:.0f} | {mfu} | {note} |"
+            f"{speedup:.2f}x | {f['peak_memory_mb']:.0f} | {mfu} | {note} | `{' '.join(row.flags)}` |"
         )
     return "\n".join(lines)
 
@@ -227,14 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     machine = machine_description(args.on_cuda)
 
-    rows = ladder(args, mixed_precision)
-    for position, row in enumerate(rows):
-        reason = skip_reason(row, mixed_precision, args.on_cuda)
-        if reason:
-            row.status = f"skipped: {reason}"
-        else:
-            run_row(row, args, out, position)
-        print(f"{row.name}: {row.status} {json.dumps(row.figures) if row.figures else ''}", flush=True)
+    rows = run_ladder(ladder_steps(args, mixed_precision), args, out, mixed_precision)
     ran = [r for r in rows if r.status == "ok"]
     best = max(ran, key=lambda r: r.figures["samples_per_second"], default=None)
     for count in (p for p in processes if p > 1 and best is not None):

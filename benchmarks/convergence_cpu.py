@@ -11,12 +11,13 @@ Both legs train ``resnet_tiny`` through recipes/resnet_cifar.py on the CIFAR-10 
             probe of each precision picks it, and both rates are reported.
 
 Each leg first runs a short probe (its own throughput and the cost of one evaluation), then picks
-``--max-steps`` so that training plus ``--evals`` evaluations fit ``--budget-minutes`` of the run's
-``wall_seconds`` (from the first step, evaluation included; process start-up, listing the files and the
+``--max-steps`` so that training plus ``--evals`` evaluations fit ``--budget-minutes`` less a 25% margin
+of the run's ``wall_seconds`` (from the first step, evaluation included; process start-up, listing the files and the
 one-off JPEG decode of ``--data-on-device``, cached afterwards, are outside the budget and reported
 apart). Reported per leg: the best eval accuracy reached, the final one, and the time to 80% accuracy
 (the eval event's ``wall_seconds`` where the loop logs it; otherwise estimated from the run's first-step
-time, steady ms/step and mean evaluation time). The headline is the ratio of best accuracies tuned/baseline.
+time, steady ms/step and mean evaluation time). The headline is the ratio tuned/baseline of the best
+accuracies reached within the budget; an evaluation that lands past it is reported but never counted.
 
     python benchmarks/convergence_cpu.py                       # 10-minute budget per leg (about 25 min in all)
     python benchmarks/convergence_cpu.py --budget-minutes 1    # smoke run
@@ -39,6 +40,10 @@ BASELINE = ""
 TUNED = "--channels-last --data-on-device --batch-size 256 --lr 0.4 --lr-schedule onecycle --label-smoothing 0.1"
 PRECISIONS = ("no", "bf16")  # the tuned leg takes the faster on this machine
 PRECISION_PROBE_STEPS, PRECISION_PROBE_WARMUP = 8, 3
+# Of the budget, left unplanned: on this 2-core VM a 10-minute run went 20-25% slower than its 30-step
+# probe (tuned 811 vs 1,044 samples/s, baseline 513 vs 621), so planning on the probe alone overran the
+# budget by 20-28%. What lands past the budget anyway is reported, never counted in it.
+MARGIN = 0.25
 WARMUP_FRACTION = 0.15  # of the steps, for the tuned leg's one-cycle warm-up
 
 
@@ -76,7 +81,8 @@ def leg(name: str, flags: list[str], data_dir: Path, tmp: Path, args: argparse.N
     budget_s = args.budget_minutes * 60
     evals = args.evals or max(2, min(8, round(args.budget_minutes / 2)))
     evals = max(1, min(evals, int(budget_s / 2 / eval_s))) if eval_s > 0 else evals  # evaluation: at most half the budget
-    steps = max(evals, int((budget_s - probe["first_step_seconds"] - evals * eval_s) / step_s))
+    usable_s = budget_s * (1 - MARGIN) - probe["first_step_seconds"] - evals * eval_s
+    steps = max(evals, int(usable_s / step_s))
     eval_every = math.ceil(steps / evals)
     extra = ["--max-steps", str(steps), "--eval-every", str(eval_every), "--timing-warmup-steps", str(PROBE_WARMUP)]
     if "onecycle" in flags:
@@ -93,11 +99,13 @@ def leg(name: str, flags: list[str], data_dir: Path, tmp: Path, args: argparse.N
               "elapsed_measured": "wall_seconds" in e}
              for i, e in enumerate(accuracy_events)]
     reached = next((point for point in curve if point["accuracy"] >= TARGET_ACCURACY), None)
+    in_budget = [point["accuracy"] for point in curve if point["elapsed_seconds"] <= budget_s]
     result = {
         "flags": " ".join(flags), "max_steps": steps, "eval_every": eval_every, "epochs": summary["epochs"],
         "samples_per_second": summary["samples_per_second"], "probe_samples_per_second": probe["samples_per_second"],
         "budget_seconds": budget_s, "wall_seconds": summary["wall_seconds"], "outside_budget_seconds": process_s - summary["wall_seconds"],
         "best_accuracy": max(point["accuracy"] for point in curve), "final_accuracy": summary["eval_accuracy"],
+        "best_accuracy_within_budget": max(in_budget, default=None), "within_budget": summary["wall_seconds"] <= budget_s,
         "time_to_target_seconds": reached["elapsed_seconds"] if reached else None, "curve": curve,
     }
     to_target = f"in {result['time_to_target_seconds']:.0f} s" if reached else "not reached"
@@ -128,9 +136,10 @@ def main() -> None:
             tuned += ["--mixed-precision", precision]
         results = {name: leg(name, flags, data_dir, Path(tmp), args)
                    for name, flags in (("tuned", tuned), ("baseline", shlex.split(args.baseline)))}
-    ratio = results["tuned"]["best_accuracy"] / results["baseline"]["best_accuracy"]
-    print(f"best accuracy in {args.budget_minutes:g} min: tuned {results['tuned']['best_accuracy']:.4f}, "
-          f"baseline {results['baseline']['best_accuracy']:.4f}; ratio tuned/baseline {ratio:.3f}")
+    tuned_best, baseline_best = (results[name]["best_accuracy_within_budget"] or 0.0 for name in ("tuned", "baseline"))
+    ratio = tuned_best / baseline_best if baseline_best else math.inf
+    print(f"best accuracy within {args.budget_minutes:g} min: tuned {tuned_best:.4f}, baseline {baseline_best:.4f}; "
+          f"ratio tuned/baseline {ratio:.3f}")
     write_result("convergence_cpu" if args.budget_minutes >= 10 else "convergence_cpu_smoke", info, {
         "what": "best CIFAR-10 eval accuracy within a wall-clock budget, tuned flags vs defaults",
         "model": args.model, "budget_minutes": args.budget_minutes, "target_accuracy": TARGET_ACCURACY,

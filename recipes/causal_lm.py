@@ -5,7 +5,8 @@
         --config recipes/configs/lm_gpt2_124m_gpu.yaml --text-files 'corpus/*.txt'
 
 Without --tokenizer a byte-level BPE is trained on the text and kept as <output-dir>/tokenizer.json
-(reused on --resume). The output folder loads with AutoModelForCausalLM.from_pretrained.
+(reused on --resume). The output folder (weights, config, tokenizer) loads with
+AutoModelForCausalLM.from_pretrained and AutoTokenizer.from_pretrained.
 Every flag: python recipes/causal_lm.py --help
 """
 

@@ -21,6 +21,10 @@ def test_bench_ladder_writes_consistent_json_markdown_and_chart(tmp_path):
         ("fp32", 1), ("mixed-precision", 1), ("channels-last", 1), (f"{rows[3]['name']}", 2)]
     assert all(r["status"] == "ok" and r["figures"]["samples_per_second"] > 0 for r in rows)
     assert rows[3]["reference"] == max(r["figures"]["samples_per_second"] for r in rows[:3])
+    rates = [r["figures"]["samples_per_second"] for r in rows[:2]]
+    assert rows[1]["kept"] == (rates[1] >= rates[0]), "a row that made it slower is not kept"
+    base = rows[1] if rows[1]["kept"] else rows[0]
+    assert rows[2]["flags"] == base["flags"] + ["--channels-last"], "each row builds on the fastest so far"
     markdown = (out / "bench.md").read_text()
     first = rows[0]["figures"]["samples_per_second"]
     assert f"| fp32 | 1 | 8 | {first:.1f} |" in markdown and "1.00x" in markdown and "scaling efficiency" in markdown
