@@ -88,12 +88,13 @@ def test_fsdp_config_on_cpu_is_refused_not_silently_replaced(tmp_path):
 
 
 @pytest.mark.parametrize("fail_rank,error", [(0, "os"), (0, "config"), (1, "os")])
-def test_a_failure_on_main_process_first_stops_every_process_instead_of_hanging(fail_rank, error):
+def test_a_failure_on_main_process_first_stops_every_process_instead_of_hanging(tmp_path, fail_rank, error):
     from conftest import REPO
 
-    result = launch(REPO / "tests" / "helpers" / "main_first_failure.py", ["--fail-rank", str(fail_rank), "--error", error],
+    result = launch(REPO / "tests" / "helpers" / "main_first_failure.py",
+                    ["--fail-rank", str(fail_rank), "--error", error, "--report-dir", str(tmp_path)],
                     processes=2, launcher="accelerate", timeout=120)
-    lines = sorted(line for line in result.stdout.splitlines() if line.startswith("rank "))
+    lines = sorted(path.read_text() for path in tmp_path.glob("rank*.txt"))
     assert result.returncode != 0 and len(lines) == 2, result.stdout + result.stderr[-2000:]
     if error == "config":  # the other process repeats the main process's one line
         assert lines == ["rank 0: ConfigError: --data-dir 'x' is broken", "rank 1: ConfigError: --data-dir 'x' is broken"]

@@ -1,7 +1,9 @@
 """Two processes around ``on_main_process_first``: the process named by ``--fail-rank`` raises in its
-work (``--error config`` or ``os``); every process must leave with an error instead of waiting forever."""
+work (``--error config`` or ``os``); every process must leave with an error instead of waiting forever.
+Each writes how it ended to ``<--report-dir>/rank<N>.txt`` (their stdout lines can interleave)."""
 
 import argparse
+from pathlib import Path
 
 from accelerate import PartialState
 
@@ -11,6 +13,7 @@ from acceltrain.distributed import on_main_process_first
 parser = argparse.ArgumentParser()
 parser.add_argument("--fail-rank", type=int, required=True)
 parser.add_argument("--error", choices=("config", "os"), required=True)
+parser.add_argument("--report-dir", type=Path, required=True)
 options = parser.parse_args()
 state = PartialState(cpu=True)
 
@@ -21,9 +24,10 @@ def work():
     return "ok"
 
 
+report = options.report_dir / f"rank{state.process_index}.txt"
 try:
     on_main_process_first(work)
 except (ConfigError, RuntimeError, OSError) as err:
-    print(f"rank {state.process_index}: {type(err).__name__}: {err}", flush=True)
+    report.write_text(f"rank {state.process_index}: {type(err).__name__}: {err}")
     raise SystemExit(2) from None
-print(f"rank {state.process_index}: ok", flush=True)
+report.write_text(f"rank {state.process_index}: ok")
