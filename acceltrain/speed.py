@@ -96,18 +96,20 @@ def _batch_len(batch) -> int:
 
 def enable_activation_checkpointing(model: nn.Module) -> str:
     """Recompute activations in backward instead of storing them (``use_reentrant=False``). Hugging Face
-    models use their own ``gradient_checkpointing_enable``; ResNets checkpoint each residual block.
-    Returns what was done, for the log."""
-    if hasattr(model, "gradient_checkpointing_enable"):
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        return "gradient_checkpointing_enable(use_reentrant=False)"
+    models use their own ``activation_checkpointing_enable`` (older Transformers releases call it
+    ``gradient_checkpointing_enable``); ResNets checkpoint each residual block. Returns what was done, for the log."""
+    for hook in ("activation_checkpointing_enable", "gradient_checkpointing_enable"):
+        if hasattr(model, hook):
+            keyword = hook.replace("_enable", "_kwargs")
+            getattr(model, hook)(**{keyword: {"use_reentrant": False}})
+            return f"{hook}(use_reentrant=False)"
     from torchvision.models.resnet import BasicBlock, Bottleneck
 
     blocks = [module for module in model.modules() if isinstance(module, (BasicBlock, Bottleneck))]
     if not blocks:
         raise ConfigError(
             f"--activation-checkpointing: {type(model).__name__} has no residual blocks and no "
-            "gradient_checkpointing_enable(); supported: torchvision-style ResNets and Hugging Face models"
+            "activation_checkpointing_enable(); supported: torchvision-style ResNets and Hugging Face models"
         )
     for block in blocks:
         block.forward = functools.partial(_checkpointed_forward, block, block.forward)

@@ -265,3 +265,16 @@ def test_defaults_suit_a_language_model_and_dataset_config_needs_a_dataset():
     assert (cfg.optimizer, cfg.lr, cfg.max_grad_norm) == ("adamw", 6e-4, 1.0)
     with pytest.raises(ConfigError, match="--dataset-config needs --dataset-name"):
         parse_config(causal_lm.CausalLMConfig, ["--text-files", "x", "--dataset-config", "y"])
+
+
+def test_activation_checkpointing_and_bf16_run_through_the_model_s_own_hooks(tmp_path, text_file):
+    """The speed flags reach the LM too: activation checkpointing through the model's own
+    ``activation_checkpointing_enable`` trains to the same weights; bf16 autocast runs and is recorded."""
+    args = [*EXACT, "--text-files", str(text_file), "--batch-size", "4", "--max-steps", "2"]
+    plain, checkpointed, bf16 = tmp_path / "plain", tmp_path / "checkpointed", tmp_path / "bf16"
+    assert run(causal_lm.main, plain, *args) == 0
+    assert run(causal_lm.main, checkpointed, *args, "--activation-checkpointing") == 0
+    assert_same_weights(checkpointed, plain)
+    assert read_summary(checkpointed)["config"]["activation_checkpointing"] is True
+    assert run(causal_lm.main, bf16, *args, "--mixed-precision", "bf16") == 0
+    assert read_summary(bf16)["mixed_precision"] == "bf16"
