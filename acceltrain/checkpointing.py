@@ -43,14 +43,14 @@ def resolve_output_dir(cfg: TrainConfig, recipe_name: str) -> Path:
     return output_dir
 
 
-def export_weights(accelerator, model, output_dir: Path) -> Path:
+def export_weights(accelerator, model, output_dir: Path, weights: dict | None = None) -> Path:
     """Final full weights, loadable by the plain model: ``Accelerator.get_state_dict`` gathers DeepSpeed
     ZeRO-3 / FSDP shards and unwraps DDP and compilation (no ``module.``/``_orig_mod.`` prefix). Written
     by hand rather than with ``save_model``, which drops every tensor that shares storage with another
     as an "alias" (a logger warning only), and ZeRO-3's gathered weights are views of one flat buffer."""
     from safetensors.torch import save_file
 
-    state_dict = accelerator.get_state_dict(model)
+    state_dict = accelerator.get_state_dict(model) if weights is None else weights
     path = output_dir / WEIGHTS_FILE
     if accelerator.is_main_process:
         tensors = {name: tensor.detach().to("cpu").contiguous().clone() for name, tensor in state_dict.items()}
@@ -90,6 +90,7 @@ class TrainerState:
     last_eval: dict = dataclasses.field(default_factory=dict)
     tracker_run_id: str | None = None
     scheduler: dict = dataclasses.field(default_factory=dict)  # the LR scheduler's state_dict
+    hooks: list = dataclasses.field(default_factory=list)  # names of the stateful hooks saved in hooks/
     # what must not change across a resume for it to be exact
     seed: int = 0
     global_batch_size: int = 0
@@ -127,10 +128,10 @@ def _fsync(path: Path) -> None:
         os.close(descriptor)
 
 
-def save_checkpoint(accelerator, state: TrainerState, output_dir: Path) -> Path:
-    """``Accelerator.save_state`` into a temporary folder, then the trainer state and a manifest
-    (size and sha256 of every file), fsync, and one atomic rename. A crash at any point leaves either
-    no new checkpoint or a complete one; never a half-written ``step_*``."""
+def save_checkpoint(accelerator, state: TrainerState, output_dir: Path, write_extra=None) -> Path:
+    """``Accelerator.save_state`` into a temporary folder, then ``write_extra(folder)`` (the hooks' states),
+    the trainer state and a manifest (size and sha256 of every file), fsync, and one atomic rename. A crash
+    at any point leaves either no new checkpoint or a complete one; never a half-written ``step_*``."""
     final = checkpoint_dir(output_dir, state.step)
     staging = final.with_name(f".tmp-{final.name}")
     if accelerator.is_main_process and staging.exists():
@@ -139,6 +140,8 @@ def save_checkpoint(accelerator, state: TrainerState, output_dir: Path) -> Path:
     accelerator.save_state(str(staging))
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
+        if write_extra is not None:
+            write_extra(staging)
         (staging / STATE_FILE).write_text(json.dumps(dataclasses.asdict(state), indent=2))
         manifest = {}
         for file in sorted(p for p in staging.rglob("*") if p.is_file()):

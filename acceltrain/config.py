@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import math
 import sys
 import types
 import typing
@@ -18,6 +19,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
+
+__all__ = [
+    "CompileMode", "ConfigError", "LRSchedule", "MixedPrecision", "Optimizer", "ReportTo", "ScaleLR", "TrainConfig",
+    "WandbMode", "build_parser", "flag_name", "load_yaml_preset", "option", "parse_config", "parse_step_range", "require",
+]
 
 
 class ConfigError(ValueError):
@@ -62,8 +68,11 @@ class TrainConfig:
     eval_every: int | None = option(
         None, "evaluate every N optimizer steps; unset: at the end of each epoch and of the run"
     )
+    target_metric: float | None = option(
+        None, "finish as soon as the task's primary metric reaches this (accuracy: >=, loss: <=); records time_to_target_seconds"
+    )
     target_accuracy: float | None = option(
-        None, "stop as soon as eval accuracy reaches this fraction; records time_to_target_seconds"
+        None, "--target-metric for tasks whose primary metric is accuracy (classification), as a fraction"
     )
     # -- hardware and precision
     mixed_precision: MixedPrecision | None = option(
@@ -146,14 +155,16 @@ class TrainConfig:
             require(self.eval_every >= 1, "eval_every", self.eval_every, "an integer >= 1")
         if self.target_accuracy is not None:
             require(0 < self.target_accuracy <= 1, "target_accuracy", self.target_accuracy, "a fraction in (0, 1]")
+            if self.target_metric is not None:
+                raise ConfigError("give one of --target-metric and --target-accuracy, not both")
+        if self.target_metric is not None:
+            require(math.isfinite(self.target_metric), "target_metric", self.target_metric, "a finite number")
         for name in ("save_every_steps", "keep_last", "stop_after_steps"):
             if getattr(self, name) is not None:
                 require(getattr(self, name) >= 1, name, getattr(self, name), "an integer >= 1")
         if self.save_every_minutes is not None:
             require(self.save_every_minutes > 0, "save_every_minutes", self.save_every_minutes, "a number > 0")
         if self.profile_steps is not None:
-            from .profiling import parse_step_range
-
             parse_step_range(self.profile_steps)
         if self.resume == "auto" and self.output_dir is None:
             raise ConfigError("--resume auto needs --output-dir: the run folder whose checkpoints to continue from")
@@ -171,6 +182,17 @@ def require(ok: bool, name: str, value: Any, allowed: str) -> None:
     """Raise the standard one-line error for field ``name`` unless ``ok``."""
     if not ok:
         raise ConfigError(f"--{flag_name(name)} {value!r} is invalid: must be {allowed}")
+
+
+def parse_step_range(text: str) -> tuple[int, int]:
+    """``"A:B"`` -> (A, B), optimizer steps counted from 1, A <= B; else ConfigError."""
+    try:
+        first, last = (int(part) for part in text.split(":"))
+    except ValueError:
+        first = last = -1
+    if not 1 <= first <= last:
+        raise ConfigError(f"--profile-steps {text!r} is invalid: must be A:B with 1 <= A <= B (optimizer steps)")
+    return first, last
 
 
 def flag_name(field_name: str) -> str:

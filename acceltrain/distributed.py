@@ -15,6 +15,7 @@ from typing import TypeVar
 
 import torch
 import torch.distributed as dist
+from accelerate.utils import DistributedType
 from torch import nn
 
 from .config import ConfigError, TrainConfig
@@ -153,18 +154,18 @@ def convert_sync_batchnorm(model: nn.Module, on_cpu: bool) -> nn.Module:
     return model
 
 
-_REQUESTED_BACKENDS = {"ACCELERATE_USE_FSDP": "FSDP", "ACCELERATE_USE_DEEPSPEED": "DEEPSPEED"}
+_REQUESTED_BACKENDS = {"ACCELERATE_USE_FSDP": DistributedType.FSDP, "ACCELERATE_USE_DEEPSPEED": DistributedType.DEEPSPEED}
 
 
 def check_backend_honoured(distributed_type) -> None:
     """Refuse to train when the accelerate config asked for FSDP or DeepSpeed and Accelerate quietly set up
     something else (on CPU it drops FSDP for plain DDP, or runs N independent copies)."""
     for variable, backend in _REQUESTED_BACKENDS.items():
-        if os.environ.get(variable, "").lower() == "true" and distributed_type.value != backend:
+        if os.environ.get(variable, "").lower() == "true" and distributed_type != backend:
             raise ConfigError(
-                f"the accelerate config asks for {backend} but Accelerate set up {distributed_type.value} here "
+                f"the accelerate config asks for {backend.value} but Accelerate set up {distributed_type.value} here "
                 f"({'no GPU' if use_cpu(False) else 'check the config'}); refusing to fall back silently: "
-                f"use a GPU machine or a config without {backend} (accelerate_configs/multi_cpu.yaml on CPU)"
+                f"use a GPU machine or a config without {backend.value} (accelerate_configs/multi_cpu.yaml on CPU)"
             )
 
 

@@ -1,19 +1,64 @@
 """What the loop computes on a batch. A task turns a batch into a training loss and into per-sample
-evaluation values; the loop averages those values over the whole evaluation set, exactly, across
-processes (``gather_for_metrics``). Write your own for another kind of model."""
+evaluation values; the loop sums those values over the whole evaluation set, exactly, across
+processes (``gather_for_metrics``). Write your own for another kind of model: :class:`Task` names
+everything the loop reads, and ``fit()`` checks a task against it before any training."""
 
 from __future__ import annotations
+
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .config import ConfigError
 
-class ClassificationTask:
+
+class Task(Protocol):
+    """What ``fit(task=...)`` needs. Subclass it to inherit the optional attributes' defaults, or write any
+    object with the same names.
+
+    Required: ``train_loss(model, batch)``, a scalar loss to minimise, or ``(loss sum, target count)``
+    to have the gradient divided by the target count of the whole accumulation window on all processes
+    (set ``sums_losses = True`` then). With an eval set also ``eval_values(model, batch)`` ->
+    ``{name: per-sample tensor}``, ``primary_metric`` (one of those names, or of ``eval_metrics``' keys:
+    what ``--keep-best`` and ``--target-metric`` read) and ``higher_is_better``.
+
+    Optional: ``eval_metrics(sums, samples)`` turns the eval values summed over the eval set into metrics
+    (default: their means); ``flops_per_sample`` (default: counted with torch's FLOP counter) and
+    ``tokens_per_sample`` (tokens/s is reported when set).
+    """
+
+    primary_metric: str
+    higher_is_better: bool
+    flops_per_sample: float | None = None
+    tokens_per_sample: int | None = None
+    sums_losses: bool = False
+
+    def train_loss(self, model: nn.Module, batch) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
+
+    def eval_values(self, model: nn.Module, batch) -> dict[str, torch.Tensor]: ...
+
+
+def check_task(task, evaluates: bool) -> None:
+    """A one-line ConfigError naming the first attribute the loop would miss, before any training."""
+    name = type(task).__name__
+    required = {"train_loss": callable}
+    if evaluates:
+        required.update(eval_values=callable, primary_metric=lambda v: isinstance(v, str),
+                        higher_is_better=lambda v: isinstance(v, bool))
+    for attribute, valid in required.items():
+        if not hasattr(task, attribute):
+            raise ConfigError(f"task {name} has no {attribute!r}: a task needs {', '.join(required)} (see acceltrain.Task)")
+        if not valid(getattr(task, attribute)):
+            raise ConfigError(f"task {name}.{attribute} = {getattr(task, attribute)!r} is invalid (see acceltrain.Task)")
+
+
+class ClassificationTask(Task):
     """Batches are ``(inputs, labels)``; trains on cross-entropy (optionally label-smoothed) and
     evaluates per-sample loss and accuracy."""
 
-    primary_metric = "accuracy"  # what --keep-best and --target-accuracy look at
+    primary_metric = "accuracy"
     higher_is_better = True
 
     def __init__(self, label_smoothing: float = 0.0):

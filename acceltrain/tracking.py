@@ -83,7 +83,7 @@ def start_tracking(accelerator, cfg: TrainConfig, names: list[str], *, run_name:
 
 def finish_tracking(accelerator, names: list[str], summary: dict, weights: Path, log_model: bool, extra_files=()) -> None:
     """Make the W&B run summary equal ``summary.json``, attach the weights if asked and ``extra_files``
-    (the profiler's trace and tables); then close."""
+    (the profiler's trace and tables). ``Accelerator.end_training`` closes the run afterwards."""
     if "wandb" in names and accelerator.is_main_process:
         run = accelerator.get_tracker("wandb", unwrap=True)
         run.log({}, commit=True)  # flush the last step's row first: its auto-summary would overwrite ours
@@ -96,7 +96,6 @@ def finish_tracking(accelerator, names: list[str], summary: dict, weights: Path,
             artifact = wandb.Artifact(f"model-{run.id}", type="model", metadata={"steps": summary["steps"]})
             artifact.add_file(str(weights))
             run.log_artifact(artifact)
-    accelerator.end_training()
 
 
 def _flat_scalars(config: dict, prefix: str = "") -> dict:

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torchvision.models.resnet import BasicBlock, Bottleneck
 
 from acceltrain.metrics import synchronize
-from acceltrain.models import build_resnet
+from acceltrain.vision import build_resnet
 from acceltrain.speed import enable_activation_checkpointing
 from common import median, start, verdict, write_result
 

@@ -69,7 +69,7 @@ def baselines(run_dir: Path, config: dict) -> dict:
     """Unigram and untrained-model cross-entropy (nats per predicted token) on the run's held-out blocks."""
     from accelerate.utils import set_seed
 
-    from acceltrain.lm import CausalLMTask, build_causal_lm
+    from acceltrain.text import CausalLMTask, build_causal_lm
     from acceltrain.text import load_text, show_progress_bars, split_blocks, token_blocks, tokenizer_for_run
 
     show_progress_bars(False)

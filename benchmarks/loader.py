@@ -65,7 +65,7 @@ def best_over_workers(name: str, make_loader) -> dict:
 def torchvision_loader(root, workers: int) -> DataLoader:
     from torchvision import datasets, transforms
 
-    from acceltrain.data import CIFAR10_MEAN, CIFAR10_STD
+    from acceltrain.vision import CIFAR10_MEAN, CIFAR10_STD
 
     transform = transforms.Compose([
         transforms.RandomCrop(32, padding=4), transforms.RandomHorizontalFlip(),
@@ -77,8 +77,9 @@ def torchvision_loader(root, workers: int) -> DataLoader:
 
 
 def main() -> None:
-    from acceltrain.data import image_datasets, train_loader
-    from acceltrain.device_loader import DeviceImageLoader
+    from acceltrain.data import train_loader
+    from acceltrain.vision import image_datasets
+    from acceltrain.vision import DeviceImageLoader
 
     torch.set_num_threads(TORCH_THREADS)
     info = start(f"loader: ready batches of {BATCH_SIZE} on {DEVICE}, {TORCH_THREADS} torch thread(s)")

@@ -30,9 +30,10 @@ import torch.nn.functional as F
 from accelerate.utils import set_seed
 
 from acceltrain import TrainConfig, build_optimizer, fit
-from acceltrain.data import CropFlip, ImageClassification, synthetic_images, train_loader
+from acceltrain.data import train_loader
+from acceltrain.vision import CropFlip, ImageClassification, synthetic_images
 from acceltrain.metrics import synchronize
-from acceltrain.models import build_resnet
+from acceltrain.vision import build_resnet
 from acceltrain.optim import build_scheduler
 from common import median, reset_accelerate_state, start, verdict, write_result
 

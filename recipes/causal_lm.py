@@ -13,17 +13,15 @@ Every flag: python recipes/causal_lm.py --help
 import dataclasses
 from dataclasses import dataclass
 
-from accelerate.utils import DistributedType
-
-from acceltrain import ConfigError, TrainConfig, build_optimizer, fit, option, require, run_recipe
-from acceltrain.loop import TOKEN_NORMALISATION_UNDER_DEEPSPEED
-from acceltrain.checkpointing import resolve_output_dir
+from acceltrain import ConfigError, TrainConfig, build_optimizer, fit, on_main_process_first, option, require, run_recipe, setup_run
 from acceltrain.config import Optimizer
-from acceltrain.distributed import init_process_state
-from acceltrain.lm import MODEL_PRESETS, CausalLMTask, build_causal_lm, flops_per_block, load_causal_lm
 from acceltrain.text import (
+    MODEL_PRESETS,
+    CausalLMTask,
+    build_causal_lm,
+    flops_per_block,
+    load_causal_lm,
     load_text,
-    on_main_process_first,
     removed_on_bad_input,
     save_tokenizer,
     show_progress_bars,
@@ -75,19 +73,15 @@ class CausalLMConfig(TrainConfig):
         require(self.vocab_size >= 257, "vocab_size", self.vocab_size, "an integer >= 257 (256 bytes and <|endoftext|>)")
         require(0 <= self.eval_fraction < 1, "eval_fraction", self.eval_fraction, "a fraction in [0, 1)")
         require(0 <= self.dropout < 1, "dropout", self.dropout, "a number in [0, 1)")
-        if self.target_accuracy is not None:
-            raise ConfigError(f"--target-accuracy {self.target_accuracy} does not apply to a language model: it has no accuracy")
         if self.num_proc is not None:
             require(self.num_proc >= 1, "num_proc", self.num_proc, "an integer >= 1")
 
 
 def main(cfg: CausalLMConfig, task_class: type[CausalLMTask] = CausalLMTask) -> dict:
-    state = init_process_state(cfg)  # before main_process_first: a 2-process CPU launch must form one job
-    if state.distributed_type == DistributedType.DEEPSPEED:  # refused before any tokenising, not at the first step
-        raise ConfigError(TOKEN_NORMALISATION_UNDER_DEEPSPEED)
-    output_dir = resolve_output_dir(cfg, NAME)  # the tokenizer lives there, before fit() creates the rest
-    cfg = dataclasses.replace(cfg, output_dir=str(output_dir))
-    show_progress_bars(cfg.progress and state.is_main_process)
+    # the output folder first: the tokenizer lives there; DeepSpeed is refused before any tokenising
+    run = setup_run(cfg, NAME, task=task_class)
+    cfg, output_dir = run.cfg, run.output_dir
+    show_progress_bars(cfg.progress and run.is_main_process)
     with removed_on_bad_input(output_dir):
         texts = load_text(cfg.text_files, cfg.dataset_name, cfg.dataset_config)
         tokenizer_source, flag = (cfg.tokenizer, "--tokenizer") if cfg.tokenizer else (cfg.model_name_or_path, "--model-name-or-path")
@@ -101,7 +95,7 @@ def main(cfg: CausalLMConfig, task_class: type[CausalLMTask] = CausalLMTask) -> 
             model = build_causal_lm(cfg.model, **shape, dropout=cfg.dropout, end_of_text_id=tokenizer.eos_token_id)
         task = task_class(cfg.block_size, flops_per_block(model, cfg.block_size))
         summary = fit(cfg, model, build_optimizer(model, cfg), train_set, eval_set, task=task, name=NAME)
-    if state.is_main_process:  # with model.safetensors: a folder that from_pretrained loads, tokenizer included
+    if run.is_main_process:  # with model.safetensors: a folder that from_pretrained loads, tokenizer included
         model.config.save_pretrained(output_dir)
         save_tokenizer(tokenizer, output_dir)
     return summary

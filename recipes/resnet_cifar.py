@@ -10,8 +10,7 @@ Every flag: python recipes/resnet_cifar.py --help
 from dataclasses import dataclass
 
 from acceltrain import ClassificationTask, TrainConfig, build_optimizer, fit, option, require, run_recipe
-from acceltrain.data import IMAGE_DATASETS, image_datasets
-from acceltrain.models import RESNETS, STEMS, build_resnet
+from acceltrain.vision import IMAGE_DATASETS, RESNETS, STEMS, build_resnet, image_datasets
 
 
 @dataclass

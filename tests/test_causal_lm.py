@@ -23,7 +23,7 @@ sys.path.insert(0, str(REPO / "tests" / "helpers"))
 import causal_lm  # noqa: E402
 import uneven_causal_lm  # noqa: E402
 
-from acceltrain.lm import CausalLMTask, build_causal_lm, flops_per_block, matmul_parameters  # noqa: E402
+from acceltrain.text import CausalLMTask, build_causal_lm, flops_per_block, matmul_parameters  # noqa: E402
 from acceltrain.text import TOKENIZER_FILE, split_blocks  # noqa: E402
 
 UNEVEN_RECIPE = REPO / "tests" / "helpers" / "uneven_causal_lm.py"
@@ -235,7 +235,8 @@ BAD_INPUTS = [
     (["--text-files", "{text}", "--tokenizer", "{tmp}/missing"], "no such file or folder"),
     (["--text-files", "{text}", "--model-name-or-path", "openai-community/gpt2"], "--model-name-or-path 'openai-community/gpt2'"),
     (["--text-files", "{text}", "--vocab-size", "100"], "--vocab-size 100 is invalid"),
-    (["--text-files", "{text}", "--target-accuracy", "0.5"], "--target-accuracy 0.5 does not apply to a language model"),
+    (["--text-files", "{text}", "--target-accuracy", "0.5"], "--target-accuracy 0.5 needs a task whose primary metric is accuracy; CausalLMTask's is 'loss'"),
+    (["--text-files", "{text}", "--data-on-device"], "--data-on-device needs a dataset with a device_loader() method"),
 ]
 
 

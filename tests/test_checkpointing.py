@@ -192,9 +192,12 @@ def test_rotation_keeps_the_newest_and_the_best(tmp_path):
 
 
 def test_toolkit_never_calls_torch_load_without_weights_only():
-    for source in (REPO / "acceltrain").glob("*.py"):
+    sources = list((REPO / "acceltrain").rglob("*.py"))
+    assert any(path.parent.name == "hooks" for path in sources), "subpackages are scanned too"
+    for source in sources:
         for call in re.findall(r"torch\.load\([^)]*\)", source.read_text()):
-            assert "weights_only=True" in call, f"{source.name}: {call}"
+            assert "weights_only=True" in call, f"{source.relative_to(REPO)}: {call}"
+        assert "pickle.load" not in source.read_text(), source
 
 
 def test_rotation_orders_by_step_not_by_name_or_save_count(tmp_path):

@@ -150,3 +150,18 @@ def test_help_lists_every_flag():
     result = check(launch(RECIPE, ["--help"]))
     for flag in ("--batch-size", "--grad-accum", "--lr-schedule", "--target-accuracy", "--sync-bn", "--report-to", "--data-dir", "--model"):
         assert flag in result.stdout
+
+
+def test_recipes_import_only_public_names():
+    """Every name a recipe imports from acceltrain is in that module's __all__: recipes are what users copy."""
+    import ast
+    import importlib
+
+    from conftest import REPO
+
+    for recipe in (REPO / "recipes").glob("*.py"):
+        for node in ast.walk(ast.parse(recipe.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "acceltrain":
+                public = importlib.import_module(node.module).__all__
+                for alias in node.names:
+                    assert alias.name in public, f"{recipe.name} imports {node.module}.{alias.name}, not in its __all__"

@@ -6,7 +6,8 @@ import torch
 from accelerate.data_loader import BatchSamplerShard
 from torch.utils.data import BatchSampler
 
-from acceltrain.data import CropFlip, EpochSampler, ImageClassification, image_datasets, synthetic_images, train_loader
+from acceltrain.data import EpochSampler, train_loader
+from acceltrain.vision import CropFlip, ImageClassification, image_datasets, synthetic_images
 
 
 def test_shuffle_is_seeded_and_differs_between_epochs():

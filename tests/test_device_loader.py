@@ -14,9 +14,12 @@ from accelerate.data_loader import BatchSamplerShard
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from acceltrain import ConfigError, device_loader
-from acceltrain.data import CropFlip, ImageClassification, decode_image_file, image_datasets, synthetic_images, train_loader
-from acceltrain.device_loader import DeviceImageLoader
+from acceltrain import ConfigError
+from acceltrain.vision import device_loader
+from acceltrain.data import train_loader
+from acceltrain.vision import CropFlip, ImageClassification, image_datasets, synthetic_images
+from acceltrain.vision.data import decode_image_file
+from acceltrain.vision import DeviceImageLoader
 
 BATCH = 8
 

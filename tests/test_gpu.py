@@ -23,7 +23,7 @@ def test_sync_bn_uses_torch_sync_batchnorm_on_gpu():
     import torch
 
     from acceltrain.distributed import convert_sync_batchnorm
-    from acceltrain.models import build_resnet
+    from acceltrain.vision import build_resnet
 
     model = convert_sync_batchnorm(build_resnet("resnet_tiny"), on_cpu=False)
     assert any(isinstance(m, torch.nn.SyncBatchNorm) for m in model.modules())

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from acceltrain import run_recipe
-from acceltrain.data import CropFlip, ImageClassification, synthetic_images
+from acceltrain.vision import CropFlip, ImageClassification, synthetic_images
 from acceltrain.metrics import Throughput
 from acceltrain.optim import lr_multiplier
 from conftest import RECIPE, read_events, read_summary
@@ -122,7 +122,7 @@ def test_recipe_on_synthetic_data_learns_and_writes_its_outputs(tmp_path):
     losses = [e["loss"] for e in read_events(out) if "loss" in e]
     assert len(losses) == 6 and losses[-1] < losses[0]
     assert summary["eval_accuracy"] > 0.3  # 10 classes: chance is 0.1
-    from acceltrain.models import build_resnet
+    from acceltrain.vision import build_resnet
 
     plain_keys = set(build_resnet("resnet_tiny").state_dict())
     assert set(load_file(str(out / "model.safetensors"))) == plain_keys

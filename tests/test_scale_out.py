@@ -32,7 +32,7 @@ def test_deepspeed_runs_saves_resumes_exactly_and_exports_plain_weights(tmp_path
     assert "stopped at step 3" in stopped.stdout
     check(launch(RECIPE, [*CIFAR, "--output-dir", str(part), "--resume", "auto"], launcher="accelerate", config=config))
     assert (part / "model.safetensors").read_bytes() == (full / "model.safetensors").read_bytes()
-    from acceltrain.models import build_resnet
+    from acceltrain.vision import build_resnet
 
     build_resnet("resnet_tiny").load_state_dict(load_file(str(full / "model.safetensors")))  # strict: every key
 

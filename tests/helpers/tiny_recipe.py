@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from acceltrain import ClassificationTask, TrainConfig, fit, option, run_recipe
-from acceltrain.data import CropFlip, ImageClassification, synthetic_images
+from acceltrain.vision import CropFlip, ImageClassification, synthetic_images
 
 
 @dataclass
@@ -76,7 +76,7 @@ def build_net(batchnorm: bool) -> nn.Module:
     return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10))
 
 
-def main(cfg: TinyConfig) -> None:
+def main(cfg: TinyConfig, hooks=(), task=None) -> None:
     (train_images, train_labels), (eval_images, eval_labels) = synthetic_images(cfg.num_train, cfg.num_eval, seed=cfg.seed)
     classes = [str(i) for i in range(10)]
     train_set = ImageClassification(train_images, train_labels, classes, augment=CropFlip(), seed=cfg.seed)
@@ -86,8 +86,8 @@ def main(cfg: TinyConfig) -> None:
     allreduce_counter = {"allreduces": 0}
     if cfg.count_allreduce:
         count_gradient_allreduces(allreduce_counter)
-    task = MaskedClassification() if cfg.masked_loss else ClassificationTask()
-    summary = fit(cfg, model, optimizer, train_set, eval_set, task=task, name="tiny")
+    task = task or (MaskedClassification() if cfg.masked_loss else ClassificationTask())
+    summary = fit(cfg, model, optimizer, train_set, eval_set, task=task, hooks=hooks, name="tiny")
     rank = int(os.environ.get("RANK", "0"))
     out = Path(summary["config"]["output_dir"])
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(out / f"rank{rank}.safetensors"))

@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "recipes"))
 import causal_lm  # noqa: E402
 
 from acceltrain import run_recipe  # noqa: E402
-from acceltrain.lm import IGNORE_INDEX, CausalLMTask  # noqa: E402
+from acceltrain.text import IGNORE_INDEX, CausalLMTask  # noqa: E402
 
 
 class UnevenTargets(CausalLMTask):

@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import ConfigError
+from ..config import ConfigError
+from ..tasks import Task
 
 IGNORE_INDEX = -100  # a target position that is not predicted (padding, masked tokens)
 
@@ -58,7 +59,7 @@ def load_causal_lm(name_or_path: str, *, vocab_size: int, block_size: int):
     the block size before any training starts."""
     from transformers import AutoModelForCausalLM
 
-    from .text import load_local_or_hub
+    from .corpus import load_local_or_hub
 
     model = load_local_or_hub(AutoModelForCausalLM.from_pretrained, name_or_path, "--model-name-or-path", "a causal LM")
     embedded = model.get_input_embeddings().num_embeddings
@@ -95,7 +96,7 @@ def flops_per_block(model: nn.Module, block_size: int) -> int:
     return 6 * matmul_parameters(model) * block_size + 12 * config.num_hidden_layers * config.hidden_size * block_size**2
 
 
-class CausalLMTask:
+class CausalLMTask(Task):
     """Next-token prediction on batches ``{"input_ids": [B, T]}`` (optionally ``"labels"``, -100 where not
     predicted). Training returns ``(summed token loss, target count)`` so that the loop divides the
     gradient by the targets of the whole accumulation window on all processes: the loss of every target
@@ -103,8 +104,9 @@ class CausalLMTask:
     sums token losses and counts per sequence; ``eval_metrics`` turns the totals into the mean token
     loss and its perplexity."""
 
-    primary_metric = "loss"  # what --keep-best looks at
+    primary_metric = "loss"
     higher_is_better = False
+    sums_losses = True
 
     def __init__(self, block_size: int, flops_per_sample: int):
         self.tokens_per_sample = block_size

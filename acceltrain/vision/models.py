@@ -7,7 +7,7 @@ import torch
 from torch import nn
 from torchvision.models.resnet import BasicBlock
 
-from .config import ConfigError
+from ..config import ConfigError
 
 RESNETS = ("resnet18", "resnet34", "resnet50", "resnet_tiny")
 STEMS = ("cifar", "imagenet")

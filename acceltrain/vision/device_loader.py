@@ -22,9 +22,10 @@ import torch
 from accelerate.data_loader import DataLoaderStateMixin
 from accelerate.state import GradientState
 
-from .config import ConfigError
-from .data import CropFlip, EpochSampler, ImageClassification, decode_image_file
-from .distributed import on_main_process_first
+from ..config import ConfigError
+from ..data import EpochSampler
+from .data import CropFlip, ImageClassification, decode_image_file
+from ..distributed import on_main_process_first
 
 FALLBACK_CACHE_DIR = Path.home() / ".cache" / "acceltrain"
 
@@ -86,11 +87,6 @@ class DeviceImageLoader(DataLoaderStateMixin):
     ) -> DeviceImageLoader:
         """The loader for one of the project's image datasets: in-memory uint8 images are moved to
         ``device``; file lists are decoded once into a safetensors cache in ``cache_dir`` (the data dir)."""
-        if not isinstance(dataset, ImageClassification):
-            raise ConfigError(
-                f"--data-on-device needs an image classification dataset (acceltrain.data.ImageClassification), "
-                f"not {type(dataset).__name__}"
-            )
         if isinstance(dataset.images, torch.Tensor):
             images = dataset.images
         else:

@@ -8,35 +8,30 @@ from pathlib import Path
 
 import torch
 
-from .config import ConfigError
+from ..config import parse_step_range
+from .base import Hook
 
 
-def parse_step_range(text: str) -> tuple[int, int]:
-    """``"A:B"`` -> (A, B), optimizer steps counted from 1, A <= B; else ConfigError."""
-    try:
-        first, last = (int(part) for part in text.split(":"))
-    except ValueError:
-        first = last = -1
-    if not 1 <= first <= last:
-        raise ConfigError(f"--profile-steps {text!r} is invalid: must be A:B with 1 <= A <= B (optimizer steps)")
-    return first, last
+class Profiler(Hook):
+    """Runs ``torch.profiler`` on the main process from the start of optimizer step A to the end of step B
+    (CPU and CUDA activities, shapes and memory recorded), then writes ``profile/trace.json`` (open it in
+    Perfetto or chrome://tracing) and ``profile/top_ops.txt`` (top operators by time and by memory),
+    both attached to the tracker run."""
 
-
-class StepProfiler:
-    """Runs ``torch.profiler`` from the start of optimizer step A to the end of step B (CPU and CUDA
-    activities, shapes and memory recorded), then writes ``profile/trace.json`` (open it in Perfetto
-    or chrome://tracing) and ``profile/top_ops.txt`` (top operators by time and by memory)."""
-
-    def __init__(self, steps: str | None, output_dir: Path, with_stack: bool, enabled: bool):
-        self.range = parse_step_range(steps) if steps else None
-        self.folder = output_dir / "profile"
+    def __init__(self, steps: str, with_stack: bool):
+        self.range = parse_step_range(steps)
         self.with_stack = with_stack
-        self.enabled = enabled and self.range is not None  # the main process profiles; others train
         self._profiler = None
-        self.files: list[Path] = []
 
-    def step_ended(self, step: int) -> None:
-        """Call with 0 before the first step and with each optimizer step number after it."""
+    def on_fit_start(self, run) -> None:
+        self.folder = run.output_dir / "profile"
+        self.enabled = run.accelerator.is_main_process  # the others train
+        self._step_ended(run, run.step)
+
+    def on_step_end(self, run) -> None:
+        self._step_ended(run, run.step)
+
+    def _step_ended(self, run, step: int) -> None:
         if not self.enabled:
             return
         first, last = self.range
@@ -48,10 +43,10 @@ class StepProfiler:
             self._profiler.__enter__()
         elif step == last and self._profiler is not None:
             self._profiler.__exit__(None, None, None)
-            self._write()
+            run.files_to_attach += self._write()
             self._profiler = None
 
-    def _write(self) -> None:
+    def _write(self) -> list[Path]:
         self.folder.mkdir(parents=True, exist_ok=True)
         trace = self.folder / "trace.json"
         self._profiler.export_chrome_trace(str(trace))
@@ -67,21 +62,38 @@ class StepProfiler:
         )
         top = self.folder / "top_ops.txt"
         top.write_text(table)
-        self.files = [trace, top]
+        return [trace, top]
 
 
-class MemoryReport:
+class MemoryReport(Hook):
     """Memory at the points that separate weights, activations, gradients and optimizer state: after the
-    model is on its device, after the first forward, after the first backward, after the first
-    optimizer step. CUDA: allocated / reserved / max allocated; CPU: the process's resident set."""
+    model is on its device, after the first forward, after the first backward (just before the first
+    optimizer step), after the first optimizer step; printed and written to ``memory.json`` by the main
+    process. CUDA: allocated / reserved / max allocated; CPU: the process's resident set. The points
+    are one-shot forward and optimizer-step hooks, so the loop's hot path carries nothing for them."""
 
-    def __init__(self, device: torch.device, enabled: bool):
-        self.device = device
-        self.enabled = enabled
+    def on_fit_start(self, run) -> None:
+        self.device = run.accelerator.device
         self.rows: list[dict] = []
+        self._mark("model on device")
+        optimizer = getattr(run.optimizer, "optimizer", run.optimizer)  # the torch optimizer inside Accelerate's wrapper
+        module = run.accelerator.unwrap_model(run.model)
+        self._handles = [
+            module.register_forward_hook(lambda *_: self._mark("first forward")),
+            optimizer.register_step_pre_hook(lambda *_: self._mark("first backward")),
+            optimizer.register_step_post_hook(lambda *_: self._mark("first optimizer step")),
+        ]
 
-    def mark(self, stage: str) -> None:
-        if not self.enabled or any(row["stage"] == stage for row in self.rows):
+    def on_step_end(self, run) -> None:
+        if self._handles:
+            for handle in self._handles:
+                handle.remove()
+            self._handles = []
+            if run.accelerator.is_main_process:
+                self._write(run.output_dir, run.accelerator.print)
+
+    def _mark(self, stage: str) -> None:
+        if any(row["stage"] == stage for row in self.rows):
             return
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -94,9 +106,7 @@ class MemoryReport:
             row = {"rss_mb": _current_rss_mb()}
         self.rows.append({"stage": stage, **row})
 
-    def write(self, output_dir: Path, printer) -> None:
-        if not self.enabled or not self.rows:
-            return
+    def _write(self, output_dir: Path, printer) -> None:
         (output_dir / "memory.json").write_text(json.dumps(self.rows, indent=2))
         columns = [key for key in self.rows[0] if key != "stage"]
         lines = [f"{'memory':<24}" + "".join(f"{c:>18}" for c in columns)]
@@ -116,6 +126,6 @@ def _current_rss_mb() -> float:
 
         return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
     except OSError:  # not Linux: fall back to the peak, which is what the platform offers
-        from .metrics import peak_memory_mb
+        from ..metrics import peak_memory_mb
 
         return next(iter(peak_memory_mb(torch.device("cpu")).values()))

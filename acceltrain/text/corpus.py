@@ -24,9 +24,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .config import ConfigError
-from .data import available_cpus, mix_seed
-from .distributed import on_main_process_first
+from ..config import ConfigError
+from ..data import available_cpus, mix_seed
+from ..distributed import on_main_process_first
 
 TOKENIZER_FILE = "tokenizer.json"
 END_OF_TEXT = "<|endoftext|>"

@@ -1,0 +1,40 @@
+"""Hooks: optional behaviour as small objects the loop calls at named points (see :mod:`.base` for the
+protocol and the order). Every flag-driven behaviour of ``fit()`` is one of the built-in hooks below."""
+
+from __future__ import annotations
+
+from .base import EVENTS, Hook, Hooks
+from .checkpoint import CheckpointSchedule, Preemption
+from .ema import EMA
+from .evaluation import Evaluation, TargetMetric
+from .logging import Console, MetricsFile, Trackers, TrainingLog
+from .profiling import MemoryReport, Profiler
+
+__all__ = [
+    "EMA", "EVENTS", "CheckpointSchedule", "Console", "Evaluation", "Hook", "Hooks", "MemoryReport",
+    "MetricsFile", "Preemption", "Profiler", "TargetMetric", "Trackers", "TrainingLog", "builtin_hooks",
+]
+
+
+def builtin_hooks(cfg, *, evaluates: bool, trackers: list[str], run_config: dict) -> list[Hook]:
+    """The hooks the flags ask for, in the order they run at each event (after the user's): looking inside,
+    the training log, evaluation and what reacts to it, checkpoints, preemption, then the writers of
+    every logged row."""
+    hooks: list[Hook] = []
+    if cfg.profile_steps:
+        hooks.append(Profiler(cfg.profile_steps, cfg.profile_with_stack))
+    if cfg.memory_report:
+        hooks.append(MemoryReport())
+    hooks.append(TrainingLog(cfg.log_every))
+    if evaluates:
+        hooks.append(Evaluation(cfg.eval_every))
+        if cfg.target_metric is not None:
+            hooks.append(TargetMetric(cfg.target_metric))
+    if cfg.save_every_steps or cfg.save_every_minutes or cfg.keep_best or cfg.stop_after_steps:
+        hooks.append(CheckpointSchedule(cfg.save_every_steps, cfg.save_every_minutes, cfg.keep_last, cfg.keep_best))
+    hooks.append(Preemption(cfg.stop_after_steps))
+    hooks.append(MetricsFile())
+    if trackers:
+        hooks.append(Trackers(trackers, run_config))
+    hooks.append(Console(cfg.progress))
+    return hooks

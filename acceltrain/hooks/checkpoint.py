@@ -1,0 +1,63 @@
+"""When to checkpoint and what to keep, and stopping to be resumed (preemption signals, time slices)."""
+
+from __future__ import annotations
+
+import time
+
+from ..checkpointing import PreemptionSignals, checkpoint_dir, rotate_checkpoints
+from .base import Hook
+
+
+class CheckpointSchedule(Hook):
+    """A checkpoint every ``every_steps`` optimizer steps and/or once ``every_minutes`` have passed since the
+    last one, whenever the primary metric improves (``keep_best``), and at the end of the run; then only
+    the newest ``keep_last`` are kept (never the best one)."""
+
+    def __init__(self, every_steps: int | None, every_minutes: float | None, keep_last: int | None, keep_best: bool):
+        self.every_steps, self.every_minutes, self.keep_last, self.keep_best = every_steps, every_minutes, keep_last, keep_best
+        self.last_save = time.monotonic()
+
+    def on_step_end(self, run) -> None:
+        if self.every_steps and run.step % self.every_steps == 0:
+            run.request_save()
+        if self.every_minutes and time.monotonic() - self.last_save >= self.every_minutes * 60:
+            run.request_save()  # each process's own clock: the loop's agreement makes them save together
+
+    def on_eval_end(self, run, metrics: dict) -> None:
+        if self.keep_best and run.eval_improved:
+            run.best_checkpoint = checkpoint_dir(run.output_dir, run.step).name
+            run.request_save()
+
+    def on_save(self, run, folder) -> None:
+        self.last_save = time.monotonic()
+        if run.accelerator.is_main_process:
+            rotate_checkpoints(run.output_dir, self.keep_last, run.best_checkpoint)
+
+    def on_train_end(self, run) -> None:
+        run.request_save()  # the final state, unless the last step was just saved
+
+
+class Preemption(Hook):
+    """SIGTERM and SIGUSR1 (what schedulers send before they kill a job), and ``--stop-after-steps`` (time
+    slices): checkpoint at the next optimizer-step boundary and stop, to be resumed with ``--resume auto``."""
+
+    def __init__(self, stop_after_steps: int | None):
+        self.stop_after_steps = stop_after_steps
+        self.signals = PreemptionSignals()
+
+    def on_fit_start(self, run) -> None:
+        self.signals.install()
+        self.first_step = run.step
+
+    def on_step_end(self, run) -> None:
+        if self.signals.received is not None:
+            run.request_stop(self.signals.name)
+        if self.stop_after_steps and run.step - self.first_step >= self.stop_after_steps:
+            run.request_stop("stop_after_steps")
+
+    def on_train_end(self, run) -> None:
+        if run.stop is not None and not run.stop.finish:
+            self.signals.ignore_further()  # on the way out: see PreemptionSignals.ignore_further
+
+    def on_fit_end(self, run, summary: dict) -> None:
+        self.signals.restore()

@@ -1,0 +1,125 @@
+"""What a run reports and where it goes: the training-log schedule (loss, lr, speed every N steps),
+and the writers of every logged row (metrics.jsonl, Accelerate's trackers, the progress bar)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from ..checkpointing import METRICS_FILE
+from ..metrics import EventLog, peak_memory_mb, synchronize
+from ..tracking import finish_tracking, start_tracking
+from .base import Hook
+
+
+class TrainingLog(Hook):
+    """Every ``every`` optimizer steps and at the last one: the mean training loss over all processes
+    since the previous row, lr, grad norm, steady-state speed and peak memory. Also times the launch's
+    first step (compilation) and puts the whole run's speed figures into the summary."""
+
+    def __init__(self, every: int):
+        self.every = every
+        self.first_step_seconds: float | None = None
+
+    def on_step_end(self, run) -> None:
+        if self.first_step_seconds is None:
+            synchronize(run.accelerator.device)
+            self.first_step_seconds = time.perf_counter() - run.launch_started
+        if run.step % self.every and run.step != run.total_steps:
+            return
+        run.train_loss = run.take_train_loss()
+        row = {"step": run.step, "epoch": run.epoch_progress, "loss": run.train_loss, "lr": run.lr,
+               **speed_figures(run, run.throughput.window()), **peak_memory_mb(run.accelerator.device)}
+        if run.grad_norm is not None:
+            row["grad_norm"] = float(run.grad_norm)
+        if run.skipped_steps or run.accelerator.mixed_precision == "fp16":
+            row["skipped_steps"] = run.skipped_steps
+        run.log(row)
+
+    def on_fit_end(self, run, summary: dict) -> None:
+        totals = run.throughput.totals()
+        ms_per_step = totals["ms_per_step"]
+        compile_seconds = None
+        if run.cfg.compile and self.first_step_seconds is not None:  # the first step less a steady one
+            compile_seconds = max(0.0, self.first_step_seconds - (ms_per_step or 0.0) / 1000)
+        summary.update(speed_figures(run, totals), timed_steps=totals["timed_steps"],
+                       first_step_seconds=self.first_step_seconds, compile_seconds=compile_seconds)
+
+
+def speed_figures(run, figures: dict) -> dict:
+    """samples/s, ms/step and data-wait fraction, plus tokens/s for tasks that count tokens, and model
+    FLOP/s and MFU (against the peak of all devices) where the FLOPs and the device's peak are known."""
+    rate = figures["samples_per_second"]
+    out = {key: value for key, value in figures.items() if key != "timed_steps"}
+    tokens_per_sample = getattr(run.task, "tokens_per_sample", None)
+    if tokens_per_sample:
+        out["tokens_per_second"] = rate * tokens_per_sample if rate else None
+    if run.flops_per_sample and rate:
+        out["model_tflops_per_second"] = rate * run.flops_per_sample / 1e12
+        out["mfu"] = rate * run.flops_per_sample / (run.peak_flops * run.accelerator.num_processes) if run.peak_flops else None
+    return out
+
+
+class MetricsFile(Hook):
+    """Every logged row as one JSON line in ``metrics.jsonl`` (main process). A resumed run first drops
+    the rows past its checkpoint's step, which it is about to replay: every step appears once."""
+
+    def on_fit_start(self, run) -> None:
+        path = run.output_dir / METRICS_FILE if run.accelerator.is_main_process else None
+        self.events = EventLog(path, keep_until_step=run.step)
+
+    def on_log(self, run, metrics: dict) -> None:
+        self.events.write(metrics)
+
+    def on_train_end(self, run) -> None:
+        self.events.close()
+
+
+class Trackers(Hook):
+    """Accelerate's trackers (W&B, TensorBoard): the run starts with the resolved config (continuing
+    the same W&B run on resume), every row is logged at its step, and the summary equals summary.json."""
+
+    def __init__(self, names: list[str], run_config: dict):
+        self.names, self.run_config = names, run_config
+
+    def on_fit_start(self, run) -> None:
+        run.tracker_run_id = start_tracking(
+            run.accelerator, run.cfg, self.names, run_name=run.cfg.run_name or run.output_dir.name,
+            output_dir=run.output_dir, run_config=self.run_config, resume_run_id=run.tracker_run_id,
+        ) or run.tracker_run_id
+
+    def on_log(self, run, metrics: dict) -> None:
+        run.accelerator.log({k: v for k, v in metrics.items() if k != "step" and v is not None}, step=metrics["step"])
+
+    def on_fit_end(self, run, summary: dict) -> None:
+        finish_tracking(run.accelerator, self.names, summary, Path(summary["weights"]), run.cfg.log_model,
+                        extra_files=run.files_to_attach)
+
+
+class Console(Hook):
+    """Logged rows printed on the main process, above a tqdm bar over optimizer steps when ``progress``."""
+
+    def __init__(self, progress: bool):
+        self.progress = progress
+
+    def on_fit_start(self, run) -> None:
+        from tqdm.auto import tqdm
+
+        self.main = run.accelerator.is_main_process
+        self.bar = tqdm(total=run.total_steps, initial=run.step, desc="train", dynamic_ncols=True, disable=not (self.main and self.progress))
+
+    def on_step_end(self, run) -> None:
+        self.bar.update(1)
+
+    def on_log(self, run, metrics: dict) -> None:
+        if self.main:
+            self.bar.write(" ".join(f"{k}={_fmt(v)}" for k, v in metrics.items()))
+
+    def on_train_end(self, run) -> None:
+        self.bar.close()
+
+
+def _fmt(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)

@@ -1,0 +1,284 @@
+"""Image datasets and augmentation: uint8 CHW images, crop/flip draws keyed on ``(seed, epoch, index)``
+(so every loader, process count and resume sees the same augmented sample), CIFAR-10, ImageFolder trees
+and synthetic images."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch.utils.data import Dataset
+
+from ..config import ConfigError
+from ..data import mix_seed
+from ..distributed import on_main_process_first
+
+CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
+CIFAR10_STD = (0.2470, 0.2435, 0.2616)
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp")
+
+
+# --------------------------------------------------------------------------- images
+
+
+def hash32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (lowbias32) of int64 tensors holding values in [0, 2**32), computed without
+    64-bit overflow, so it gives the same bits on every device and in every process."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def hash32_int(x: int) -> int:
+    """:func:`hash32` for one Python int (exact: Python ints do not overflow); 50x faster per sample."""
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & 0xFFFFFFFF
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+def _mul32(x: torch.Tensor, constant: int) -> torch.Tensor:
+    low, high = constant & 0xFFFF, constant >> 16
+    return (x * low + (((x * high) & 0xFFFF) << 16)) & 0xFFFFFFFF
+
+
+class CropFlip:
+    """Random crop with zero padding plus horizontal flip on uint8 images.
+
+    The draws are a pure function of ``(seed, epoch, sample index)`` (``draws``), in vectorised integer
+    arithmetic, and ``apply`` crops and flips a whole batch with one gather on any device. So the
+    per-sample DataLoader path and the on-device loader augment every sample identically.
+    """
+
+    def __init__(self, padding: int = 4, flip: bool = True):
+        self.padding = padding
+        self.flip = flip
+
+    def draws(self, seed: int, epoch: int, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(top, left, flip) for each sample index: crop offsets in [0, 2*padding] and a 0/1 flip."""
+        epoch_key = hash32_int(hash32_int(seed & 0xFFFFFFFF) ^ (epoch & 0xFFFFFFFF))
+        return self._split(hash32(epoch_key ^ (indices.long() & 0xFFFFFFFF)))
+
+    def _split(self, bits):
+        span = 2 * self.padding + 1
+        top, left = bits % span, (bits >> 8) % span
+        flip = (bits >> 16) & 1 if self.flip else bits * 0
+        return top, left, flip
+
+    def apply(self, images: torch.Tensor, top: torch.Tensor, left: torch.Tensor, flip: torch.Tensor) -> torch.Tensor:
+        """Crop and flip a uint8 batch (B, C, H, W) with one flat gather, no padded copy: source pixels
+        outside the image are the zero padding. Returns a contiguous NCHW batch."""
+        batch, channels, height, width = images.shape
+        pad, device = self.padding, images.device
+        rows = top.view(-1, 1) - pad + torch.arange(height, device=device)
+        columns = torch.arange(width, device=device)
+        columns = torch.where(flip.view(-1, 1).bool(), width - 1 - columns, columns) + left.view(-1, 1) - pad
+        inside = ((rows >= 0) & (rows < height)).view(batch, 1, height, 1) & ((columns >= 0) & (columns < width)).view(batch, 1, 1, width)
+        source = rows.clamp(0, height - 1).view(batch, height, 1) * width + columns.clamp(0, width - 1).view(batch, 1, width)
+        cropped = images.flatten(2).gather(2, source.view(batch, 1, -1).expand(batch, channels, -1))
+        return cropped.view(batch, channels, height, width).masked_fill_(~inside, 0)
+
+    def __call__(self, image: torch.Tensor, seed: int, epoch: int, index: int) -> torch.Tensor:
+        """One CHW image: the same result as ``apply`` on a batch of one, by plain slicing (much faster)."""
+        epoch_key = hash32_int(hash32_int(seed & 0xFFFFFFFF) ^ (epoch & 0xFFFFFFFF))
+        top, left, flip = self._split(hash32_int(epoch_key ^ (index & 0xFFFFFFFF)))
+        _, height, width = image.shape
+        pad = self.padding
+        padded = torch.nn.functional.pad(image, (pad, pad, pad, pad)) if pad else image
+        cropped = padded[:, top : top + height, left : left + width]
+        return cropped.flip(-1) if flip else cropped
+
+
+class ImageClassification(Dataset):
+    """Images as uint8 CHW tensors plus labels; ``[i]`` is the plain normalised image for evaluation,
+    ``sample(i, epoch)`` the augmented one for training (randomness from ``(seed, epoch, i)`` only).
+
+    ``images`` is either a uint8 tensor (N, C, H, W) held in memory, or a list of file paths decoded on
+    access (and resized to ``image_size`` when they differ); ``cache_dir`` is where the on-device loader
+    may keep them decoded.
+    """
+
+    def __init__(
+        self,
+        images: torch.Tensor | list[str],
+        labels: list[int] | torch.Tensor,
+        classes: list[str],
+        *,
+        image_size: int = 32,
+        augment: CropFlip | None = None,
+        seed: int = 0,
+        mean: tuple[float, ...] = CIFAR10_MEAN,
+        std: tuple[float, ...] = CIFAR10_STD,
+        cache_dir: str | None = None,
+    ):
+        self.images = images
+        self.labels = torch.as_tensor(labels, dtype=torch.long)
+        self.classes = classes
+        self.image_size = image_size
+        self.augment = augment
+        self.seed = seed
+        self.mean = torch.tensor(mean).view(-1, 1, 1) * 255
+        self.std = torch.tensor(std).view(-1, 1, 1) * 255
+        self.cache_dir = cache_dir  # where --data-on-device may cache the decoded files (the data folder)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def _load(self, index: int) -> torch.Tensor:
+        if isinstance(self.images, torch.Tensor):
+            return self.images[index]
+        return decode_image_file(self.images[index], self.image_size)
+
+    def _normalise(self, image: torch.Tensor) -> torch.Tensor:
+        return (image.float() - self.mean) / self.std
+
+    def __getitem__(self, index: int):
+        return self._normalise(self._load(index)), self.labels[index]
+
+    def sample(self, index: int, epoch: int):
+        image = self._load(index)
+        if self.augment is not None:
+            image = self.augment(image, self.seed, epoch, index)
+        return self._normalise(image), self.labels[index]
+
+    def device_loader(self, *, batch_size: int, seed: int, device, process_index: int, num_processes: int, channels_last: bool):
+        """``--data-on-device``: the whole set on ``device``, batches gathered and augmented there (see
+        :class:`acceltrain.vision.DeviceImageLoader`)."""
+        from .device_loader import DeviceImageLoader
+
+        return DeviceImageLoader.from_dataset(
+            self, batch_size=batch_size, seed=seed, device=device, process_index=process_index,
+            num_processes=num_processes, channels_last=channels_last, cache_dir=self.cache_dir,
+        )
+
+    def decoded(self) -> "ImageClassification":
+        """This dataset with its image files decoded once into one uint8 tensor (cached in ``cache_dir``),
+        for repeated evaluation under ``--data-on-device``; itself when the images are in memory already."""
+        if isinstance(self.images, torch.Tensor):
+            return self
+        import copy
+
+        from .device_loader import decoded_images
+
+        decoded = copy.copy(self)
+        decoded.images = decoded_images(self.images, self.image_size, self.cache_dir)
+        return decoded
+
+
+def decode_image_file(path: str, image_size: int) -> torch.Tensor:
+    """An image file as a uint8 RGB CHW tensor of ``image_size`` x ``image_size`` (resized when it differs)."""
+    import numpy as np
+    from PIL import Image
+
+    with Image.open(path) as image:
+        image = image.convert("RGB")
+        if image.size != (image_size, image_size):
+            image = image.resize((image_size, image_size), Image.Resampling.BILINEAR)
+        return torch.from_numpy(np.array(image)).permute(2, 0, 1).contiguous()
+
+
+def synthetic_images(
+    num_train: int, num_eval: int, *, num_classes: int = 10, image_size: int = 32, seed: int = 0
+) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """uint8 images of CIFAR shape whose class is written in their mean colour (so it survives crop
+    and flip): noise plus a per-class colour offset. Learnable in a few steps; for tests and benchmarks."""
+    generator = torch.Generator().manual_seed(mix_seed(seed, 0x5EED))
+    palette = torch.randint(-60, 61, (num_classes, 3, 1, 1), generator=generator).float()
+
+    def make(count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        labels = torch.randint(0, num_classes, (count,), generator=generator)
+        noise = torch.randn(count, 3, image_size, image_size, generator=generator) * 40 + 128
+        return (noise + palette[labels]).clamp(0, 255).to(torch.uint8), labels
+
+    return make(num_train), make(num_eval)
+
+
+def cifar10_arrays(data_dir: str, train: bool) -> tuple[torch.Tensor, list[int], list[str]]:
+    """CIFAR-10 from torchvision (downloaded into ``data_dir`` when missing) as uint8 NCHW tensors."""
+    from torchvision.datasets import CIFAR10
+
+    try:
+        dataset = CIFAR10(root=data_dir, train=train, download=True)
+    except (OSError, RuntimeError) as err:  # URLError is an OSError; md5 mismatch is a RuntimeError
+        reason = str(getattr(err, "reason", err)).splitlines()[0]
+        raise ConfigError(
+            f"CIFAR-10 is not in --data-dir {data_dir!r} and could not be downloaded ({reason}); "
+            "put the python-version batches there, use --dataset imagefolder --data-dir DIR, "
+            "or --dataset synthetic"
+        ) from None
+    images = torch.from_numpy(dataset.data).permute(0, 3, 1, 2).contiguous()
+    return images, list(dataset.targets), list(dataset.classes)
+
+
+def scan_image_folder(data_dir: str) -> dict[str, tuple[list[str], list[int], list[str]]]:
+    """Check a ``train/<class>/*`` + ``test/<class>/*`` tree and list its files, or raise ConfigError."""
+    root = Path(data_dir)
+    if not root.is_dir():
+        raise ConfigError(f"--data-dir {data_dir!r} is not a directory (expected train/<class>/* and test/<class>/*)")
+    splits = {}
+    for split in ("train", "test"):
+        split_dir = root / split
+        if not split_dir.is_dir():
+            raise ConfigError(f"--data-dir {data_dir!r} has no {split}/ folder (expected train/<class>/* and test/<class>/*)")
+        classes = sorted(p.name for p in split_dir.iterdir() if p.is_dir())
+        if not classes:
+            raise ConfigError(f"--data-dir {data_dir!r}: {split}/ has no class folders (expected {split}/<class>/*)")
+        paths, labels = [], []
+        for label, name in enumerate(classes):
+            files = sorted(str(p) for p in (split_dir / name).iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
+            if not files:
+                raise ConfigError(f"--data-dir {data_dir!r}: {split}/{name}/ holds no images ({', '.join(IMAGE_SUFFIXES)})")
+            paths += files
+            labels += [label] * len(files)
+        splits[split] = (paths, labels, classes)
+    if splits["train"][2] != splits["test"][2]:
+        raise ConfigError(
+            f"--data-dir {data_dir!r}: train/ and test/ have different class folders "
+            f"({len(splits['train'][2])} vs {len(splits['test'][2])})"
+        )
+    return splits
+
+
+
+IMAGE_DATASETS = ("cifar10", "imagefolder", "synthetic")
+
+
+def image_datasets(
+    name: str,
+    data_dir: str | None,
+    *,
+    seed: int,
+    image_size: int = 32,
+    synthetic_sizes: tuple[int, int] = (2048, 512),
+) -> tuple[ImageClassification, ImageClassification]:
+    """(train, eval) image datasets: ``cifar10`` (torchvision, downloaded once by the main process),
+    ``imagefolder`` (``data_dir/{train,test}/<class>/*``) or ``synthetic``. Training samples get
+    crop (padding 4) + flip; both are normalised with CIFAR-10 statistics."""
+    augment = CropFlip(padding=4, flip=True)
+    cache_dir = None
+    if name == "cifar10":
+        root = data_dir or "data"
+        (train_images, train_labels, classes), (eval_images, eval_labels, _) = on_main_process_first(
+            lambda: (cifar10_arrays(root, train=True), cifar10_arrays(root, train=False))
+        )
+    elif name == "imagefolder":
+        if not data_dir:
+            raise ConfigError("--dataset imagefolder needs --data-dir DIR holding train/<class>/* and test/<class>/*")
+        splits = scan_image_folder(data_dir)
+        (train_images, train_labels, classes), (eval_images, eval_labels, _) = splits["train"], splits["test"]
+        cache_dir = data_dir
+    elif name == "synthetic":
+        (train_images, train_labels), (eval_images, eval_labels) = synthetic_images(
+            *synthetic_sizes, image_size=image_size, seed=seed
+        )
+        classes = [f"class{i}" for i in range(10)]
+    else:
+        raise ConfigError(f"--dataset {name!r} is invalid: choose one of {', '.join(IMAGE_DATASETS)}")
+    common = {"image_size": image_size, "seed": seed, "cache_dir": cache_dir}
+    return (
+        ImageClassification(train_images, train_labels, classes, augment=augment, **common),
+        ImageClassification(eval_images, eval_labels, classes, **common),
+    )
