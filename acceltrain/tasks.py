@@ -25,7 +25,7 @@ class Task(Protocol):
     what ``--keep-best`` and ``--target-metric`` read) and ``higher_is_better``.
 
     Optional: ``eval_metrics(sums, samples)`` turns the eval values summed over the eval set into metrics
-    (default: their means); ``flops_per_sample`` (default: counted with torch's FLOP counter) and
+    (default: their means; a task without the method gets the same); ``flops_per_sample`` (default: counted with torch's FLOP counter) and
     ``tokens_per_sample`` (tokens/s is reported when set).
     """
 
@@ -38,6 +38,10 @@ class Task(Protocol):
     def train_loss(self, model: nn.Module, batch) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
     def eval_values(self, model: nn.Module, batch) -> dict[str, torch.Tensor]: ...
+
+    def eval_metrics(self, sums: dict[str, float], samples: int) -> dict[str, float]:
+        """The eval values summed over the whole eval set -> metrics; by default their means."""
+        return {key: total / samples for key, total in sums.items()}
 
 
 def check_task(task, evaluates: bool) -> None:

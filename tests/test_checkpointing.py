@@ -75,7 +75,8 @@ def test_resume_auto_without_checkpoint_starts_fresh(tmp_path, uninterrupted, ca
 
 
 def test_two_processes_resume_byte_identical(tmp_path):
-    args = [*RUN, "--num-workers", "1", "--batch-size", "2", "--sync-bn"]
+    """With a stateful hook too: the EMA's average (exported as model.safetensors) continues exactly."""
+    args = [*RUN, "--num-workers", "1", "--batch-size", "2", "--sync-bn", "--ema-decay", "0.9"]
     full, part = tmp_path / "full", tmp_path / "part"
     check(launch(TINY_RECIPE, [*args, "--output-dir", str(full)], processes=2, launcher="accelerate"))
     stopped = launch(TINY_RECIPE, [*args, "--output-dir", str(part), "--stop-after-steps", "5"], processes=2, launcher="accelerate")

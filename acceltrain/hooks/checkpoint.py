@@ -15,6 +15,8 @@ class CheckpointSchedule(Hook):
 
     def __init__(self, every_steps: int | None, every_minutes: float | None, keep_last: int | None, keep_best: bool):
         self.every_steps, self.every_minutes, self.keep_last, self.keep_best = every_steps, every_minutes, keep_last, keep_best
+
+    def on_fit_start(self, run) -> None:
         self.last_save = time.monotonic()
 
     def on_step_end(self, run) -> None:

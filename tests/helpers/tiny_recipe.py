@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from acceltrain import ClassificationTask, TrainConfig, fit, option, run_recipe
+from acceltrain import EMA, ClassificationTask, TrainConfig, fit, option, run_recipe
 from acceltrain.vision import CropFlip, ImageClassification, synthetic_images
 
 
@@ -22,6 +22,7 @@ class TinyConfig(TrainConfig):
     batchnorm: bool = option(False, "put a BatchNorm in the net")
     masked_loss: bool = option(False, "train on classes 0-4 only, as (loss sum, target count): like padded tokens")
     count_allreduce: bool = option(False, "count DDP gradient all-reduces (a comm hook) into rank<N>.json")
+    ema_decay: float | None = option(None, "add the EMA hook with this decay (exported as model.safetensors)")
 
 
 def count_gradient_allreduces(counter: dict) -> None:
@@ -87,6 +88,8 @@ def main(cfg: TinyConfig, hooks=(), task=None) -> None:
     if cfg.count_allreduce:
         count_gradient_allreduces(allreduce_counter)
     task = task or (MaskedClassification() if cfg.masked_loss else ClassificationTask())
+    if cfg.ema_decay is not None:
+        hooks = [*hooks, EMA(decay=cfg.ema_decay)]
     summary = fit(cfg, model, optimizer, train_set, eval_set, task=task, hooks=hooks, name="tiny")
     rank = int(os.environ.get("RANK", "0"))
     out = Path(summary["config"]["output_dir"])
