@@ -7,6 +7,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import threading
@@ -43,6 +44,65 @@ def resolve_output_dir(cfg: TrainConfig, recipe_name: str) -> Path:
     return output_dir
 
 
+LOCK_FILE = ".lock"
+_HELD_LOCKS: dict[str, int] = {}
+
+
+def lock_output_dir(output_dir: Path) -> None:
+    """Hold an exclusive ``flock`` on ``<output_dir>/.lock`` until :func:`unlock_output_dir` or this process
+    ends (the kernel drops it when the process dies, so a crash leaves nothing locked). A folder that
+    another live run holds is a one-line ConfigError. Again from the same process: a no-op."""
+    import fcntl
+    import socket
+
+    key = str(output_dir.resolve())
+    if key in _HELD_LOCKS:
+        return
+    descriptor = os.open(output_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(descriptor, 200).decode(errors="replace").strip() or "pid unknown"
+        os.close(descriptor)
+        raise ConfigError(
+            f"--output-dir {str(output_dir)!r} is in use by another run ({holder}): wait for it or stop it, "
+            "or choose another --output-dir"
+        ) from None
+    os.ftruncate(descriptor, 0)
+    os.write(descriptor, f"pid {os.getpid()} on {socket.gethostname()}\n".encode())
+    _HELD_LOCKS[key] = descriptor
+
+
+def unlock_output_dir(output_dir: Path | None = None) -> None:
+    """Release this process's lock on ``output_dir`` (all of them when None)."""
+    keys = list(_HELD_LOCKS) if output_dir is None else [str(Path(output_dir).resolve())]
+    for key in keys:
+        descriptor = _HELD_LOCKS.pop(key, None)
+        if descriptor is not None:
+            os.close(descriptor)
+
+
+def move_previous_run_aside(output_dir: Path) -> Path | None:
+    """``--overwrite``: a folder holding a run (summary, metrics, checkpoints or weights) is renamed to
+    ``<name>.overwritten-<time>`` beside it, so that the new run starts clean and nothing of the old one
+    is resumed by mistake, nor lost. Refused while a live run holds the folder. Returns the new name."""
+    if not output_dir.is_dir() or not any((output_dir / name).exists() for name in (SUMMARY_FILE, METRICS_FILE, CHECKPOINTS_DIR, WEIGHTS_FILE)):
+        return None
+    lock_output_dir(output_dir)
+    unlock_output_dir(output_dir)
+    aside = output_dir.with_name(f"{output_dir.name}.overwritten-{time.strftime('%Y%m%d-%H%M%S')}")
+    os.rename(output_dir, aside)
+    return aside
+
+
+def finished_steps(output_dir: Path) -> int | None:
+    """The step count of the finished run in ``output_dir`` (its summary.json), or None."""
+    try:
+        return int(json.loads((output_dir / SUMMARY_FILE).read_text())["steps"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def export_weights(accelerator, model, output_dir: Path, weights: dict | None = None) -> Path:
     """Final full weights, loadable by the plain model: ``Accelerator.get_state_dict`` gathers DeepSpeed
     ZeRO-3 / FSDP shards and unwraps DDP and compilation (no ``module.``/``_orig_mod.`` prefix). Written
@@ -69,6 +129,8 @@ CHECKPOINTS_DIR = "checkpoints"
 STATE_FILE = "trainer_state.json"
 COMPLETE_FILE = "COMPLETE"  # the manifest, written last: a checkpoint without it is incomplete
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped on a signal after saving; relaunch with --resume auto
+EXIT_INTERRUPTED = 130  # Ctrl-C, as shells report death by SIGINT: saved on the first, at once on the second
+EXIT_DIVERGED = 3  # a non-finite loss or gradient norm: nothing saved from that step on
 
 
 class CheckpointError(ConfigError):
@@ -91,6 +153,10 @@ class TrainerState:
     tracker_run_id: str | None = None
     scheduler: dict = dataclasses.field(default_factory=dict)  # the LR scheduler's state_dict
     hooks: list = dataclasses.field(default_factory=list)  # names of the stateful hooks saved in hooks/
+    loss_sum: float = 0.0  # the open training-log window, summed over processes: the next row covers the same steps
+    loss_count: float = 0.0
+    config: dict = dataclasses.field(default_factory=dict)  # the resolved config, to compare on resume
+    config_changes: dict = dataclasses.field(default_factory=dict)  # applied with --allow-config-change: field -> [old, new]
     # what must not change across a resume for it to be exact
     seed: int = 0
     global_batch_size: int = 0
@@ -137,23 +203,31 @@ def save_checkpoint(accelerator, state: TrainerState, output_dir: Path, write_ex
     if accelerator.is_main_process and staging.exists():
         shutil.rmtree(staging)
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(staging))
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        if write_extra is not None:
-            write_extra(staging)
-        (staging / STATE_FILE).write_text(json.dumps(dataclasses.asdict(state), indent=2))
-        manifest = {}
-        for file in sorted(p for p in staging.rglob("*") if p.is_file()):
-            _fsync(file)
-            manifest[str(file.relative_to(staging))] = {"bytes": file.stat().st_size, "sha256": _sha256(file)}
-        (staging / COMPLETE_FILE).write_text(json.dumps(manifest, indent=1))
-        _fsync(staging / COMPLETE_FILE)
-        _fsync(staging)
-        if final.exists():  # the same step saved before (e.g. a run resumed from an older checkpoint)
-            shutil.rmtree(final)
-        os.replace(staging, final)
-        _fsync(final.parent)
+    try:
+        accelerator.save_state(str(staging))
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            if write_extra is not None:
+                write_extra(staging)
+            (staging / STATE_FILE).write_text(json.dumps(dataclasses.asdict(state), indent=2))
+            manifest = {}
+            for file in sorted(p for p in staging.rglob("*") if p.is_file()):
+                _fsync(file)
+                manifest[str(file.relative_to(staging))] = {"bytes": file.stat().st_size, "sha256": _sha256(file)}
+            (staging / COMPLETE_FILE).write_text(json.dumps(manifest, indent=1))
+            _fsync(staging / COMPLETE_FILE)
+            _fsync(staging)
+            if final.exists():  # the same step saved before (e.g. a run resumed from an older checkpoint)
+                shutil.rmtree(final)
+            os.replace(staging, final)
+            _fsync(final.parent)
+    except (OSError, RuntimeError) as err:  # a full disk, a quota: torch reports it from C++ as a RuntimeError
+        shutil.rmtree(staging, ignore_errors=True)
+        cause = (getattr(err, "strerror", None) or str(err)).strip().splitlines()[0][:300]
+        raise CheckpointError(
+            f"could not write checkpoint {str(final)!r}: {cause}; the previous checkpoints are intact (free space and "
+            "continue with --resume auto)"
+        ) from None
     accelerator.wait_for_everyone()
     return final
 
@@ -184,13 +258,17 @@ def verify_checkpoint(path: Path) -> TrainerState:
         raise CheckpointError(f"checkpoint file {str(path / STATE_FILE)!r} is unreadable") from None
 
 
+_CHECKPOINT_NAME = re.compile(r"step_(\d+)")
+
+
 def complete_checkpoints(output_dir: Path) -> list[Path]:
-    """``step_*`` folders that carry a manifest, oldest first (by step, not by name or mtime)."""
+    """``step_<N>`` folders that carry a manifest, oldest first (by step, not by name or mtime). Anything
+    else in the folder (``step_10.bak``, your notes) is not a checkpoint and is left alone."""
     folder = output_dir / CHECKPOINTS_DIR
     if not folder.is_dir():
         return []
-    found = [p for p in folder.glob("step_*") if p.is_dir() and (p / COMPLETE_FILE).is_file()]
-    return sorted(found, key=lambda p: int(p.name.split("_")[1]))
+    found = [p for p in folder.iterdir() if _CHECKPOINT_NAME.fullmatch(p.name) and p.is_dir() and (p / COMPLETE_FILE).is_file()]
+    return sorted(found, key=lambda p: int(_CHECKPOINT_NAME.fullmatch(p.name).group(1)))
 
 
 def find_resume_checkpoint(resume: str, output_dir: Path, warn) -> tuple[Path, TrainerState] | None:
@@ -208,29 +286,40 @@ def find_resume_checkpoint(resume: str, output_dir: Path, warn) -> tuple[Path, T
     return None
 
 
-def rotate_checkpoints(output_dir: Path, keep_last: int | None, best: str | None) -> list[Path]:
-    """Delete complete checkpoints beyond the newest ``keep_last``, never the newest one and never the best
-    one; and leftovers of interrupted saves. Returns what was deleted."""
+def rotate_checkpoints(output_dir: Path, keep_last: int | None, best: str | None, verified: set[str]) -> list[Path]:
+    """Delete leftovers of interrupted saves, and complete checkpoints older than the newest ``keep_last``
+    ones that verify, never the best one. A broken checkpoint never counts as one of the newest (it
+    would push good ones out); a broken one newer than those kept is left for ``--resume auto`` to skip
+    and name. ``verified``: names known good (written by this run, or checked before); extended here,
+    so each checkpoint is hashed at most once per run. Returns what was deleted."""
     deleted = []
     for leftover in (output_dir / CHECKPOINTS_DIR).glob(".tmp-step_*"):
         shutil.rmtree(leftover, ignore_errors=True)
         deleted.append(leftover)
     if keep_last is None:
         return deleted
-    checkpoints = complete_checkpoints(output_dir)
-    keep = set(checkpoints[-max(1, keep_last) :])
-    for path in checkpoints:
-        if path not in keep and path.name != best:
+    kept = 0
+    for path in reversed(complete_checkpoints(output_dir)):
+        if kept < keep_last:
+            if path.name not in verified:
+                try:
+                    verify_checkpoint(path)
+                except CheckpointError:
+                    continue
+                verified.add(path.name)
+            kept += 1
+        elif path.name != best:
             shutil.rmtree(path)
             deleted.append(path)
     return deleted
 
 
 class PreemptionSignals:
-    """SIGTERM and SIGUSR1 (what schedulers send before killing a job) set a flag that the loop reads at
-    the next optimizer-step boundary; a second signal only sets it again, so a save in progress finishes."""
+    """SIGTERM and SIGUSR1 (what schedulers send before killing a job) and a first SIGINT (Ctrl-C) set a flag
+    that the loop reads at the next optimizer-step boundary; a second SIGTERM only sets it again, so a save
+    in progress finishes, while a second Ctrl-C raises KeyboardInterrupt: the way to abort at once."""
 
-    SIGNALS = tuple(s for s in (getattr(signal, "SIGTERM", None), getattr(signal, "SIGUSR1", None)) if s is not None)
+    SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGUSR1", "SIGINT") if hasattr(signal, name))
 
     def __init__(self):
         self.received: int | None = None
@@ -246,17 +335,33 @@ class PreemptionSignals:
     def name(self) -> str | None:
         return signal.Signals(self.received).name if self.received is not None else None
 
+    @property
+    def exit_code(self) -> int:
+        return EXIT_INTERRUPTED if self.received == signal.SIGINT else EXIT_PREEMPTED
+
     def _handle(self, signum, frame) -> None:
-        self.received = signum
+        if self.received is None:
+            self.received = signum
+        if signum == signal.SIGINT:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
 
     def ignore_further(self) -> None:
-        """On the way out after a stop: ignore more signals. A Python handler would be reset to the default
-        (kill) during interpreter shutdown, turning a clean exit 75 into death by SIGTERM."""
+        """On the way out after a stop: ignore more SIGTERM/SIGUSR1. A Python handler would be reset to the
+        default (kill) during interpreter shutdown, turning a clean exit 75 into death by SIGTERM."""
         if threading.current_thread() is threading.main_thread():
             for sig in self.SIGNALS:
-                signal.signal(sig, signal.SIG_IGN)
+                if sig != signal.SIGINT:
+                    signal.signal(sig, signal.SIG_IGN)
 
     def restore(self) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
+
+
+def ignore_stop_signals(worker_id: int = 0) -> None:
+    """A DataLoader worker's ``worker_init_fn``: leave SIGTERM, SIGUSR1 and SIGINT to the main process. A
+    signal sent to the whole process group (SLURM, ``scancel``, ``docker stop``, Ctrl-C) would otherwise kill
+    the workers first and crash the run before it can save."""
+    for sig in PreemptionSignals.SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import typing
 from collections.abc import Callable
 
 from .config import ConfigError, TrainConfig, parse_config
@@ -23,7 +24,11 @@ def run_recipe(main: Callable, config_class: type[TrainConfig], argv: list[str] 
 
     Bad input anywhere before training (flags, preset file, data folder, hardware) raises
     :class:`ConfigError`; it is printed as one line and the process exits with code 2, nothing written.
+    A diverged run exits 3, a second Ctrl-C 130, each with one line.
     """
+    from .checkpointing import EXIT_DIVERGED, EXIT_INTERRUPTED
+    from .run import TrainingDiverged
+
     try:
         cfg = parse_config(config_class, argv, description=description)
         from accelerate.utils import set_seed
@@ -31,9 +36,21 @@ def run_recipe(main: Callable, config_class: type[TrainConfig], argv: list[str] 
         set_seed(cfg.seed)
         return main(cfg)
     except ConfigError as err:
-        _report_error(str(err))
-        _close_process_group()
-        raise SystemExit(EXIT_BAD_INPUT) from None
+        _fail(str(err), EXIT_BAD_INPUT)
+    except TrainingDiverged as err:
+        _fail(str(err), EXIT_DIVERGED)
+    except KeyboardInterrupt:
+        _fail("interrupted by a second Ctrl-C: stopped at once, without saving; the last checkpoint is kept "
+              "(continue with --resume auto)", EXIT_INTERRUPTED)
+
+
+def _fail(message: str, code: int) -> typing.NoReturn:
+    from .checkpointing import unlock_output_dir
+
+    _report_error(message)
+    unlock_output_dir()
+    _close_process_group()
+    raise SystemExit(code) from None
 
 
 def _close_process_group() -> None:

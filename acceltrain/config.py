@@ -23,6 +23,7 @@ import yaml
 __all__ = [
     "CompileMode", "ConfigError", "LRSchedule", "MixedPrecision", "Optimizer", "ReportTo", "ScaleLR", "TrainConfig",
     "WandbMode", "build_parser", "flag_name", "load_yaml_preset", "option", "parse_config", "parse_step_range", "require",
+    "run_changes",
 ]
 
 
@@ -31,7 +32,8 @@ class ConfigError(ValueError):
 
 
 def option(default: Any, help: str, **metadata: Any) -> Any:
-    """A dataclass field with its CLI help text (and optional ``choices``)."""
+    """A dataclass field with its CLI help text (and optional ``choices``). ``free_on_resume=True``: a
+    setting that does not change the run's maths (speed, logging, outputs) and may differ on ``--resume``."""
     return dataclasses.field(default=default, metadata={"help": help, **metadata})
 
 
@@ -48,7 +50,7 @@ ScaleLR = Literal["none", "linear"]
 class TrainConfig:
     """Settings every recipe shares: the loop, the optimizer, the schedule, logging and outputs."""
 
-    config: str | None = option(None, "YAML preset to load; explicit flags override its values")
+    config: str | None = option(None, "YAML preset to load; explicit flags override its values", free_on_resume=True)
     # -- length and batch
     batch_size: int = option(128, "micro-batch size per process")
     grad_accum: int = option(1, "micro-batches accumulated per optimizer step")
@@ -66,76 +68,83 @@ class TrainConfig:
     max_grad_norm: float | None = option(None, "clip the global gradient norm to this on optimizer steps")
     # -- evaluation and stopping
     eval_every: int | None = option(
-        None, "evaluate every N optimizer steps; unset: at the end of each epoch and of the run"
+        None, "evaluate every N optimizer steps; unset: at the end of each epoch and of the run", free_on_resume=True
     )
     target_metric: float | None = option(
-        None, "finish as soon as the task's primary metric reaches this (accuracy: >=, loss: <=); records time_to_target_seconds"
+        None, "finish as soon as the task's primary metric reaches this (accuracy: >=, loss: <=); records time_to_target_seconds", free_on_resume=True
     )
     target_accuracy: float | None = option(
-        None, "--target-metric for tasks whose primary metric is accuracy (classification), as a fraction"
+        None, "--target-metric for tasks whose primary metric is accuracy (classification), as a fraction", free_on_resume=True
     )
     # -- hardware and precision
     mixed_precision: MixedPrecision | None = option(
         None, "no, fp16 (CUDA only) or bf16; default: what the accelerate config says"
     )
-    cpu: bool = option(False, "train on CPU even when an accelerator is present")
+    cpu: bool = option(False, "train on CPU even when an accelerator is present", free_on_resume=True)
     sync_bn: bool = option(False, "convert BatchNorm to SyncBatchNorm under DDP (no-op on 1 process)")
     # -- speed toolkit
-    compile: bool = option(False, "torch.compile the model before the DDP wrap; compile time is reported apart, not in throughput")
-    compile_mode: CompileMode = option("default", "torch.compile mode")
-    channels_last: bool = option(False, "channels_last memory format for the model and image batches (conv nets)")
+    compile: bool = option(False, "torch.compile the model before the DDP wrap; compile time is reported apart, not in throughput", free_on_resume=True)
+    compile_mode: CompileMode = option("default", "torch.compile mode", free_on_resume=True)
+    channels_last: bool = option(False, "channels_last memory format for the model and image batches (conv nets)", free_on_resume=True)
     activation_checkpointing: bool = option(
-        False, "recompute activations in backward (ResNet blocks, Hugging Face models): less memory, more time"
+        False, "recompute activations in backward (ResNet blocks, Hugging Face models): less memory, more time", free_on_resume=True
     )
     data_on_device: bool = option(
-        False, "keep the uint8 training images on the training device and augment there in batch (image datasets)"
+        False, "keep the uint8 training images on the training device and augment there in batch (image datasets)", free_on_resume=True
     )
     auto_batch_size: bool = option(
-        False, "probe from --batch-size down, halving on out-of-memory, and train with the largest that fits"
+        False, "probe from --batch-size down, halving on out-of-memory, and train with the largest that fits", free_on_resume=True
     )
-    keep_effective_batch: bool = option(True, "with --auto-batch-size: raise --grad-accum to keep batch x grad-accum")
-    scale_lr: ScaleLR = option("none", "when the effective batch changes: none, or linear (lr x new/old batch)")
-    num_workers: int | None = option(None, "DataLoader workers per process (default: the CPUs per process less one, at most 8)")
-    prefetch_factor: int = option(4, "batches each DataLoader worker prepares ahead")
-    pin_memory: bool | None = option(None, "pin host memory for faster copies (default: on when training on CUDA)")
-    peak_tflops: float | None = option(None, "peak TFLOP/s of one device, for MFU on devices missing from the built-in table")
+    keep_effective_batch: bool = option(True, "with --auto-batch-size: raise --grad-accum to keep batch x grad-accum", free_on_resume=True)
+    scale_lr: ScaleLR = option("none", "when the effective batch changes: none, or linear (lr x new/old batch)", free_on_resume=True)
+    num_workers: int | None = option(None, "DataLoader workers per process (default: the CPUs per process less one, at most 8)", free_on_resume=True)
+    prefetch_factor: int = option(4, "batches each DataLoader worker prepares ahead", free_on_resume=True)
+    pin_memory: bool | None = option(None, "pin host memory for faster copies (default: on when training on CUDA)", free_on_resume=True)
+    peak_tflops: float | None = option(None, "peak TFLOP/s of one device, for MFU on devices missing from the built-in table", free_on_resume=True)
     # -- looking inside
-    profile_steps: str | None = option(None, "A:B: torch.profiler over optimizer steps A..B, trace and top ops in <output_dir>/profile/")
-    profile_with_stack: bool = option(False, "record Python stacks in the profile (slower, bigger trace)")
+    profile_steps: str | None = option(None, "A:B: torch.profiler over optimizer steps A..B, trace and top ops in <output_dir>/profile/", free_on_resume=True)
+    profile_with_stack: bool = option(False, "record Python stacks in the profile (slower, bigger trace)", free_on_resume=True)
     memory_report: bool = option(
-        False, "print memory after model build, first forward, first backward, first optimizer step (memory.json)"
+        False, "print memory after model build, first forward, first backward, first optimizer step (memory.json)", free_on_resume=True
     )
     # -- checkpoints, resume and preemption
-    save_every_steps: int | None = option(None, "save a checkpoint every N optimizer steps")
-    save_every_minutes: float | None = option(None, "save a checkpoint once N minutes have passed since the last one")
-    keep_last: int | None = option(None, "keep only the newest N checkpoints (never deleting the best one); unset: keep all")
-    keep_best: bool = option(False, "checkpoint whenever the eval metric improves, and never delete the best checkpoint")
+    save_every_steps: int | None = option(None, "save a checkpoint every N optimizer steps", free_on_resume=True)
+    save_every_minutes: float | None = option(None, "save a checkpoint once N minutes have passed since the last one", free_on_resume=True)
+    keep_last: int | None = option(None, "keep only the newest N checkpoints (never deleting the best one); unset: keep all", free_on_resume=True)
+    keep_best: bool = option(False, "checkpoint whenever the eval metric improves, and never delete the best checkpoint", free_on_resume=True)
     resume: str | None = option(
-        None, "'auto': the newest complete checkpoint in --output-dir (none yet: start fresh); or a checkpoint folder"
+        None, "'auto': the newest complete checkpoint in --output-dir (none yet: start fresh); or a checkpoint folder", free_on_resume=True
     )
     stop_after_steps: int | None = option(
-        None, "checkpoint and stop after N optimizer steps of this launch (time-sliced jobs); continue with --resume auto"
+        None, "checkpoint and stop after N optimizer steps of this launch (time-sliced jobs); continue with --resume auto", free_on_resume=True
     )
     # -- reproducibility and outputs
     seed: int = option(0, "seed for weights, data order and augmentation")
-    output_dir: str | None = option(None, "where outputs go (default: runs/<recipe>-<timestamp>)")
-    overwrite: bool = option(False, "allow a new run in an --output-dir that already holds a finished one")
-    log_every: int = option(50, "log loss, lr and samples/s every N optimizer steps")
+    output_dir: str | None = option(None, "where outputs go (default: runs/<recipe>-<timestamp>)", free_on_resume=True)
+    overwrite: bool = option(
+        False, "start a new run in an --output-dir that holds an earlier one; that one is moved aside to <dir>.overwritten-<time>",
+        free_on_resume=True,
+    )
+    allow_config_change: bool = option(
+        False, "with --resume: apply settings that differ from the checkpoint's (recorded as config_changes) instead of refusing",
+        free_on_resume=True,
+    )
+    log_every: int = option(50, "log loss, lr and samples/s every N optimizer steps", free_on_resume=True)
     timing_warmup_steps: int = option(
-        5, "optimizer steps excluded from the throughput figure (warm-up, allocator, compile)"
+        5, "optimizer steps excluded from the throughput figure (warm-up, allocator, compile)", free_on_resume=True
     )
-    progress: bool = option(True, "show a tqdm progress bar on the main process")
+    progress: bool = option(True, "show a tqdm progress bar on the main process", free_on_resume=True)
     # -- tracking (Accelerate's trackers)
-    report_to: ReportTo = option("wandb", "experiment tracker: wandb, tensorboard, all (both) or none")
-    wandb_project: str | None = option(None, "W&B project (default: $WANDB_PROJECT, else 'acceltrain'); also TensorBoard's subfolder")
-    run_name: str | None = option(None, "tracker run name (default: the output folder's name)")
-    wandb_group: str | None = option(None, "W&B group, e.g. to gather the runs of a sweep")
-    wandb_tags: str | None = option(None, "comma-separated W&B tags")
-    wandb_notes: str | None = option(None, "W&B run notes")
+    report_to: ReportTo = option("wandb", "experiment tracker: wandb, tensorboard, all (both) or none", free_on_resume=True)
+    wandb_project: str | None = option(None, "W&B project (default: $WANDB_PROJECT, else 'acceltrain'); also TensorBoard's subfolder", free_on_resume=True)
+    run_name: str | None = option(None, "tracker run name (default: the output folder's name)", free_on_resume=True)
+    wandb_group: str | None = option(None, "W&B group, e.g. to gather the runs of a sweep", free_on_resume=True)
+    wandb_tags: str | None = option(None, "comma-separated W&B tags", free_on_resume=True)
+    wandb_notes: str | None = option(None, "W&B run notes", free_on_resume=True)
     wandb_mode: WandbMode | None = option(
-        None, "online, offline or disabled (default: $WANDB_MODE, else online with an API key, offline without)"
+        None, "online, offline or disabled (default: $WANDB_MODE, else online with an API key, offline without)", free_on_resume=True
     )
-    log_model: bool = option(False, "upload the final model.safetensors as a W&B artifact (offline: kept for wandb sync)")
+    log_model: bool = option(False, "upload the final model.safetensors as a W&B artifact (offline: kept for wandb sync)", free_on_resume=True)
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` on the first bad value. Subclasses extend and call super()."""
@@ -166,6 +175,8 @@ class TrainConfig:
             require(self.save_every_minutes > 0, "save_every_minutes", self.save_every_minutes, "a number > 0")
         if self.profile_steps is not None:
             parse_step_range(self.profile_steps)
+        if self.resume is not None and self.overwrite:
+            raise ConfigError("--overwrite starts a new run and --resume continues one: give only one of them")
         if self.resume == "auto" and self.output_dir is None:
             raise ConfigError("--resume auto needs --output-dir: the run folder whose checkpoints to continue from")
         require(self.prefetch_factor >= 1, "prefetch_factor", self.prefetch_factor, "an integer >= 1")
@@ -176,6 +187,20 @@ class TrainConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def run_changes(saved: dict[str, Any], cfg: TrainConfig) -> dict[str, list]:
+    """The fields of ``cfg`` that change the run's maths and differ from ``saved`` (a checkpoint's resolved
+    config): ``{field: [old, new]}``. Fields marked ``free_on_resume`` (speed, logging, outputs, schedules
+    of saves and evaluations) may differ; fields the checkpoint does not know are not compared."""
+    changes = {}
+    for field in dataclasses.fields(cfg):
+        if field.metadata.get("free_on_resume") or field.name not in saved:
+            continue
+        now = getattr(cfg, field.name)
+        if saved[field.name] != now:
+            changes[field.name] = [saved[field.name], now]
+    return changes
 
 
 def require(ok: bool, name: str, value: Any, allowed: str) -> None:

@@ -16,6 +16,8 @@ from collections.abc import Iterator
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from .checkpointing import ignore_stop_signals
+
 
 def mix_seed(*parts: int) -> int:
     """A deterministic 63-bit seed from integers (splitmix64 steps), stable across processes and runs."""
@@ -93,10 +95,11 @@ def default_num_workers() -> int:
 
 
 def loader_options(num_workers: int, pin_memory: bool, prefetch_factor: int = 4) -> dict:
-    """Worker processes stay alive across epochs and prefetch; host memory is pinned for CUDA copies."""
+    """Worker processes stay alive across epochs, prefetch, and leave stop signals to the main process; host
+    memory is pinned for CUDA copies."""
     options = {"num_workers": num_workers, "pin_memory": pin_memory}
     if num_workers > 0:
-        options.update(persistent_workers=True, prefetch_factor=prefetch_factor)
+        options.update(persistent_workers=True, prefetch_factor=prefetch_factor, worker_init_fn=ignore_stop_signals)
     return options
 
 

@@ -83,6 +83,25 @@ def on_main_process_first(work: Callable[[], T]) -> T:
     return result
 
 
+def main_process_only(work: Callable[[], None]) -> None:
+    """``work()`` on the main process alone; a ConfigError it raises is raised on every process, so that
+    none is left waiting at the next collective."""
+    from accelerate import PartialState
+    from accelerate.utils import broadcast_object_list
+
+    state = PartialState()
+    error = [None]
+    if state.is_main_process:
+        try:
+            work()
+        except ConfigError as err:
+            error[0] = str(err)
+    if state.num_processes > 1:
+        broadcast_object_list(error, from_process=0)
+    if error[0] is not None:
+        raise ConfigError(error[0])
+
+
 class _SumAcrossProcesses(torch.autograd.Function):
     """All-reduce (sum) whose backward all-reduces the gradient: each input feeds every process's output."""
 

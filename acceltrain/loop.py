@@ -19,6 +19,7 @@ once per optimizer step, on every process, whatever the process count and accumu
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import platform
 from pathlib import Path
@@ -31,10 +32,21 @@ from torch import nn
 from torch.utils.data import Dataset, default_collate
 
 from . import __version__
-from .checkpointing import CHECKPOINTS_DIR, EXIT_PREEMPTED, TrainerState, export_weights, find_resume_checkpoint, write_summary
-from .config import ConfigError, TrainConfig
+from .checkpointing import (
+    CHECKPOINTS_DIR,
+    SUMMARY_FILE,
+    CheckpointError,
+    TrainerState,
+    export_weights,
+    find_resume_checkpoint,
+    finished_steps,
+    lock_output_dir,
+    unlock_output_dir,
+    write_summary,
+)
+from .config import ConfigError, TrainConfig, run_changes
 from .data import default_num_workers, eval_loader, train_loader
-from .distributed import check_backend_honoured, convert_sync_batchnorm, deepspeed_plugin, use_cpu
+from .distributed import check_backend_honoured, convert_sync_batchnorm, deepspeed_plugin, main_process_only, use_cpu
 from .hooks import Hooks, builtin_hooks
 from .metrics import peak_memory_mb
 from .optim import build_scheduler
@@ -69,18 +81,20 @@ def fit(cfg: TrainConfig, model: nn.Module, optimizer: torch.optim.Optimizer, tr
     run, notes = _prepare(cfg, accelerator, model, optimizer, train_set, eval_set, task)
     run_config = {**run.cfg.to_dict(), "runtime": run.runtime}
     run.hooks = Hooks([*hooks, *builtin_hooks(run.cfg, evaluates=eval_set is not None, trackers=trackers, run_config=run_config)])
-    if accelerator.is_main_process:  # created only now: bad input found above leaves nothing behind
-        output_dir.mkdir(parents=True, exist_ok=True)
-    accelerator.wait_for_everyone()
+    # created only now: bad input found above leaves nothing behind; one live run per folder
+    main_process_only(lambda: (output_dir.mkdir(parents=True, exist_ok=True), lock_output_dir(output_dir)))
     accelerator.print(yaml.safe_dump({"config": run.cfg.to_dict(), "runtime": run.runtime}, sort_keys=False).rstrip())
     for note in notes:
         accelerator.print(note)
-    if cfg.resume:
-        _resume(run, cfg.resume)
-    run.hooks.call("on_fit_start", run)
-    run.start_clock()
-    _train(run)
-    return _finish(run)
+    try:
+        if cfg.resume and not _resume(run, cfg.resume):
+            return _already_finished(run)
+        run.hooks.call("on_fit_start", run)
+        run.start_clock()
+        _train(run)
+        return _finish(run)
+    finally:
+        unlock_output_dir(output_dir)
 
 
 def _train(run: Run) -> None:
@@ -125,9 +139,7 @@ def _train(run: Run) -> None:
             run.loss_count += count
             if not accelerator.sync_gradients:
                 continue
-            run.step += 1
-            run.samples_seen += window * run.global_batch_size
-            run.throughput.step_done(run.step - run.launch_start_step, window * run.global_batch_size)
+            run.step_done(window)
             hooks.call("on_step_end", run)
             save, stop = run.agree()
             if run.step == run.total_steps:
@@ -149,7 +161,7 @@ def _finish(run: Run) -> dict:
         accelerator.print(f"stopped at step {run.step} ({run.stop.reason}); checkpoint saved; continue with --resume auto")
         accelerator.wait_for_everyone()
         accelerator.end_training()
-        raise SystemExit(EXIT_PREEMPTED)
+        raise SystemExit(run.stop.exit_code)
     save, _ = run.agree()
     if save and run.last_saved_step != run.step:
         run.save()
@@ -162,6 +174,14 @@ def _finish(run: Run) -> dict:
         accelerator.print(f"done: {run.step} steps, train loss {run.train_loss}, {metric} {summary.get(metric)}, outputs in {run.output_dir}")
     accelerator.wait_for_everyone()
     accelerator.end_training()  # trackers, then the process group
+    return summary
+
+
+def _already_finished(run: Run) -> dict:
+    """``--resume`` of a run that has finished at its newest checkpoint: nothing to train, nothing rewritten."""
+    summary = json.loads((run.output_dir / SUMMARY_FILE).read_text())
+    run.accelerator.print(f"the run in {run.output_dir} already finished at step {summary['steps']}; nothing to do")
+    run.accelerator.end_training()
     return summary
 
 
@@ -185,6 +205,7 @@ def _summary(run: Run, weights: Path, wall_seconds: float) -> dict:
         "final_lr": run.scheduler.get_last_lr()[0],
         **peak_memory_mb(run.accelerator.device),
         "weights": str(weights),
+        **({"config_changes": run.config_changes} if run.config_changes else {}),
         "runtime": run.runtime,
         "config": run.cfg.to_dict(),
     }
@@ -293,9 +314,10 @@ def _backend_settings(accelerator) -> dict:
     return {}
 
 
-def _resume(run: Run, resume: str) -> None:
-    """Find and verify the checkpoint on the main process, agree on it everywhere, load it: Accelerate
-    restores model, optimizer, grad scaler and RNG; the run its TrainerState; the hooks their states."""
+def _resume(run: Run, resume: str) -> bool:
+    """Find and verify the checkpoint on the main process, agree on it everywhere, check it continues this run,
+    load it: Accelerate restores model, optimizer, grad scaler and RNG; the run its TrainerState; the hooks
+    their states. False when the run in the folder finished at that checkpoint: nothing to do."""
     from accelerate.utils import broadcast_object_list
 
     accelerator = run.accelerator
@@ -311,15 +333,53 @@ def _resume(run: Run, resume: str) -> None:
     path, fields, error = found
     if error:
         raise ConfigError(error)
+    finished = finished_steps(run.output_dir)
     if path is None:
+        if finished is not None:
+            raise ConfigError(f"--output-dir {str(run.output_dir)!r} holds a finished run but no checkpoint to resume: use --overwrite to replace it")
         accelerator.print(f"--resume auto: no complete checkpoint in {run.output_dir / CHECKPOINTS_DIR}; starting fresh")
-        return
+        return True
     saved = TrainerState(**fields)
     saved.check_compatible(TrainerState(**compatibility(run.cfg, accelerator.num_processes, run.train_samples)), Path(path))
+    changes = run_changes(saved.config, run.cfg)
+    if finished is not None:
+        if saved.step >= finished and not changes:
+            return False
+        raise ConfigError(
+            f"--output-dir {str(run.output_dir)!r} holds a finished run ({finished} steps): resuming the checkpoint of "
+            f"step {saved.step} there would overwrite it; give another --output-dir to continue from that checkpoint into it"
+        )
+    described = ", ".join(f"{name} {old} -> {new}" for name, (old, new) in changes.items())
+    if changes and not run.cfg.allow_config_change:
+        raise ConfigError(
+            f"checkpoint {path!r} was written with other settings: {described}; resume with the same settings, "
+            "or pass --allow-config-change to apply the new ones"
+        )
     run.hooks.load_states(Path(path), saved.hooks)
-    accelerator.load_state(path)
+    fresh = [{key: value for key, value in group.items() if key != "params"} for group in run.optimizer.param_groups]
+    try:
+        accelerator.load_state(path)
+    except (RuntimeError, KeyError, ValueError, IndexError) as err:
+        raise CheckpointError(f"checkpoint {path!r} does not fit this model or optimizer: {str(err).strip().splitlines()[0][:300]}") from None
     run.restore(saved)
+    if changes:
+        _apply_changes(run, fresh, changes)
+        accelerator.print(f"--allow-config-change: applying {described}")
     accelerator.print(f"resumed from {path} at step {saved.step} (epoch {saved.epoch}, {saved.batches_in_epoch} batches into it)")
+    return True
+
+
+def _apply_changes(run: Run, fresh_groups: list[dict], changes: dict) -> None:
+    """After ``load_state`` put the checkpoint's optimizer hyperparameters back: the new settings' (lr,
+    momentum, weight decay) replace them, and the schedule continues from the new peak at the same step."""
+    run.config_changes.update(changes)
+    for group, fresh in zip(run.optimizer.param_groups, fresh_groups):
+        group.update(fresh)
+    run.scheduler.base_lrs = [group["initial_lr"] for group in run.optimizer.param_groups]
+    values = [base * multiplier(run.scheduler.last_epoch) for base, multiplier in zip(run.scheduler.base_lrs, run.scheduler.lr_lambdas)]
+    for group, value in zip(run.optimizer.param_groups, values):
+        group["lr"] = value
+    run.scheduler._last_lr = values
 
 
 def _divide_gradients(model: nn.Module, divisor: torch.Tensor) -> None:

@@ -114,14 +114,22 @@ class EventLog:
     """Appends one JSON object per line to ``metrics.jsonl``; a no-op on non-main processes.
 
     A resumed run first drops the events past its checkpoint's step (logged before the interruption,
-    about to be replayed), so every step appears once."""
+    about to be replayed), so every step appears once, and any line a crash cut short."""
 
     def __init__(self, path: Path | None, keep_until_step: int = 0):
         self._file = None
         if path is None:
             return
         if path.exists():
-            kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= keep_until_step]
+            kept, unreadable = [], 0
+            for line in path.read_text().splitlines():
+                try:
+                    if json.loads(line)["step"] <= keep_until_step:
+                        kept.append(line)
+                except (ValueError, KeyError, TypeError):  # a line cut short by a crash mid-write
+                    unreadable += bool(line.strip())
+            if unreadable:
+                print(f"warning: {path}: dropped {unreadable} unreadable line(s), a write cut short by a crash", flush=True)
             path.write_text("".join(line + "\n" for line in kept))
         self._file = open(path, "a", buffering=1)
 

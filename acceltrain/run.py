@@ -15,9 +15,16 @@ from pathlib import Path
 import torch
 from accelerate.utils import DistributedType
 
-from .checkpointing import TrainerState, resolve_output_dir, save_checkpoint
+from .checkpointing import (
+    EXIT_PREEMPTED,
+    TrainerState,
+    lock_output_dir,
+    move_previous_run_aside,
+    resolve_output_dir,
+    save_checkpoint,
+)
 from .config import ConfigError, TrainConfig
-from .distributed import init_process_state
+from .distributed import init_process_state, main_process_only
 from .metrics import Throughput, synchronize
 
 TOKEN_NORMALISATION_UNDER_DEEPSPEED = (
@@ -44,17 +51,33 @@ def setup_run(cfg: TrainConfig, name: str, task=None) -> RunSetup:
     if getattr(task, "sums_losses", False) and state.distributed_type == DistributedType.DEEPSPEED:
         raise ConfigError(TOKEN_NORMALISATION_UNDER_DEEPSPEED)
     output_dir = resolve_output_dir(cfg, name)
+    main_process_only(lambda: _claim_output_dir(output_dir, cfg.overwrite))
     cfg = dataclasses.replace(cfg, output_dir=str(output_dir))
     return RunSetup(cfg, output_dir, state.is_main_process, state.distributed_type, state.num_processes)
+
+
+def _claim_output_dir(output_dir: Path, overwrite: bool) -> None:
+    """Refuse a folder that a live run holds; with ``--overwrite``, move the previous run aside."""
+    if overwrite:
+        aside = move_previous_run_aside(output_dir)
+        if aside is not None:
+            print(f"--overwrite: moved the previous run in {output_dir} to {aside}", flush=True)
+    if output_dir.is_dir():
+        lock_output_dir(output_dir)
 
 
 @dataclasses.dataclass
 class Stop:
     """Why the run ends early. ``finish``: as a finished run (weights, summary, exit 0), e.g. a target
-    reached; otherwise checkpointed to be resumed (exit 75), e.g. a preemption signal."""
+    reached; otherwise checkpointed to be resumed, exiting with ``exit_code`` (75, or 130 after Ctrl-C)."""
 
     reason: str
     finish: bool = False
+    exit_code: int = EXIT_PREEMPTED
+
+
+class TrainingDiverged(Exception):
+    """A non-finite loss or gradient norm: the run stops without saving anything from that step on."""
 
 
 class Run:
@@ -90,7 +113,9 @@ class Run:
         self.last_saved_step: int | None = None
         self.weights_to_export: dict | None = None  # a hook's replacement for the model's weights (EMA)
         self.files_to_attach: list[Path] = []  # attached to the tracker run at the end (profiles)
+        self.config_changes: dict = {}  # applied on resume with --allow-config-change: field -> [old, new]
         self.stop: Stop | None = None
+        self._diverged = torch.zeros((), dtype=torch.bool, device=accelerator.device)
         self._save_requested = False
         self._stop_requested: Stop | None = None
 
@@ -100,11 +125,12 @@ class Run:
         """Checkpoint after this optimizer step (at the end of the run when asked from ``on_train_end``)."""
         self._save_requested = True
 
-    def request_stop(self, reason: str, *, finish: bool = False) -> None:
+    def request_stop(self, reason: str, *, finish: bool = False, exit_code: int = EXIT_PREEMPTED) -> None:
         """End training after this optimizer step: as a finished run (``finish=True``) or checkpointed to be
-        resumed. A stop asked for on the last step simply finishes the run."""
+        resumed (the process then exits with ``exit_code``). A stop asked for on the last step simply
+        finishes the run."""
         if self._stop_requested is None or (finish and not self._stop_requested.finish):
-            self._stop_requested = Stop(reason, finish)
+            self._stop_requested = Stop(reason, finish, exit_code)
 
     def log(self, metrics: dict) -> None:
         """Write one row (it needs ``"step"``): hooks may add to it, then metrics.jsonl, trackers, progress bar."""
@@ -189,6 +215,18 @@ class Run:
             yield batch
         self.epoch, self.batch_in_epoch = self.epoch + 1, 0
 
+    def step_done(self, micro_batches: int) -> None:
+        """Count and time the optimizer step just taken, and note on the device (no sync) whether its loss or
+        gradient norm is non-finite; a grad-scaler skip (fp16 overflow) is not divergence."""
+        self.step += 1
+        samples = micro_batches * self.global_batch_size
+        self.samples_seen += samples
+        self.throughput.step_done(self.step - self.launch_start_step, samples)
+        diverged = ~torch.isfinite(self.loss_sum)
+        if self.grad_norm is not None and not self.accelerator.optimizer_step_was_skipped:
+            diverged |= ~torch.isfinite(torch.as_tensor(self.grad_norm, device=diverged.device))
+        self._diverged = diverged
+
     def agree(self) -> tuple[bool, Stop | None]:
         """This step's save and stop requests, the same on every process: one all-reduce of three flags when
         there are several processes (Accelerate's set_trigger/check_trigger carries one flag per
@@ -198,18 +236,32 @@ class Run:
         if self.accelerator.num_processes > 1:
             import torch.distributed as dist
 
-            flags = torch.tensor([save, stop is not None and not stop.finish, stop is not None and stop.finish],
-                                 dtype=torch.int32, device=self.accelerator.device)
+            requests = torch.tensor([save, stop is not None and not stop.finish, stop is not None and stop.finish],
+                                    dtype=torch.int32, device=self.accelerator.device)
+            flags = torch.cat([requests, self._diverged.view(1).int()])
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-            save, resume_later, finish = (bool(flag) for flag in flags.tolist())
+            save, resume_later, finish, diverged = (bool(flag) for flag in flags.tolist())
             if finish and not (stop and stop.finish):
                 stop = Stop("requested on another process", finish=True)
             elif resume_later and not finish and stop is None:
                 stop = Stop("signal or request on another process")
+        else:
+            diverged = bool(self._diverged)  # the one device sync per step on one process
+        if diverged:
+            self._raise_diverged("the training loss or gradient norm is not finite")
         return save, stop
 
-    def trainer_state(self) -> TrainerState:
-        """The one place where the run becomes a checkpoint's TrainerState."""
+    def _raise_diverged(self, what: str) -> None:
+        norm = f" (grad norm {float(self.grad_norm):.4g})" if self.grad_norm is not None else ""
+        kept = f"; the last checkpoint is step {self.last_saved_step}" if self.last_saved_step is not None else ""
+        raise TrainingDiverged(
+            f"training diverged at step {self.step}: {what}{norm}; nothing was saved from this step on{kept}; "
+            "lower --lr or clip with --max-grad-norm"
+        )
+
+    def trainer_state(self, loss_window: tuple[float, float] = (0.0, 0.0)) -> TrainerState:
+        """The one place where the run becomes a checkpoint's TrainerState. ``loss_window``: the open
+        training-log window (loss sum, count) summed over processes."""
         epoch, position = self.epoch, self.batch_in_epoch
         if position == self.batches_per_epoch:  # the epoch's last batch is done: resume at the next epoch
             epoch, position = epoch + 1, 0
@@ -217,7 +269,8 @@ class Run:
             step=self.step, epoch=epoch, batches_in_epoch=position, samples_seen=self.samples_seen,
             train_seconds=self.elapsed(), best_metric=self.best_metric, best_checkpoint=self.best_checkpoint,
             last_eval=self.last_eval, tracker_run_id=self.tracker_run_id, scheduler=self.scheduler.state_dict(),
-            hooks=list(self.hooks.stateful), **compatibility(self.cfg, self.accelerator.num_processes, self.train_samples),
+            hooks=list(self.hooks.stateful), loss_sum=loss_window[0], loss_count=loss_window[1], config=self.cfg.to_dict(),
+            config_changes=self.config_changes, **compatibility(self.cfg, self.accelerator.num_processes, self.train_samples),
         )
 
     def restore(self, state: TrainerState) -> None:
@@ -226,13 +279,22 @@ class Run:
         self.best_metric, self.best_checkpoint, self.last_eval = state.best_metric, state.best_checkpoint, state.last_eval
         self.tracker_run_id = state.tracker_run_id
         self.resumed_from_step = self.last_saved_step = state.step
+        self.config_changes = dict(state.config_changes)
+        if self.accelerator.is_main_process:  # the window's sum over all processes, counted once
+            self.loss_sum.fill_(state.loss_sum)
+            self.loss_count = state.loss_count
         if state.scheduler:
             self.scheduler.load_state_dict(state.scheduler)
 
     def save(self) -> Path:
         """Checkpoint now (every process): Accelerate's state, the trainer state, the hooks' states."""
         with self.paused():
-            path = save_checkpoint(self.accelerator, self.trainer_state(), self.output_dir, write_extra=self.hooks.save_states)
+            finite = torch.stack([torch.isfinite(p).all() for p in self.model.parameters()]).all()
+            window = self.accelerator.reduce(torch.stack([self.loss_sum, self.loss_sum.new_tensor(float(self.loss_count))]), "sum")
+            if not finite:  # a finite loss can still leave inf weights behind: never checkpoint them
+                self._raise_diverged("the weights are not finite")
+            state = self.trainer_state(loss_window=(window[0].item(), window[1].item()))
+            path = save_checkpoint(self.accelerator, state, self.output_dir, write_extra=self.hooks.save_states)
             self.last_saved_step = self.step
             self.hooks.call("on_save", self, path)
             self.accelerator.print(f"checkpoint: {path}")

@@ -61,7 +61,9 @@ class CausalLMConfig(TrainConfig):
     vocab_size: int = option(8192, "vocabulary of the BPE trained when there is no --tokenizer")
     block_size: int = option(256, "tokens per training sequence (context length)")
     eval_fraction: float = option(0.05, "fraction of the blocks held out for evaluation, chosen by --seed (0: no evaluation)")
-    num_proc: int | None = option(None, "processes that tokenise the text (default: one per CPU and per 10,000 lines, at most 8)")
+    num_proc: int | None = option(
+        None, "processes that tokenise the text (default: one per CPU and per 10,000 lines, at most 8)", free_on_resume=True
+    )
 
     def validate(self) -> None:
         super().validate()

@@ -18,7 +18,9 @@ class CifarConfig(TrainConfig):
     model: str = option("resnet18", "network", choices=RESNETS)
     stem: str = option("cifar", "cifar: 3x3 conv, no max-pool; imagenet: torchvision's 7x7/2 conv + max-pool", choices=STEMS)
     dataset: str = option("cifar10", "cifar10 (torchvision download), imagefolder (--data-dir) or synthetic", choices=IMAGE_DATASETS)
-    data_dir: str | None = option(None, "dataset folder (cifar10: default ./data; imagefolder: train/<class>/* and test/<class>/*)")
+    data_dir: str | None = option(
+        None, "dataset folder (cifar10: default ./data; imagefolder: train/<class>/* and test/<class>/*)", free_on_resume=True
+    )
     label_smoothing: float = option(0.0, "label smoothing for the cross-entropy loss")
 
     def validate(self) -> None:

@@ -175,9 +175,11 @@ def test_resume_is_byte_identical_and_reuses_the_tokenizer(tmp_path, text_file, 
     tokenizer_file = part / TOKENIZER_FILE
     trained = tokenizer_file.read_bytes()
     capsys.readouterr()
-    assert run(causal_lm.main, part, *args, "--resume", "auto", "--vocab-size", "500") == 0
+    assert run(causal_lm.main, part, *args, "--resume", "auto", "--vocab-size", "500") == 2
+    assert "vocab_size 300 -> 500" in capsys.readouterr().err, "a setting the resume would ignore is refused, not dropped"
+    assert run(causal_lm.main, part, *args, "--resume", "auto") == 0
     assert "tokenizer: reusing" in capsys.readouterr().out
-    assert tokenizer_file.read_bytes() == trained, "reused, not retrained (--vocab-size ignored)"
+    assert tokenizer_file.read_bytes() == trained, "reused, not retrained"
     assert (part / "model.safetensors").read_bytes() == (full / "model.safetensors").read_bytes()
     assert [e["step"] for e in read_events(part) if "loss" in e] == list(range(1, 7))
 

@@ -212,6 +212,6 @@ def test_rotation_orders_by_step_not_by_name_or_save_count(tmp_path):
         (folder / "COMPLETE").write_text("{}")
     (tmp_path / "checkpoints" / "step_00000011").mkdir()  # incomplete: not a checkpoint, left alone
     (tmp_path / "checkpoints" / ".tmp-step_00001001").mkdir()  # an interrupted save: removed
-    rotate_checkpoints(tmp_path, keep_last=2, best="step_00000009")
+    rotate_checkpoints(tmp_path, keep_last=2, best="step_00000009", verified={f"step_{s:08d}" for s in (9, 10, 100, 1000)})
     left = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     assert left == ["step_00000009", "step_00000011", "step_00000100", "step_00001000"]

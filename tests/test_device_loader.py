@@ -196,9 +196,13 @@ def test_unwritable_cache_dir_falls_back_to_the_home_cache_and_says_so(image_fol
     assert capsys.readouterr().out.count("not writable") == 1
 
 
-def test_a_dataset_that_is_not_an_image_classification_is_refused_in_one_line():
-    with pytest.raises(ConfigError, match="ImageClassification") as error:
-        DeviceImageLoader.from_dataset(
-            TensorDataset(torch.zeros(4, 3, 8, 8), torch.zeros(4)), batch_size=2, seed=0, device="cpu", process_index=0, num_processes=1
-        )
-    assert "\n" not in str(error.value)
+def test_a_dataset_without_a_device_loader_is_refused_in_one_line(tmp_path):
+    """The loop asks the dataset for its device loader (acceltrain.vision.ImageClassification has one)."""
+    from acceltrain import TrainConfig, fit
+
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 8 * 8, 2))
+    cfg = TrainConfig(data_on_device=True, batch_size=2, max_steps=1, report_to="none", output_dir=str(tmp_path / "run"))
+    with pytest.raises(ConfigError, match="--data-on-device needs a dataset with a device_loader\\(\\) method") as error:
+        fit(cfg, model, torch.optim.SGD(model.parameters(), lr=0.1), TensorDataset(torch.zeros(4, 3, 8, 8), torch.zeros(4, dtype=torch.long)))
+    assert "\n" not in str(error.value) and "TensorDataset has none" in str(error.value)
+    assert not (tmp_path / "run").exists()

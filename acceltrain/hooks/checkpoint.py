@@ -11,13 +11,14 @@ from .base import Hook
 class CheckpointSchedule(Hook):
     """A checkpoint every ``every_steps`` optimizer steps and/or once ``every_minutes`` have passed since the
     last one, whenever the primary metric improves (``keep_best``), and at the end of the run; then only
-    the newest ``keep_last`` are kept (never the best one)."""
+    the newest ``keep_last`` that verify are kept (never the best one; a broken one never counts)."""
 
     def __init__(self, every_steps: int | None, every_minutes: float | None, keep_last: int | None, keep_best: bool):
         self.every_steps, self.every_minutes, self.keep_last, self.keep_best = every_steps, every_minutes, keep_last, keep_best
 
     def on_fit_start(self, run) -> None:
         self.last_save = time.monotonic()
+        self.verified: set[str] = set()  # checkpoints known good: each is hashed at most once per run
 
     def on_step_end(self, run) -> None:
         if self.every_steps and run.step % self.every_steps == 0:
@@ -32,16 +33,18 @@ class CheckpointSchedule(Hook):
 
     def on_save(self, run, folder) -> None:
         self.last_save = time.monotonic()
+        self.verified.add(folder.name)  # just written and hashed into its manifest
         if run.accelerator.is_main_process:
-            rotate_checkpoints(run.output_dir, self.keep_last, run.best_checkpoint)
+            rotate_checkpoints(run.output_dir, self.keep_last, run.best_checkpoint, self.verified)
 
     def on_train_end(self, run) -> None:
         run.request_save()  # the final state, unless the last step was just saved
 
 
 class Preemption(Hook):
-    """SIGTERM and SIGUSR1 (what schedulers send before they kill a job), and ``--stop-after-steps`` (time
-    slices): checkpoint at the next optimizer-step boundary and stop, to be resumed with ``--resume auto``."""
+    """SIGTERM and SIGUSR1 (what schedulers send before they kill a job), a first Ctrl-C, and
+    ``--stop-after-steps`` (time slices): checkpoint at the next optimizer-step boundary and stop, to be
+    resumed with ``--resume auto`` (exit 75; 130 after Ctrl-C)."""
 
     def __init__(self, stop_after_steps: int | None):
         self.stop_after_steps = stop_after_steps
@@ -53,7 +56,7 @@ class Preemption(Hook):
 
     def on_step_end(self, run) -> None:
         if self.signals.received is not None:
-            run.request_stop(self.signals.name)
+            run.request_stop(self.signals.name, exit_code=self.signals.exit_code)
         if self.stop_after_steps and run.step - self.first_step >= self.stop_after_steps:
             run.request_stop("stop_after_steps")
 
