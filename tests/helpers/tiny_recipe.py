@@ -4,6 +4,8 @@ the optimizer stepped and zeroed its gradients, and the learning rate of each op
 
 import json
 import os
+import signal
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -11,7 +13,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from acceltrain import EMA, ClassificationTask, TrainConfig, fit, option, run_recipe
+from acceltrain import EMA, ClassificationTask, Hook, TrainConfig, fit, option, run_recipe
 from acceltrain.vision import CropFlip, ImageClassification, synthetic_images
 
 
@@ -23,6 +25,8 @@ class TinyConfig(TrainConfig):
     masked_loss: bool = option(False, "train on classes 0-4 only, as (loss sum, target count): like padded tokens")
     count_allreduce: bool = option(False, "count DDP gradient all-reduces (a comm hook) into rank<N>.json")
     ema_decay: float | None = option(None, "add the EMA hook with this decay (exported as model.safetensors)")
+    die_at_step: int | None = option(None, "every process kills itself (SIGKILL) at this step, on torchrun's first attempt only")
+    sleep_per_step: float = option(0.0, "seconds to sleep after each optimizer step: a slow run to signal (the maths unchanged)")
 
 
 def count_gradient_allreduces(counter: dict) -> None:
@@ -54,6 +58,25 @@ class MaskedClassification(ClassificationTask):
         mask = labels < 5
         losses = torch.nn.functional.cross_entropy(model(inputs), labels, reduction="none")
         return (losses * mask).sum(), mask.sum()
+
+
+class DieAt(Hook):
+    """A crash that torchrun's --max-restarts must recover from: SIGKILL at one step, on the first attempt."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_end(self, run):
+        if run.step == self.step and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+class SleepPerStep(Hook):
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+
+    def on_step_end(self, run):
+        time.sleep(self.seconds)
 
 
 class CountingSGD(torch.optim.SGD):
@@ -90,6 +113,10 @@ def main(cfg: TinyConfig, hooks=(), task=None) -> None:
     task = task or (MaskedClassification() if cfg.masked_loss else ClassificationTask())
     if cfg.ema_decay is not None:
         hooks = [*hooks, EMA(decay=cfg.ema_decay)]
+    if cfg.die_at_step is not None:
+        hooks = [*hooks, DieAt(cfg.die_at_step)]
+    if cfg.sleep_per_step:
+        hooks = [*hooks, SleepPerStep(cfg.sleep_per_step)]
     summary = fit(cfg, model, optimizer, train_set, eval_set, task=task, hooks=hooks, name="tiny")
     rank = int(os.environ.get("RANK", "0"))
     out = Path(summary["config"]["output_dir"])

@@ -1,0 +1,145 @@
+"""recipes/slurm/train.sbatch on a real single-node SLURM (started by `.ci/slurm-up`): a job that is
+signalled (scancel, the time limit's --signal) or requeued (scontrol requeue) saves, is requeued, resumes
+and ends byte-identical to an uninterrupted run. Skipped, with the reason, where no SLURM answers."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, TINY_RECIPE, check, launch, subprocess_env
+
+pytestmark = pytest.mark.slurm
+
+# 256 optimizer steps; 0.04 s of sleep after each (the maths unchanged) makes a ~12 s run to signal.
+ARGS = ["--num-train", "8192", "--batch-size", "16", "--grad-accum", "2", "--epochs", "1", "--lr", "0.05", "--batchnorm",
+        "--no-progress", "--log-every", "10", "--num-workers", "0", "--report-to", "none"]
+SLOW = ["--sleep-per-step", "0.04"]
+
+
+def _slurm_missing() -> str | None:
+    if shutil.which("sbatch") is None:
+        return "SLURM is not installed here (bash .ci/slurm-up installs and starts a single-node one, as root)"
+    try:
+        result = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=15)
+    except subprocess.TimeoutExpired:
+        return "sinfo did not answer within 15 s: no SLURM controller running (bash .ci/slurm-up)"
+    if result.returncode != 0 or not re.search(r"idle|mix|alloc", result.stdout):
+        return f"no usable SLURM node: {(result.stderr or result.stdout).strip()[:200] or 'none'} (bash .ci/slurm-up)"
+    return None
+
+
+@pytest.fixture(scope="module")
+def slurm():
+    reason = _slurm_missing()
+    if reason:
+        pytest.skip(reason)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, slurm):
+    """The uninterrupted run, launched as the sbatch script launches it (accelerate launch, multi_node.yaml)."""
+    out = tmp_path_factory.mktemp("slurm-reference") / "run"
+    check(launch(TINY_RECIPE, [*ARGS, "--output-dir", str(out)], launcher="accelerate", config="multi_node.yaml",
+                 launcher_args=("--num_machines", "1", "--machine_rank", "0", "--main_process_ip", "127.0.0.1")))
+    return out
+
+
+def _env(output_dir: Path) -> dict:
+    env = subprocess_env(PROCESSES_PER_NODE="1", OUTPUT_DIR=str(output_dir))
+    env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"  # `accelerate` of this environment inside the job
+    return env
+
+
+def submit(output_dir: Path, *sbatch_args: str, recipe_args=SLOW) -> str:
+    log = output_dir.parent / "job.log"
+    command = ["sbatch", "--parsable", "--nodes=1", "--ntasks-per-node=1", "--cpus-per-task=1", "--gpus-per-node=0",
+               f"--job-name=acceltrain-test-{output_dir.parent.name}", f"--output={log}", "--open-mode=append",
+               f"--chdir={REPO}", *sbatch_args, str(REPO / "recipes" / "slurm" / "train.sbatch"), str(TINY_RECIPE), *ARGS, *recipe_args]
+    result = subprocess.run(command, env=_env(output_dir), capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0, result.stderr
+    return result.stdout.strip().split(";")[0]
+
+
+def job(job_id: str) -> dict:
+    text = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, timeout=15).stdout
+    return dict(re.findall(r"(\w+)=(\S*)", text))
+
+
+def wait_for(predicate, what: str, timeout: float):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.25)
+
+
+def logged_steps(output_dir: Path) -> int:
+    metrics = output_dir / "metrics.jsonl"
+    return len(metrics.read_text().splitlines()) if metrics.exists() else 0
+
+
+def finish_after_requeue(job_id: str, output_dir: Path) -> str:
+    """Wait for the requeue and for the requeued job to complete; returns the job's log. (A requeued job
+    starts again after the credential lifetime: 120 s by default, 10 s in .ci/slurm-up's cluster.)"""
+    wait_for(lambda: job(job_id).get("Restarts", "0") != "0", "the requeue", 120)
+    ended = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL")
+    state = wait_for(lambda: job(job_id).get("JobState") in ended and job(job_id)["JobState"], "the requeued job to end", 300)
+    log = (output_dir.parent / "job.log").read_text()
+    assert state == "COMPLETED", log[-4000:]
+    return log
+
+
+@pytest.fixture
+def run_dir(tmp_path):
+    yield tmp_path / "run"
+    subprocess.run(["scancel", f"--name=acceltrain-test-{tmp_path.name}"], capture_output=True, timeout=15)
+
+
+def test_scancel_sigterm_checkpoints_requeues_and_resumes_identically(run_dir, reference):
+    job_id = submit(run_dir, "--time=10")
+    wait_for(lambda: logged_steps(run_dir) >= 3, "training to start", 120)
+    subprocess.run(["scancel", "--signal=TERM", job_id], check=True, timeout=15)  # what preemption sends the job step
+    log = finish_after_requeue(job_id, run_dir)
+    assert re.search(r"stopped at step \d+ \(SIGTERM\); checkpoint saved", log) and "resumed from" in log
+    assert (run_dir / "model.safetensors").read_bytes() == (reference / "model.safetensors").read_bytes()
+
+
+def test_the_time_limit_signal_checkpoints_requeues_and_resumes_identically(run_dir, reference):
+    """--time=2 with --signal=TERM@80: SIGTERM to the job step 40-80 s after the start (SLURM checks its
+    timers every 30 s or so), into a ~65 s run (0.25 s a step)."""
+    job_id = submit(run_dir, "--time=2", "--signal=TERM@80", recipe_args=["--sleep-per-step", "0.25"])
+    log = finish_after_requeue(job_id, run_dir)
+    assert re.search(r"stopped at step \d+ \(SIGTERM\); checkpoint saved", log) and "resumed from" in log, log[-3000:]
+    assert (run_dir / "model.safetensors").read_bytes() == (reference / "model.safetensors").read_bytes()
+
+
+def test_scontrol_requeue_of_a_running_job_resumes_identically(run_dir, reference):
+    job_id = submit(run_dir, "--time=10")
+    wait_for(lambda: logged_steps(run_dir) >= 3, "training to start", 120)
+    subprocess.run(["scontrol", "requeue", job_id], check=True, timeout=15)
+    log = finish_after_requeue(job_id, run_dir)
+    assert re.search(r"stopped at step \d+ \(SIGTERM\); checkpoint saved", log) and "resumed from" in log
+    assert (run_dir / "model.safetensors").read_bytes() == (reference / "model.safetensors").read_bytes()
+
+
+def test_scancel_full_loses_at_most_the_steps_since_the_last_checkpoint(run_dir, reference):
+    """`scancel --signal=TERM --full` also signals srun, whose termination sequence kills the job step at
+    once (SLURM's srun, not the toolkit): the run cannot save, but the batch script survives, requeues, and
+    the job resumes from the last periodic checkpoint and ends identical."""
+    job_id = submit(run_dir, "--time=10", recipe_args=[*SLOW, "--save-every-steps", "50"])
+    wait_for(lambda: (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").glob("step_*/COMPLETE")),
+             "a first checkpoint", 120)
+    subprocess.run(["scancel", "--signal=TERM", "--full", job_id], check=True, timeout=15)
+    log = finish_after_requeue(job_id, run_dir)
+    assert "resumed from" in log
+    assert (run_dir / "model.safetensors").read_bytes() == (reference / "model.safetensors").read_bytes()
