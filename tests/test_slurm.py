@@ -99,47 +99,58 @@ def finish_after_requeue(job_id: str, output_dir: Path) -> str:
     return log
 
 
-@pytest.fixture
-def run_dir(tmp_path):
-    yield tmp_path / "run"
-    subprocess.run(["scancel", f"--name=acceltrain-test-{tmp_path.name}"], capture_output=True, timeout=15)
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory, slurm):
+    """All four jobs at once (they mostly sleep), each signalled once it trains: the module takes as long as
+    its slowest job, not the sum. Name -> (job id, output folder)."""
+    cases = {
+        "scancel": (["--time=10"], SLOW, lambda job_id: ["scancel", "--signal=TERM", job_id]),
+        "time_limit": (["--time=2", "--signal=TERM@80"], ["--sleep-per-step", "0.25"], None),
+        "requeue": (["--time=10"], SLOW, lambda job_id: ["scontrol", "requeue", job_id]),
+        "scancel_full": (["--time=10"], [*SLOW, "--save-every-steps", "50"], lambda job_id: ["scancel", "--signal=TERM", "--full", job_id]),
+    }
+    submitted = {}
+    for name, (sbatch_args, recipe_args, _) in cases.items():
+        out = tmp_path_factory.mktemp(f"slurm-{name}") / "run"
+        submitted[name] = (submit(out, *sbatch_args, recipe_args=recipe_args), out)
+    for name, (_, _, action) in cases.items():
+        if action is None:
+            continue
+        job_id, out = submitted[name]
+        ready = (lambda: any((out / "checkpoints").glob("step_*/COMPLETE"))) if name == "scancel_full" else (lambda: logged_steps(out) >= 3)
+        wait_for(ready, f"job {name} to train", 180)
+        subprocess.run(action(job_id), check=True, timeout=15)
+    yield submitted
+    for job_id, _ in submitted.values():
+        subprocess.run(["scancel", job_id], capture_output=True, timeout=15)
 
 
-def test_scancel_sigterm_checkpoints_requeues_and_resumes_identically(run_dir, reference):
-    job_id = submit(run_dir, "--time=10")
-    wait_for(lambda: logged_steps(run_dir) >= 3, "training to start", 120)
-    subprocess.run(["scancel", "--signal=TERM", job_id], check=True, timeout=15)  # what preemption sends the job step
-    log = finish_after_requeue(job_id, run_dir)
-    assert re.search(r"stopped at step \d+ \(SIGTERM\); checkpoint saved", log) and "resumed from" in log
-    assert (run_dir / "model.safetensors").read_bytes() == (reference / "model.safetensors").read_bytes()
+def _assert_resumed_identically(jobs, name: str, reference: Path, saved: bool = True) -> None:
+    job_id, out = jobs[name]
+    log = finish_after_requeue(job_id, out)
+    if saved:
+        assert re.search(r"stopped at step \d+ \(SIGTERM\); checkpoint saved", log), log[-3000:]
+    assert "resumed from" in log, log[-3000:]
+    assert (out / "model.safetensors").read_bytes() == (reference / "model.safetensors").read_bytes()
 
 
-def test_the_time_limit_signal_checkpoints_requeues_and_resumes_identically(run_dir, reference):
+def test_scancel_sigterm_checkpoints_requeues_and_resumes_identically(jobs, reference):
+    """`scancel --signal=TERM`: what preemption sends the job step."""
+    _assert_resumed_identically(jobs, "scancel", reference)
+
+
+def test_the_time_limit_signal_checkpoints_requeues_and_resumes_identically(jobs, reference):
     """--time=2 with --signal=TERM@80: SIGTERM to the job step 40-80 s after the start (SLURM checks its
     timers every 30 s or so), into a ~65 s run (0.25 s a step)."""
-    job_id = submit(run_dir, "--time=2", "--signal=TERM@80", recipe_args=["--sleep-per-step", "0.25"])
-    log = finish_after_requeue(job_id, run_dir)
-    assert re.search(r"stopped at step \d+ \(SIGTERM\); checkpoint saved", log) and "resumed from" in log, log[-3000:]
-    assert (run_dir / "model.safetensors").read_bytes() == (reference / "model.safetensors").read_bytes()
+    _assert_resumed_identically(jobs, "time_limit", reference)
 
 
-def test_scontrol_requeue_of_a_running_job_resumes_identically(run_dir, reference):
-    job_id = submit(run_dir, "--time=10")
-    wait_for(lambda: logged_steps(run_dir) >= 3, "training to start", 120)
-    subprocess.run(["scontrol", "requeue", job_id], check=True, timeout=15)
-    log = finish_after_requeue(job_id, run_dir)
-    assert re.search(r"stopped at step \d+ \(SIGTERM\); checkpoint saved", log) and "resumed from" in log
-    assert (run_dir / "model.safetensors").read_bytes() == (reference / "model.safetensors").read_bytes()
+def test_scontrol_requeue_of_a_running_job_resumes_identically(jobs, reference):
+    _assert_resumed_identically(jobs, "requeue", reference)
 
 
-def test_scancel_full_loses_at_most_the_steps_since_the_last_checkpoint(run_dir, reference):
+def test_scancel_full_loses_at_most_the_steps_since_the_last_checkpoint(jobs, reference):
     """`scancel --signal=TERM --full` also signals srun, whose termination sequence kills the job step at
     once (SLURM's srun, not the toolkit): the run cannot save, but the batch script survives, requeues, and
     the job resumes from the last periodic checkpoint and ends identical."""
-    job_id = submit(run_dir, "--time=10", recipe_args=[*SLOW, "--save-every-steps", "50"])
-    wait_for(lambda: (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").glob("step_*/COMPLETE")),
-             "a first checkpoint", 120)
-    subprocess.run(["scancel", "--signal=TERM", "--full", job_id], check=True, timeout=15)
-    log = finish_after_requeue(job_id, run_dir)
-    assert "resumed from" in log
-    assert (run_dir / "model.safetensors").read_bytes() == (reference / "model.safetensors").read_bytes()
+    _assert_resumed_identically(jobs, "scancel_full", reference, saved=False)
