@@ -3,6 +3,7 @@ written), exact resume, rotation, preemption signals, final weights and ``summar
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -269,6 +270,66 @@ def complete_checkpoints(output_dir: Path) -> list[Path]:
         return []
     found = [p for p in folder.iterdir() if _CHECKPOINT_NAME.fullmatch(p.name) and p.is_dir() and (p / COMPLETE_FILE).is_file()]
     return sorted(found, key=lambda p: int(_CHECKPOINT_NAME.fullmatch(p.name).group(1)))
+
+
+PICKLED_SUFFIXES = (".bin", ".pt", ".pth", ".pkl")
+
+
+def _allowed_globals() -> list:
+    """The only classes a checkpoint's pickles may name: numpy arrays (RNG states) and, with DeepSpeed, its
+    ZeRO stage enum, loss scaler and fragment addresses. Anything else would run code to load."""
+    import numpy
+
+    multiarray = getattr(numpy, "_core", None) or numpy.core  # numpy 2 renamed numpy.core
+    allowed = [numpy.dtype, numpy.ndarray, multiarray.multiarray._reconstruct]
+    allowed += [type(numpy.dtype(name)) for name in ("uint32", "int64", "float64", "bool")]  # numpy >= 1.25 dtype classes
+    try:
+        from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+        from deepspeed.runtime.zero.config import ZeroStageEnum
+        from deepspeed.utils.tensor_fragment import fragment_address
+
+        allowed += [ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address]
+    except ImportError:
+        pass
+    return allowed
+
+
+def check_loadable_without_code(path: Path) -> None:
+    """Load every pickled file of checkpoint ``path`` with ``weights_only=True`` and only the allowed
+    globals: a file that would run code (a planted pickle, whatever its sha256 says) or does not load is
+    a one-line CheckpointError, before Accelerate sees it (it skips an unloadable RNG file with a log line)."""
+    import torch
+
+    with torch.serialization.safe_globals(_allowed_globals()):
+        for file in sorted(f for f in path.rglob("*") if f.suffix in PICKLED_SUFFIXES and f.is_file()):
+            try:
+                torch.load(file, map_location="cpu", weights_only=True)
+            except Exception as err:  # noqa: BLE001 - UnpicklingError, EOFError, RuntimeError: all the same verdict
+                first = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
+                raise CheckpointError(
+                    f"checkpoint file {str(file)!r} cannot be loaded without running code or is unreadable ({first}); "
+                    "refusing to resume from it"
+                ) from None
+
+
+@contextlib.contextmanager
+def loading_without_code():
+    """Inside: every ``torch.load`` (Accelerate's, DeepSpeed's checkpoint engine, which asks for
+    ``weights_only=False``) loads with ``weights_only=True`` and only the allowed globals."""
+    import torch
+
+    original = torch.load
+
+    def load(*args, **kwargs):
+        kwargs["weights_only"] = True
+        return original(*args, **kwargs)
+
+    with torch.serialization.safe_globals(_allowed_globals()):
+        torch.load = load
+        try:
+            yield
+        finally:
+            torch.load = original
 
 
 def find_resume_checkpoint(resume: str, output_dir: Path, warn) -> tuple[Path, TrainerState] | None:

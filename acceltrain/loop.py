@@ -37,9 +37,11 @@ from .checkpointing import (
     SUMMARY_FILE,
     CheckpointError,
     TrainerState,
+    check_loadable_without_code,
     export_weights,
     find_resume_checkpoint,
     finished_steps,
+    loading_without_code,
     lock_output_dir,
     unlock_output_dir,
     write_summary,
@@ -355,10 +357,12 @@ def _resume(run: Run, resume: str) -> bool:
             f"checkpoint {path!r} was written with other settings: {described}; resume with the same settings, "
             "or pass --allow-config-change to apply the new ones"
         )
+    check_loadable_without_code(Path(path))
     run.hooks.load_states(Path(path), saved.hooks)
     fresh = [{key: value for key, value in group.items() if key != "params"} for group in run.optimizer.param_groups]
     try:
-        accelerator.load_state(path)
+        with loading_without_code():
+            accelerator.load_state(path)
     except (RuntimeError, KeyError, ValueError, IndexError) as err:
         raise CheckpointError(f"checkpoint {path!r} does not fit this model or optimizer: {str(err).strip().splitlines()[0][:300]}") from None
     run.restore(saved)

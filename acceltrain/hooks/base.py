@@ -134,8 +134,11 @@ class Hooks:
                 f"stateful hooks [{', '.join(sorted(self.stateful))}]: resume with the same hooks, or start a new --output-dir"
             )
         for name in saved:
-            plain = json.loads((folder / HOOKS_DIR / f"{name}.json").read_text())
-            tensors = load_file(str(folder / HOOKS_DIR / f"{name}.safetensors"))
+            try:
+                plain = json.loads((folder / HOOKS_DIR / f"{name}.json").read_text())
+                tensors = load_file(str(folder / HOOKS_DIR / f"{name}.safetensors"))
+            except Exception as err:  # noqa: BLE001 - OSError, JSONDecodeError, SafetensorError
+                raise ConfigError(f"checkpoint {str(folder)!r}: the state of hook {name!r} is unreadable ({str(err)[:200]})") from None
             self.stateful[name].load_state_dict(_join_tensors(plain, tensors))
 
 

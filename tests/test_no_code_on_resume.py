@@ -1,0 +1,99 @@
+"""Resuming never runs code from a checkpoint: a pickle planted in any kind of checkpoint file (its
+manifest entry rewritten to match, as whoever edits a file can) is refused with one line, and its
+payload never runs. DeepSpeed's checkpoint engine, which asks torch.load for weights_only=False, included."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from acceltrain import run_recipe
+from acceltrain.checkpointing import EXIT_PREEMPTED, _sha256, complete_checkpoints
+from conftest import RECIPE, check, launch, reset_accelerate_state
+
+sys.path.insert(0, str(Path(__file__).parent / "helpers"))
+import tiny_recipe  # noqa: E402
+
+RUN = ["--num-train", "40", "--batch-size", "4", "--epochs", "2", "--no-progress", "--num-workers", "0", "--report-to", "none"]
+
+
+class Payload:
+    """Unpickling this creates ``marker``: the proof that loading ran code."""
+
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return os.mkdir, (self.marker,)
+
+
+def plant(checkpoint: Path, relative: str, marker: Path) -> None:
+    """Replace one file with a malicious pickle and make the manifest agree with it."""
+    target = checkpoint / relative
+    torch.save({"state": Payload(marker)}, target)
+    manifest = json.loads((checkpoint / "COMPLETE").read_text())
+    manifest[relative] = {"bytes": target.stat().st_size, "sha256": _sha256(target)}
+    (checkpoint / "COMPLETE").write_text(json.dumps(manifest))
+
+
+def run_tiny(output_dir: Path, *args: str) -> int:
+    reset_accelerate_state()
+    try:
+        run_recipe(tiny_recipe.main, tiny_recipe.TinyConfig, ["--output-dir", str(output_dir), *RUN, *args])
+    except SystemExit as stop:
+        return stop.code
+    return 0
+
+
+@pytest.mark.parametrize("relative", ["optimizer.bin", "random_states_0.pkl", "hooks/EMA.safetensors"])
+def test_a_planted_pickle_in_a_checkpoint_is_refused_and_never_runs(tmp_path, capsys, relative):
+    out, marker = tmp_path / "run", tmp_path / "payload-ran"
+    assert run_tiny(out, "--stop-after-steps", "3", "--ema-decay", "0.9") == EXIT_PREEMPTED
+    (checkpoint,) = complete_checkpoints(out)
+    plant(checkpoint, relative, marker)
+    capsys.readouterr()
+    assert run_tiny(out, "--resume", "auto", "--ema-decay", "0.9") == 2
+    err = capsys.readouterr().err.strip()
+    assert relative.split("/")[-1].split(".")[0] in err and "\n" not in err, err
+    assert not marker.exists(), "the checkpoint ran code"
+
+
+def test_deepspeed_checkpoint_files_with_a_planted_pickle_are_refused_and_never_run(tmp_path):
+    pytest.importorskip("deepspeed")
+    args = ["--dataset", "synthetic", "--model", "resnet_tiny", "--batch-size", "16", "--max-steps", "4", "--no-progress",
+            "--num-workers", "0", "--report-to", "none"]
+    out, marker = tmp_path / "run", tmp_path / "payload-ran"
+    stopped = launch(RECIPE, [*args, "--output-dir", str(out), "--stop-after-steps", "2"], launcher="accelerate", config="deepspeed_zero2.yaml")
+    assert "stopped at step 2" in stopped.stdout, stopped.stderr[-2000:]
+    (checkpoint,) = complete_checkpoints(out)
+    pristine = {name: (checkpoint / name).read_bytes() for name in ("COMPLETE", "pytorch_model/mp_rank_00_model_states.pt",
+                                                                    "pytorch_model/zero_pp_rank_0_mp_rank_00_optim_states.pt")}
+    for relative in list(pristine)[1:]:
+        for name, data in pristine.items():
+            (checkpoint / name).write_bytes(data)
+        plant(checkpoint, relative, marker)
+        result = launch(RECIPE, [*args, "--output-dir", str(out), "--resume", "auto"], launcher="accelerate", config="deepspeed_zero2.yaml")
+        assert result.returncode != 0 and "cannot be loaded without running code" in result.stderr, result.stderr[-2000:]
+        assert not marker.exists(), f"{relative}: the checkpoint ran code"
+    for name, data in pristine.items():
+        (checkpoint / name).write_bytes(data)
+    check(launch(RECIPE, [*args, "--output-dir", str(out), "--resume", "auto"], launcher="accelerate", config="deepspeed_zero2.yaml"))
+
+
+def test_deepspeeds_own_load_runs_without_code_too():
+    """Defence in depth behind the check: inside loading_without_code, torch.load asked for weights_only=False
+    (as DeepSpeed's checkpoint engine does) still refuses a pickle that would run code."""
+    import io
+    import pickle
+
+    from acceltrain.checkpointing import loading_without_code
+
+    buffer = io.BytesIO()
+    torch.save({"state": Payload(Path("/nonexistent/never"))}, buffer)
+    with loading_without_code(), pytest.raises(pickle.UnpicklingError):
+        torch.load(io.BytesIO(buffer.getvalue()), weights_only=False)
