@@ -50,7 +50,8 @@ _HELD_LOCKS: dict[str, int] = {}
 
 
 def lock_output_dir(output_dir: Path) -> None:
-    """Hold an exclusive ``flock`` on ``<output_dir>/.lock`` until :func:`unlock_output_dir` or this process
+    """Create ``output_dir`` if needed (a one-line ConfigError when it cannot be), and hold an exclusive
+    ``flock`` on ``<output_dir>/.lock`` until :func:`unlock_output_dir` or this process
     ends (the kernel drops it when the process dies, so a crash leaves nothing locked). A folder that
     another live run holds is a one-line ConfigError. Again from the same process: a no-op."""
     import fcntl
@@ -59,7 +60,11 @@ def lock_output_dir(output_dir: Path) -> None:
     key = str(output_dir.resolve())
     if key in _HELD_LOCKS:
         return
-    descriptor = os.open(output_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        descriptor = os.open(output_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as err:  # below a file, read-only, full
+        raise ConfigError(f"--output-dir {str(output_dir)!r} cannot be written: {err.strerror or err}") from None
     try:
         fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

@@ -33,7 +33,8 @@ class ConfigError(ValueError):
 
 def option(default: Any, help: str, **metadata: Any) -> Any:
     """A dataclass field with its CLI help text (and optional ``choices``). ``free_on_resume=True``: a
-    setting that does not change the run's maths (speed, logging, outputs) and may differ on ``--resume``."""
+    setting that does not change the run's maths (speed, logging, outputs) and may differ on ``--resume``;
+    ``list_like=True``: comma-separated values, also given as a YAML list."""
     return dataclasses.field(default=default, metadata={"help": help, **metadata})
 
 
@@ -139,7 +140,7 @@ class TrainConfig:
     wandb_project: str | None = option(None, "W&B project (default: $WANDB_PROJECT, else 'acceltrain'); also TensorBoard's subfolder", free_on_resume=True)
     run_name: str | None = option(None, "tracker run name (default: the output folder's name)", free_on_resume=True)
     wandb_group: str | None = option(None, "W&B group, e.g. to gather the runs of a sweep", free_on_resume=True)
-    wandb_tags: str | None = option(None, "comma-separated W&B tags", free_on_resume=True)
+    wandb_tags: str | None = option(None, "comma-separated W&B tags (a list in YAML)", free_on_resume=True, list_like=True)
     wandb_notes: str | None = option(None, "W&B run notes", free_on_resume=True)
     wandb_mode: WandbMode | None = option(
         None, "online, offline or disabled (default: $WANDB_MODE, else online with an API key, offline without)", free_on_resume=True
@@ -180,6 +181,7 @@ class TrainConfig:
         if self.resume == "auto" and self.output_dir is None:
             raise ConfigError("--resume auto needs --output-dir: the run folder whose checkpoints to continue from")
         require(self.prefetch_factor >= 1, "prefetch_factor", self.prefetch_factor, "an integer >= 1")
+        require(0 <= self.seed <= 2**32 - 1, "seed", self.seed, "an integer in [0, 4294967295]")  # numpy's range
         if self.peak_tflops is not None:
             require(self.peak_tflops > 0, "peak_tflops", self.peak_tflops, "a number > 0")
         if self.num_workers is not None:
@@ -237,23 +239,30 @@ def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
     return tp, False
 
 
-def _field_kind(cls: type, field: dataclasses.Field) -> tuple[Any, tuple[str, ...] | None, bool]:
-    """(base type, allowed choices, optional) of a config field, from its annotation."""
+def _field_kind(cls: type, field: dataclasses.Field) -> tuple[Any, tuple[str, ...] | None, bool, bool]:
+    """(base type, allowed choices, optional, list-like) of a config field, from its annotation and metadata.
+    A list-like field (``list_like=True``: comma-separated values) also takes a YAML list."""
     hints = typing.get_type_hints(cls)
     base, optional = _unwrap_optional(hints[field.name])
     choices = field.metadata.get("choices")
     if typing.get_origin(base) is Literal:
         choices = tuple(typing.get_args(base))
         base = type(choices[0])
-    return base, (tuple(choices) if choices else None), optional
+    return base, (tuple(choices) if choices else None), optional, bool(field.metadata.get("list_like"))
 
 
-def _convert(name: str, raw: Any, base: Any, choices: tuple | None, optional: bool) -> Any:
+def _convert(name: str, raw: Any, base: Any, choices: tuple | None, optional: bool, list_like: bool = False) -> Any:
     """Coerce one value (a CLI string or a YAML scalar) to the field's type, or raise ConfigError."""
     if raw is None or (isinstance(raw, str) and raw.lower() in ("none", "null") and optional):
         if optional:
             return None
         raise ConfigError(f"--{flag_name(name)} must not be empty")
+    if isinstance(raw, (list, tuple, dict)):  # from YAML
+        if list_like and isinstance(raw, (list, tuple)) and all(isinstance(item, (str, int, float)) for item in raw):
+            raw = ",".join(str(item) for item in raw)
+        else:
+            kind = {bool: "true or false", int: "integer", float: "number"}.get(base, "string")
+            raise ConfigError(f"--{flag_name(name)} {raw!r} is invalid: must be one {kind}, not a {type(raw).__name__}")
     try:
         if base is bool:
             if isinstance(raw, bool):
@@ -272,10 +281,12 @@ def _convert(name: str, raw: Any, base: Any, choices: tuple | None, optional: bo
             if isinstance(raw, bool):
                 raise ValueError
             value = float(raw)
+            if not math.isfinite(value):
+                raise ValueError
         else:
             value = str(raw)
     except (TypeError, ValueError):
-        kind = {bool: "true or false", int: "an integer", float: "a number"}.get(base, "a string")
+        kind = {bool: "true or false", int: "an integer", float: "a finite number"}.get(base, "a string")
         raise ConfigError(f"--{flag_name(name)} {raw!r} is invalid: must be {kind}") from None
     if choices is not None and value not in choices:
         allowed = ", ".join(str(c) for c in choices)
@@ -292,10 +303,11 @@ class _OneLineParser(argparse.ArgumentParser):
 
 def build_parser(cls: type[TrainConfig], description: str | None = None) -> argparse.ArgumentParser:
     parser = _OneLineParser(
-        description=description, argument_default=argparse.SUPPRESS, formatter_class=argparse.RawDescriptionHelpFormatter
+        description=description, argument_default=argparse.SUPPRESS, formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,  # --max-step is a typo, not --max-steps
     )
     for field in dataclasses.fields(cls):
-        base, choices, _ = _field_kind(cls, field)
+        base, choices, _, _ = _field_kind(cls, field)
         flag = f"--{flag_name(field.name)}"
         help_text = f"{field.metadata.get('help', '')} (default: {field.default})"
         if base is bool:
@@ -306,15 +318,37 @@ def build_parser(cls: type[TrainConfig], description: str | None = None) -> argp
     return parser
 
 
+def _with_suggestion(token: str, known: list[str], quote: bool = False) -> str:
+    """``token``, followed by the closest known name when there is one (a typo's likely meaning)."""
+    shown = repr(token) if quote else token
+    if not quote and not token.startswith("--"):
+        return shown
+    close = difflib.get_close_matches(token, known, n=1)
+    return f"{shown} (did you mean {close[0]!r}?)" if close and quote else f"{shown} (did you mean {close[0]}?)" if close else shown
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, but a key given twice is an error instead of the last one silently winning."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
 def load_yaml_preset(path: str) -> dict[str, Any]:
     try:
         text = Path(path).read_text()
     except OSError as err:
         raise ConfigError(f"--config {path!r} cannot be read: {err.strerror or err}") from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_UniqueKeyLoader)
     except yaml.YAMLError as err:
-        first = str(err).splitlines()[0]
+        first = " ".join(line.strip() for line in str(err).splitlines()[:2] if line.strip())
         raise ConfigError(f"--config {path!r} is not valid YAML: {first}") from None
     if data is None:
         return {}
@@ -326,17 +360,21 @@ def load_yaml_preset(path: str) -> dict[str, Any]:
 def parse_config(cls: type[TrainConfig], argv: list[str] | None = None, description: str | None = None):
     """Build a validated ``cls`` from defaults, an optional YAML preset and the command line."""
     parser = build_parser(cls, description)
-    given = vars(parser.parse_args(sys.argv[1:] if argv is None else argv))
+    parsed, unknown = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    if unknown:
+        flags = [f"--{flag_name(f.name)}" for f in dataclasses.fields(cls)]
+        raise ConfigError("unrecognized arguments: " + " ".join(_with_suggestion(token, flags) for token in unknown))
+    given = vars(parsed)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     values: dict[str, Any] = {}
     preset_path = given.get("config")
     if preset_path is not None:
         preset = load_yaml_preset(preset_path)
+        unknown_keys = [key for key in preset if key not in fields or key == "config"]
+        if unknown_keys:
+            names = ", ".join(_with_suggestion(key, [f for f in fields if f != "config"], quote=True) for key in unknown_keys)
+            raise ConfigError(f"--config {preset_path!r}: unknown key{'s' if len(unknown_keys) > 1 else ''} {names}")
         for key, raw in preset.items():
-            if key not in fields or key == "config":
-                close = difflib.get_close_matches(key, list(fields), n=1)
-                hint = f" (did you mean {close[0]!r}?)" if close else ""
-                raise ConfigError(f"--config {preset_path!r}: unknown key {key!r}{hint}")
             values[key] = _convert(key, raw, *_field_kind(cls, fields[key]))
     for key, raw in given.items():
         values[key] = raw if key == "config" else _convert(key, raw, *_field_kind(cls, fields[key]))

@@ -84,7 +84,7 @@ def fit(cfg: TrainConfig, model: nn.Module, optimizer: torch.optim.Optimizer, tr
     run_config = {**run.cfg.to_dict(), "runtime": run.runtime}
     run.hooks = Hooks([*hooks, *builtin_hooks(run.cfg, evaluates=eval_set is not None, trackers=trackers, run_config=run_config)])
     # created only now: bad input found above leaves nothing behind; one live run per folder
-    main_process_only(lambda: (output_dir.mkdir(parents=True, exist_ok=True), lock_output_dir(output_dir)))
+    main_process_only(lambda: lock_output_dir(output_dir))
     accelerator.print(yaml.safe_dump({"config": run.cfg.to_dict(), "runtime": run.runtime}, sort_keys=False).rstrip())
     for note in notes:
         accelerator.print(note)

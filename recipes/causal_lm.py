@@ -52,7 +52,9 @@ class CausalLMConfig(TrainConfig):
     model_name_or_path: str | None = option(None, "start from this pretrained model instead (local folder; Hub name when online)")
     dropout: float = option(0.0, "dropout of a --model preset (GPT-2: embeddings, residuals, attention; Llama: attention)")
     # data
-    text_files: str | None = option(None, "comma-separated text files or globs ('data/*.txt'), read line by line")
+    text_files: str | None = option(
+        None, "comma-separated text files or globs ('data/*.txt'), read line by line (a list in YAML)", list_like=True
+    )
     dataset_name: str | None = option(None, "Hub dataset with a 'text' column, instead of --text-files (online only)")
     dataset_config: str | None = option(None, "configuration of --dataset-name (e.g. wikitext-103-raw-v1)")
     tokenizer: str | None = option(

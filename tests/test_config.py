@@ -165,3 +165,52 @@ def test_recipes_import_only_public_names():
                 public = importlib.import_module(node.module).__all__
                 for alias in node.names:
                     assert alias.name in public, f"{recipe.name} imports {node.module}.{alias.name}, not in its __all__"
+
+
+VALUES_THAT_PASSED_AND_CRASHED = [  # issue "every bad input is one line", item 3: each ran or crashed later
+    (["--epochs", "inf"], "--epochs 'inf' is invalid: must be a finite number"),
+    (["--lr", "nan"], "--lr 'nan' is invalid: must be a finite number"),
+    (["--seed", "-1"], "--seed -1 is invalid: must be an integer in [0, 4294967295]"),
+    (["--seed", "100000000000000000000"], "--seed 100000000000000000000 is invalid: must be an integer in [0, 4294967295]"),
+    (["--max-step", "5"], "unrecognized arguments: --max-step (did you mean --max-steps?)"),
+]
+
+
+@pytest.mark.parametrize("argv,message", VALUES_THAT_PASSED_AND_CRASHED, ids=[" ".join(a) for a, _ in VALUES_THAT_PASSED_AND_CRASHED])
+def test_values_that_used_to_pass_validation_are_one_line_errors(argv, message):
+    with pytest.raises(ConfigError) as err:
+        parse_config(CifarConfig, argv)
+    assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ("output_dir: [x, y]\n", "--output-dir ['x', 'y'] is invalid: must be one string, not a list"),
+        ("seed: 1e20\n", "--seed '1e20' is invalid: must be an integer"),
+        ("batch_size: 32\nbatch_size: 64\n", "duplicate key 'batch_size'"),
+        ("bach_size: 32\nlearning_rate: 0.1\n", "unknown keys 'bach_size' (did you mean 'batch_size'?), 'learning_rate'"),
+    ],
+)
+def test_preset_values_that_used_to_pass_are_one_line_errors(tmp_path, text, message):
+    preset = tmp_path / "preset.yaml"
+    preset.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        parse_config(CifarConfig, ["--config", str(preset)])
+    assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+def test_a_yaml_list_for_a_list_like_field_is_taken_as_its_items(tmp_path):
+    preset = tmp_path / "preset.yaml"
+    preset.write_text("wandb_tags: [a, b]\n")
+    assert parse_config(CifarConfig, ["--config", str(preset)]).wandb_tags == "a,b"
+
+
+def test_an_output_dir_below_a_file_is_one_line(tmp_path, capsys):
+    """Before: a NotADirectoryError traceback."""
+    (tmp_path / "file").write_text("not a folder")
+    with pytest.raises(SystemExit) as exit_info:
+        run_recipe(cifar_main, CifarConfig, ["--dataset", "synthetic", "--model", "resnet_tiny", "--max-steps", "1", "--no-progress",
+                                             "--report-to", "none", "--output-dir", str(tmp_path / "file" / "run")])
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and "cannot be written: Not a directory" in err and "\n" not in err, err
