@@ -32,6 +32,22 @@ def fresh_accelerate_state(monkeypatch):
     reset_accelerate_state()
 
 
+def run_tiny_in_process(output_dir: Path | None, *args: str, hooks=(), task=None) -> int:
+    """tests/helpers/tiny_recipe.py in this process, as ``run_recipe`` runs it; returns its exit code (0; 75
+    when it stopped to be resumed; 2 on bad input). ``hooks``/``task`` go to ``fit``."""
+    sys.path.insert(0, str(TINY_RECIPE.parent))
+    import tiny_recipe
+    from acceltrain import run_recipe
+
+    reset_accelerate_state()
+    where = ["--output-dir", str(output_dir)] if output_dir is not None else []
+    try:
+        run_recipe(lambda cfg: tiny_recipe.main(cfg, hooks=hooks, task=task), tiny_recipe.TinyConfig, [*where, *args])
+    except SystemExit as stop:
+        return stop.code
+    return 0
+
+
 def subprocess_env(**extra: str) -> dict[str, str]:
     """A clean environment: no W&B (unless ``extra`` asks), one thread per process; '' unsets a variable."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "ACCELERATE_"))}

@@ -14,12 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from acceltrain import run_recipe
 from acceltrain.checkpointing import EXIT_PREEMPTED, complete_checkpoints, verify_checkpoint
-from conftest import REPO, TINY_RECIPE, check, launch, read_events, read_summary, reset_accelerate_state, subprocess_env
+from conftest import REPO, TINY_RECIPE, check, launch, read_events, read_summary, subprocess_env, run_tiny_in_process
 
-sys.path.insert(0, str(Path(__file__).parent / "helpers"))
-import tiny_recipe  # noqa: E402
 
 # 40 samples, batch 4, accumulate 3: 10 batches an epoch in windows of 3, 3, 3 and 1: 4 steps an epoch.
 RUN = ["--num-train", "40", "--batch-size", "4", "--grad-accum", "3", "--epochs", "3", "--lr", "0.05",
@@ -27,13 +24,7 @@ RUN = ["--num-train", "40", "--batch-size", "4", "--grad-accum", "3", "--epochs"
 
 
 def run_tiny(output_dir: Path, *args: str) -> int:
-    """Run the tiny recipe in this process; returns its exit code (0, or 75 when it stopped early)."""
-    reset_accelerate_state()
-    try:
-        run_recipe(tiny_recipe.main, tiny_recipe.TinyConfig, ["--output-dir", str(output_dir), *RUN, *args])
-    except SystemExit as stop:
-        return stop.code
-    return 0
+    return run_tiny_in_process(output_dir, *RUN, *args)
 
 
 def weights(output_dir: Path) -> bytes:

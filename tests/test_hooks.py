@@ -13,9 +13,9 @@ import torch
 from accelerate.utils import DistributedType
 from safetensors.torch import load_file
 
-from acceltrain import EMA, ClassificationTask, ConfigError, Hook, run_recipe
+from acceltrain import EMA, ClassificationTask, ConfigError, Hook
 from acceltrain.checkpointing import EXIT_PREEMPTED, complete_checkpoints
-from conftest import read_events, read_summary, reset_accelerate_state
+from conftest import read_events, read_summary, run_tiny_in_process
 
 sys.path.insert(0, str(Path(__file__).parent / "helpers"))
 import tiny_recipe  # noqa: E402
@@ -26,13 +26,7 @@ RUN = ["--num-train", "40", "--batch-size", "4", "--grad-accum", "3", "--epochs"
 
 
 def run_tiny(output_dir: Path, *args: str, hooks=(), task=None) -> int:
-    reset_accelerate_state()
-    try:
-        run_recipe(lambda cfg: tiny_recipe.main(cfg, hooks=hooks, task=task), tiny_recipe.TinyConfig,
-                   ["--output-dir", str(output_dir), *RUN, *args])
-    except SystemExit as stop:
-        return stop.code
-    return 0
+    return run_tiny_in_process(output_dir, *RUN, *args, hooks=hooks, task=task)
 
 
 class Recorder(Hook):

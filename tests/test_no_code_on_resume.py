@@ -6,18 +6,14 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from acceltrain import run_recipe
 from acceltrain.checkpointing import EXIT_PREEMPTED, _sha256, complete_checkpoints
-from conftest import RECIPE, check, launch, reset_accelerate_state
+from conftest import RECIPE, check, launch, run_tiny_in_process
 
-sys.path.insert(0, str(Path(__file__).parent / "helpers"))
-import tiny_recipe  # noqa: E402
 
 RUN = ["--num-train", "40", "--batch-size", "4", "--epochs", "2", "--no-progress", "--num-workers", "0", "--report-to", "none"]
 
@@ -42,12 +38,7 @@ def plant(checkpoint: Path, relative: str, marker: Path) -> None:
 
 
 def run_tiny(output_dir: Path, *args: str) -> int:
-    reset_accelerate_state()
-    try:
-        run_recipe(tiny_recipe.main, tiny_recipe.TinyConfig, ["--output-dir", str(output_dir), *RUN, *args])
-    except SystemExit as stop:
-        return stop.code
-    return 0
+    return run_tiny_in_process(output_dir, *RUN, *args)
 
 
 @pytest.mark.parametrize("relative", ["optimizer.bin", "random_states_0.pkl", "hooks/EMA.safetensors"])

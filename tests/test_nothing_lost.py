@@ -15,12 +15,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from acceltrain import Hook, run_recipe
+from acceltrain import Hook
 from acceltrain.checkpointing import EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_PREEMPTED, complete_checkpoints, verify_checkpoint
-from conftest import REPO, TINY_RECIPE, check, launch, read_events, read_summary, reset_accelerate_state, subprocess_env
+from conftest import REPO, TINY_RECIPE, check, launch, read_events, read_summary, subprocess_env, run_tiny_in_process
 
-sys.path.insert(0, str(Path(__file__).parent / "helpers"))
-import tiny_recipe  # noqa: E402
 
 # 40 samples, batch 4, accumulate 3: 4 optimizer steps an epoch, 12 in all.
 RUN = ["--num-train", "40", "--batch-size", "4", "--grad-accum", "3", "--epochs", "3", "--lr", "0.05", "--warmup-steps", "2",
@@ -28,13 +26,7 @@ RUN = ["--num-train", "40", "--batch-size", "4", "--grad-accum", "3", "--epochs"
 
 
 def run_tiny(output_dir: Path | None, *args: str, hooks=()) -> int:
-    reset_accelerate_state()
-    where = ["--output-dir", str(output_dir)] if output_dir is not None else []
-    try:
-        run_recipe(lambda cfg: tiny_recipe.main(cfg, hooks=hooks), tiny_recipe.TinyConfig, [*where, *RUN, *args])
-    except SystemExit as stop:
-        return stop.code
-    return 0
+    return run_tiny_in_process(output_dir, *RUN, *args, hooks=hooks)
 
 
 @pytest.fixture(scope="module")

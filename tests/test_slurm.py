@@ -4,7 +4,6 @@ and ends byte-identical to an uninterrupted run. Skipped, with the reason, where
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import subprocess
