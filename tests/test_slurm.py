@@ -17,10 +17,10 @@ from conftest import REPO, TINY_RECIPE, check, launch, subprocess_env
 
 pytestmark = pytest.mark.slurm
 
-# 256 optimizer steps; 0.04 s of sleep after each (the maths unchanged) makes a ~12 s run to signal.
+# 256 optimizer steps; 0.1 s of sleep after each (the maths unchanged) makes a ~30 s run to signal.
 ARGS = ["--num-train", "8192", "--batch-size", "16", "--grad-accum", "2", "--epochs", "1", "--lr", "0.05", "--batchnorm",
         "--no-progress", "--log-every", "10", "--num-workers", "0", "--report-to", "none"]
-SLOW = ["--sleep-per-step", "0.04"]
+SLOW = ["--sleep-per-step", "0.1"]
 
 
 def _slurm_missing() -> str | None:
@@ -109,19 +109,34 @@ def jobs(tmp_path_factory, slurm):
         "scancel_full": (["--time=10"], [*SLOW, "--save-every-steps", "50"], lambda job_id: ["scancel", "--signal=TERM", "--full", job_id]),
     }
     submitted = {}
+    try:
+        yield _submit_and_signal(cases, submitted, tmp_path_factory)
+    finally:  # also when a job never started: nothing is left in the queue
+        for job_id, _ in submitted.values():
+            subprocess.run(["scancel", job_id], capture_output=True, timeout=15)
+
+
+def _submit_and_signal(cases: dict, submitted: dict, tmp_path_factory) -> dict:
     for name, (sbatch_args, recipe_args, _) in cases.items():
         out = tmp_path_factory.mktemp(f"slurm-{name}") / "run"
         submitted[name] = (submit(out, *sbatch_args, recipe_args=recipe_args), out)
-    for name, (_, _, action) in cases.items():
-        if action is None:
-            continue
-        job_id, out = submitted[name]
-        ready = (lambda: any((out / "checkpoints").glob("step_*/COMPLETE"))) if name == "scancel_full" else (lambda: logged_steps(out) >= 3)
-        wait_for(ready, f"job {name} to train", 180)
-        subprocess.run(action(job_id), check=True, timeout=15)
-    yield submitted
-    for job_id, _ in submitted.values():
-        subprocess.run(["scancel", job_id], capture_output=True, timeout=15)
+
+    def ready(name: str) -> bool:
+        out = submitted[name][1]
+        if name == "scancel_full":
+            return any((out / "checkpoints").glob("step_*/COMPLETE"))
+        return logged_steps(out) >= 3
+
+    pending = {name for name, (_, _, action) in cases.items() if action is not None}
+    deadline = time.monotonic() + 180
+    while pending:  # signal each job as soon as it trains, whatever the order they start in
+        for name in sorted(pending):
+            if ready(name):
+                subprocess.run(cases[name][2](submitted[name][0]), check=True, timeout=15)
+                pending.discard(name)
+        assert time.monotonic() < deadline, f"jobs {sorted(pending)} did not start training"
+        time.sleep(0.1)
+    return submitted
 
 
 def _assert_resumed_identically(jobs, name: str, reference: Path, saved: bool = True) -> None:
