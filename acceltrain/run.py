@@ -143,7 +143,7 @@ class Run:
         try:
             yield
         finally:
-            if self.step < self.total_steps:
+            if self.stop is None and self.step < self.total_steps:  # still training: not after the run's end
                 self.throughput.resume(self.step - self.launch_start_step)
 
     def evaluate(self) -> dict:
@@ -179,10 +179,14 @@ class Run:
 
     def take_train_loss(self) -> float:
         """The mean training loss since the last call, over all processes (a collective)."""
-        totals = self.accelerator.reduce(torch.stack([self.loss_sum, self.loss_sum.new_tensor(float(self.loss_count))]), "sum")
+        totals = self._loss_window()
         self.loss_sum.zero_()
         self.loss_count = 0
         return (totals[0] / totals[1]).item()
+
+    def _loss_window(self) -> torch.Tensor:
+        """(loss sum, count) of the open training-log window, summed over processes (a collective)."""
+        return self.accelerator.reduce(torch.stack([self.loss_sum, self.loss_sum.new_tensor(float(self.loss_count))]), "sum")
 
     # ---- used by the loop
 
@@ -290,7 +294,7 @@ class Run:
         """Checkpoint now (every process): Accelerate's state, the trainer state, the hooks' states."""
         with self.paused():
             finite = torch.stack([torch.isfinite(p).all() for p in self.model.parameters()]).all()
-            window = self.accelerator.reduce(torch.stack([self.loss_sum, self.loss_sum.new_tensor(float(self.loss_count))]), "sum")
+            window = self._loss_window()
             if not finite:  # a finite loss can still leave inf weights behind: never checkpoint them
                 self._raise_diverged("the weights are not finite")
             state = self.trainer_state(loss_window=(window[0].item(), window[1].item()))

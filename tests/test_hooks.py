@@ -287,3 +287,22 @@ def test_the_readme_hook_example_runs_as_written(tmp_path):
     exec(block, namespace)
     assert run_tiny(tmp_path / "run", "--max-steps", "4", hooks=[namespace["WeightNorm"](2)]) == 0
     assert [row["step"] for row in read_events(tmp_path / "run") if "weight_norm" in row] == [2, 4]
+
+
+class SlowFitEnd(Hook):
+    def on_fit_end(self, run, summary):
+        import time
+
+        time.sleep(1.0)
+
+
+def test_throughput_never_counts_time_after_training(tmp_path):
+    """Before: after an early finish with a final checkpoint, the save's pause resumed the throughput timer,
+    so the work after training (here a hook's 1 s in on_fit_end) was counted as training time."""
+    args = ["--num-train", "512", "--batch-size", "32", "--max-steps", "200", "--lr", "0.5", "--eval-every", "4",
+            "--target-accuracy", "0.5", "--save-every-steps", "100", "--timing-warmup-steps", "1"]
+    assert run_tiny(tmp_path / "run", *args, hooks=[SlowFitEnd()]) == 0
+    summary = read_summary(tmp_path / "run")
+    assert summary["steps"] < 200
+    timed_seconds = summary["ms_per_step"] * summary["timed_steps"] / 1000
+    assert timed_seconds < summary["wall_seconds"], (timed_seconds, summary["wall_seconds"])
