@@ -7,6 +7,7 @@ import os
 import sys
 import typing
 from collections.abc import Callable
+from pathlib import Path
 
 from .config import ConfigError, TrainConfig, parse_config
 
@@ -14,9 +15,22 @@ EXIT_BAD_INPUT = 2
 
 
 def _report_error(message: str) -> None:
-    """One line on stderr, from one process only when several run the same recipe."""
+    """One line on stderr, from one process only when several run the same recipe; under torchrun (and
+    ``accelerate launch`` on several processes) also in the worker's error file, which the launcher's
+    failure report shows as the root cause instead of "To enable traceback see ..."."""
     if os.environ.get("RANK", "0") == "0":
         print(f"error: {message}", file=sys.stderr, flush=True)
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        import json
+        import time
+
+        # the format torch.distributed.elastic's ErrorHandler.record_exception writes
+        report = {"message": f"error: {message}", "extraInfo": {"py_callstack": f"error: {message}", "timestamp": str(int(time.time()))}}
+        try:
+            Path(error_file).write_text(json.dumps({"message": report}))
+        except OSError:
+            pass  # the line above is already on stderr
 
 
 def run_recipe(main: Callable, config_class: type[TrainConfig], argv: list[str] | None = None, description: str | None = None):

@@ -101,3 +101,14 @@ def test_a_failure_on_main_process_first_stops_every_process_instead_of_hanging(
     else:
         assert f"rank {fail_rank}: OSError: disk full" in lines
         assert f"rank {1 - fail_rank}: RuntimeError: another process failed: disk full" in lines
+
+
+def test_under_torchrun_the_launchers_failure_report_names_the_one_line_error():
+    """torchrun's ChildFailedError table shows each worker's error file as the root cause: the one line,
+    not "To enable traceback see ..." (the launcher's own traceback and exit code 1 remain its own)."""
+    result = launch(TINY_RECIPE, ["--lr", "0"], processes=2, launcher="torchrun")
+    assert result.returncode != 0
+    line = "error: --lr 0.0 is invalid: must be a number > 0"
+    before, root_cause = result.stderr.split("Root Cause")
+    assert line + "\n" in before, result.stderr  # printed by rank 0, before the launcher's report
+    assert line in root_cause and "To enable traceback" not in root_cause

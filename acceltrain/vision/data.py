@@ -4,6 +4,8 @@ and synthetic images."""
 
 from __future__ import annotations
 
+import os
+import stat
 from pathlib import Path
 
 import torch
@@ -168,16 +170,65 @@ class ImageClassification(Dataset):
         return decoded
 
 
+class UnreadableImage(ConfigError):
+    """An image file that cannot be decoded, found at its first read (damage the scan cannot see). One line
+    also when raised in a DataLoader worker, which re-raises it with the worker's traceback as its text."""
+
+    def __init__(self, message: str):
+        if "Original Traceback" in message:  # torch's ExceptionWrapper.reraise: keep the original one line
+            message = message.rstrip().splitlines()[-1].removeprefix(f"{__name__}.").removeprefix("UnreadableImage: ")
+        super().__init__(message)
+
+
 def decode_image_file(path: str, image_size: int) -> torch.Tensor:
     """An image file as a uint8 RGB CHW tensor of ``image_size`` x ``image_size`` (resized when it differs)."""
     import numpy as np
     from PIL import Image
 
-    with Image.open(path) as image:
-        image = image.convert("RGB")
-        if image.size != (image_size, image_size):
-            image = image.resize((image_size, image_size), Image.Resampling.BILINEAR)
-        return torch.from_numpy(np.array(image)).permute(2, 0, 1).contiguous()
+    try:
+        with Image.open(path) as image:
+            image = image.convert("RGB")
+            if image.size != (image_size, image_size):
+                image = image.resize((image_size, image_size), Image.Resampling.BILINEAR)
+            return torch.from_numpy(np.array(image)).permute(2, 0, 1).contiguous()
+    except (OSError, SyntaxError, ValueError) as err:  # PIL reports damaged data as any of these
+        raise UnreadableImage(f"image file {path!r} cannot be decoded ({_one_line(err)}): remove or replace it") from None
+
+
+def _one_line(err: BaseException) -> str:
+    return (getattr(err, "strerror", None) or str(err) or type(err).__name__).splitlines()[0]
+
+
+def unreadable_reason(path: str) -> str | None:
+    """Why ``path`` is no usable image, or None. Cheap enough for every file of a tree: ``stat`` (a symlink
+    loop, a dangling link, a folder named like an image, an empty file), the header (not an image), and the
+    end marker of JPEG and PNG files (a copy cut short); only a file without that marker, or of another
+    format, is decoded in full, to be sure."""
+    from PIL import Image
+
+    try:
+        status = os.stat(path)
+        if not stat.S_ISREG(status.st_mode):
+            return "not a file"
+        if status.st_size == 0:
+            return "empty file"
+        with Image.open(path) as image:
+            if not _ends_completely(path, image.format):
+                image.load()
+    except Image.UnidentifiedImageError:
+        return "not an image"
+    except (OSError, SyntaxError, ValueError) as err:
+        return _one_line(err)
+    return None
+
+
+def _ends_completely(path: str, image_format: str | None) -> bool:
+    if image_format not in ("JPEG", "PNG"):
+        return False
+    with open(path, "rb") as file:
+        file.seek(max(0, os.path.getsize(path) - 64))
+        tail = file.read()
+    return b"\xff\xd9" in tail if image_format == "JPEG" else tail.endswith(b"IEND\xaeB`\x82")
 
 
 def synthetic_images(
@@ -213,8 +264,11 @@ def cifar10_arrays(data_dir: str, train: bool) -> tuple[torch.Tensor, list[int],
     return images, list(dataset.targets), list(dataset.classes)
 
 
-def scan_image_folder(data_dir: str) -> dict[str, tuple[list[str], list[int], list[str]]]:
-    """Check a ``train/<class>/*`` + ``test/<class>/*`` tree and list its files, or raise ConfigError."""
+def scan_image_folder(data_dir: str, skip_bad_images: bool = False) -> dict[str, tuple[list[str], list[int], list[str]]]:
+    """Check a ``train/<class>/*`` + ``test/<class>/*`` tree and list its files, or raise ConfigError.
+
+    Every file is checked (:func:`unreadable_reason`) before any training, so a bad one stops the run at
+    once with one line, not after an epoch; ``skip_bad_images`` leaves them out and says how many."""
     root = Path(data_dir)
     if not root.is_dir():
         raise ConfigError(f"--data-dir {data_dir!r} is not a directory (expected train/<class>/* and test/<class>/*)")
@@ -226,6 +280,11 @@ def scan_image_folder(data_dir: str) -> dict[str, tuple[list[str], list[int], li
         classes = sorted(p.name for p in split_dir.iterdir() if p.is_dir())
         if not classes:
             raise ConfigError(f"--data-dir {data_dir!r}: {split}/ has no class folders (expected {split}/<class>/*)")
+        if len(classes) == 1:
+            raise ConfigError(
+                f"--data-dir {data_dir!r}: {split}/ has only one class folder {classes[0]!r}; a classifier needs "
+                f"at least 2 (expected {split}/<class>/* for each class)"
+            )
         paths, labels = [], []
         for label, name in enumerate(classes):
             files = sorted(str(p) for p in (split_dir / name).iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
@@ -239,8 +298,32 @@ def scan_image_folder(data_dir: str) -> dict[str, tuple[list[str], list[int], li
             f"--data-dir {data_dir!r}: train/ and test/ have different class folders "
             f"({len(splits['train'][2])} vs {len(splits['test'][2])})"
         )
-    return splits
+    return _without_bad_images(splits, root, skip_bad_images)
 
+
+def _without_bad_images(splits: dict, root: Path, skip: bool) -> dict:
+    """``splits`` after checking every file, with a progress bar on big trees (CIFAR-10's 60,000 JPEGs: a
+    few seconds); bad files are one ConfigError naming them, or left out when ``skip``."""
+    from tqdm.auto import tqdm
+
+    everything = [path for paths, _, _ in splits.values() for path in paths]
+    progress = tqdm(everything, desc="checking image files", unit="file", leave=False,
+                    disable=len(everything) < 10_000 or os.environ.get("RANK", "0") != "0")
+    bad = {path: reason for path in progress if (reason := unreadable_reason(path)) is not None}
+    if not bad:
+        return splits
+    named = ", ".join(f"{os.path.relpath(path, root)} ({reason})" for path, reason in list(bad.items())[:3])
+    count = f"{len(bad)} unreadable image file{'s' if len(bad) > 1 else ''}"
+    if not skip:
+        raise ConfigError(f"--data-dir {str(root)!r}: {count}: {named}{', ...' if len(bad) > 3 else ''}; "
+                          "remove or replace them, or pass --skip-bad-images to train without them")
+    if os.environ.get("RANK", "0") == "0":
+        print(f"--skip-bad-images: skipped {count} in {str(root)!r}: {named}{', ...' if len(bad) > 3 else ''}", flush=True)
+    kept = {}
+    for split, (paths, labels, classes) in splits.items():
+        pairs = [(path, label) for path, label in zip(paths, labels) if path not in bad]
+        kept[split] = ([path for path, _ in pairs], [label for _, label in pairs], classes)
+    return kept
 
 
 IMAGE_DATASETS = ("cifar10", "imagefolder", "synthetic")
@@ -253,6 +336,7 @@ def image_datasets(
     seed: int,
     image_size: int = 32,
     synthetic_sizes: tuple[int, int] = (2048, 512),
+    skip_bad_images: bool = False,
 ) -> tuple[ImageClassification, ImageClassification]:
     """(train, eval) image datasets: ``cifar10`` (torchvision, downloaded once by the main process),
     ``imagefolder`` (``data_dir/{train,test}/<class>/*``) or ``synthetic``. Training samples get
@@ -267,7 +351,7 @@ def image_datasets(
     elif name == "imagefolder":
         if not data_dir:
             raise ConfigError("--dataset imagefolder needs --data-dir DIR holding train/<class>/* and test/<class>/*")
-        splits = scan_image_folder(data_dir)
+        splits = scan_image_folder(data_dir, skip_bad_images)
         (train_images, train_labels, classes), (eval_images, eval_labels, _) = splits["train"], splits["test"]
         cache_dir = data_dir
     elif name == "synthetic":
