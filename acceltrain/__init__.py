@@ -1,33 +1,36 @@
-"""acceltrain: one training loop on Hugging Face Accelerate, from a laptop CPU to a multi-node cluster."""
+"""acceltrain: one training loop on Hugging Face Accelerate, from a laptop CPU to a multi-node cluster.
 
-__version__ = "0.1.0"
+The public names are imported on first use (PEP 562), so that ``--help``, ``acceltrain --version`` and
+the config parser answer without importing torch and Accelerate (seconds on a small machine).
+"""
 
-from .config import ConfigError, TrainConfig, option, parse_config, require  # noqa: E402
-from .distributed import on_main_process_first  # noqa: E402
-from .hooks import EMA, Hook  # noqa: E402
-from .loop import fit  # noqa: E402
-from .optim import build_optimizer  # noqa: E402
-from .run import Run, RunSetup, Stop, evaluate, setup_run  # noqa: E402
-from .tasks import ClassificationTask, Task  # noqa: E402
-from .cli import run_recipe  # noqa: E402
+from importlib import import_module
+from importlib.metadata import version
 
-__all__ = [
-    "EMA",
-    "ClassificationTask",
-    "ConfigError",
-    "Hook",
-    "Run",
-    "RunSetup",
-    "Stop",
-    "Task",
-    "TrainConfig",
-    "build_optimizer",
-    "evaluate",
-    "fit",
-    "on_main_process_first",
-    "option",
-    "parse_config",
-    "require",
-    "run_recipe",
-    "setup_run",
-]
+__version__ = version("acceltrain")  # the one version, pyproject.toml's
+
+_HOME = {  # public name -> the submodule that defines it
+    "ConfigError": "config", "TrainConfig": "config", "option": "config", "parse_config": "config", "require": "config",
+    "on_main_process_first": "distributed",
+    "EMA": "hooks", "Hook": "hooks",
+    "fit": "loop",
+    "load_model": "hub",
+    "build_optimizer": "optim",
+    "Run": "run", "RunSetup": "run", "Stop": "run", "evaluate": "run", "setup_run": "run",
+    "ClassificationTask": "tasks", "Task": "tasks",
+    "run_recipe": "cli",
+}
+
+__all__ = sorted(_HOME)
+
+
+def __getattr__(name: str):
+    if name not in _HOME:
+        raise AttributeError(f"module 'acceltrain' has no attribute {name!r}")
+    value = getattr(import_module(f".{_HOME[name]}", __name__), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

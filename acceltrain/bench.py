@@ -1,11 +1,12 @@
-"""``acceltrain bench``: the same model and data through a ladder of speed configurations, each in a
+"""acceltrain bench: the same model and data through a ladder of speed configurations, each in a
 fresh process (one row cannot pollute the next: allocator state, compile caches, threads), then the
-scaling rows with more processes. Every figure comes from the recipe's own ``summary.json``: steady
-state after ``--warmup`` steps, device synchronised, evaluation excluded."""
+scaling rows with more processes. Every figure comes from the recipe's own summary.json: steady
+state after --warmup steps, device synchronised, evaluation excluded."""
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shutil
@@ -181,29 +182,52 @@ def render(rows: list[Row], machine: str) -> str:
     return "\n".join(lines)
 
 
-def plot(rows: list[Row], path: Path) -> str | None:
-    """bench.png: speed-up and peak memory per row; None, or why not (matplotlib is an optional extra)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+def plot(rows: list[Row], path: Path, title: str) -> str | None:
+    """bench.png; None, or why not (matplotlib is an optional extra)."""
+    if importlib.util.find_spec("matplotlib") is None:
         return "bench.png not written: pip install matplotlib (or acceltrain[bench])"
-    done = [r for r in rows if r.status == "ok"]
-    if not done:
+    if not any(r.status == "ok" for r in rows):
         return "bench.png not written: no row ran"
-    base = done[0].figures["samples_per_second"]
-    labels = [f"{r.name} x{r.processes}" for r in done]
-    figure, (speed, memory) = plt.subplots(1, 2, figsize=(12, 4))
-    speed.barh(labels, [r.figures["samples_per_second"] / base for r in done])
-    speed.set_xlabel(f"speed-up vs {done[0].name}")
-    memory.barh(labels, [r.figures["peak_memory_mb"] for r in done])
-    memory.set_xlabel("peak memory (MB)")
-    figure.tight_layout()
-    figure.savefig(path, dpi=100)
-    plt.close(figure)
+    bench_figure(rows, title).savefig(path, dpi=100)
     return None
+
+
+NOT_KEPT_STYLE = {"facecolor": "lightgrey", "hatch": "//", "edgecolor": "grey"}
+
+
+def bench_figure(rows: list[Row], title: str):
+    """Speed-up against the first row that ran (a dashed 1.0x line) and peak memory, one bar per row
+    labelled with its batch size, processes and value; rows not kept (slower than the row they build on)
+    are grey, hatched and say so, skipped rows too."""
+    from matplotlib.figure import Figure  # not pyplot: no global backend is changed, PNG through Agg
+
+    base_row = next(r for r in rows if r.status == "ok")
+    base = base_row.figures["samples_per_second"]
+    labels = [r.name + (f", batch {r.figures['batch_size']}" if r.status == "ok" else "")
+              + f", {r.processes} process{'es' if r.processes > 1 else ''}" + ("" if r.kept else " (not kept)") for r in rows]
+    styles = [{"facecolor": "tab:blue"} if r.kept else NOT_KEPT_STYLE for r in rows]
+    figure = Figure(figsize=(13, 1.6 + 0.5 * len(rows)))
+    speed, memory = figure.subplots(1, 2, sharey=True)
+    for axis, values, text in (
+        (speed, [r.figures["samples_per_second"] / base if r.status == "ok" else 0.0 for r in rows], "{:.2f}x"),
+        (memory, [r.figures["peak_memory_mb"] if r.status == "ok" else 0.0 for r in rows], "{:.0f} MB"),
+    ):
+        for position, (row, value, style) in enumerate(zip(rows, values, styles)):
+            axis.barh(position, value, **style)
+            axis.text(value, position, f" {text.format(value)}" if row.status == "ok" else " skipped", va="center", fontsize=9)
+        axis.margins(x=0.15)
+    speed.axvline(1.0, color="black", linestyle="--", linewidth=1)
+    speed.set_xlabel(f"speed-up vs {base_row.name} ({base:.1f} samples/s = 1.0x)")
+    memory.set_xlabel("peak memory (MB)")
+    speed.set_yticks(range(len(rows)), labels)
+    speed.invert_yaxis()  # the ladder reads top-down, as in bench.md
+    figure.suptitle(title)
+    figure.tight_layout()
+    return figure
+
+
+def _loads(averages) -> str:
+    return "/".join(f"{value:.2f}" for value in averages)
 
 
 def machine_description(on_cuda: bool) -> str:
@@ -236,9 +260,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    import torch
+# Steady step times vary by about 10% from step to step on a quiet machine (resnet_tiny on 2 CPU cores:
+# 34-45 ms), so a mean over n timed steps is good to about 10%/sqrt(n): 20 steps give ~2%, below the
+# 5-10% effects the ladder compares; 3 steps give ~6%, as large as the effects. A busy machine is worse.
+MIN_STABLE_STEPS = 20
 
+
+def main(argv: list[str] | None = None) -> int:
     from .config import ConfigError
 
     parser = build_parser()
@@ -256,6 +284,12 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    if args.steps < MIN_STABLE_STEPS:
+        print(f"warning: --steps {args.steps} is too few for a stable figure: a mean over n steps is good to about "
+              f"10%/sqrt(n) on a quiet machine; use --steps {MIN_STABLE_STEPS} or more", flush=True)
+    import torch
+
+    load_before = os.getloadavg()
     args.on_cuda = torch.cuda.is_available()
     args.configs = Path(args.recipe).resolve().parent.parent / "accelerate_configs"
     mixed_precision = "bf16" if (not args.on_cuda or torch.cuda.is_bf16_supported()) else "fp16"
@@ -272,13 +306,16 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(scaling)
         print(f"{scaling.name} x{count}: {scaling.status}", flush=True)
 
-    table = render(rows, machine)
+    load = {"before": load_before, "after": os.getloadavg(), "cores": os.cpu_count()}
+    table = (render(rows, machine) + f"\n\nLoad average (1, 5, 15 min) on {load['cores']} cores: {_loads(load['before'])} "
+             f"before, {_loads(load['after'])} after (a load near the core count before the bench: other work shared the machine).")
     print(table)
     (out / "bench.md").write_text(table + "\n")
     (out / "bench.json").write_text(json.dumps({"machine": machine, "model": args.model, "dataset": args.dataset,
-                                                "steps": args.steps, "warmup": args.warmup,
+                                                "steps": args.steps, "warmup": args.warmup, "load_average": load,
                                                 "rows": [r.__dict__ for r in rows]}, indent=2))
-    note = plot(rows, out / "bench.png")
+    title = f"acceltrain bench: {args.model} on {args.dataset}, {args.steps} timed steps per row\n{machine}"
+    note = plot(rows, out / "bench.png", title)
     if note:
         print(note)
     if args.report_to == "wandb":

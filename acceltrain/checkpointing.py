@@ -139,6 +139,10 @@ EXIT_INTERRUPTED = 130  # Ctrl-C, as shells report death by SIGINT: saved on the
 EXIT_DIVERGED = 3  # a non-finite loss or gradient norm: nothing saved from that step on
 
 
+class TrainingDiverged(Exception):
+    """A non-finite loss or gradient norm: the run stops without saving anything from that step on."""
+
+
 class CheckpointError(ConfigError):
     """A checkpoint that cannot be resumed from (incomplete, truncated, corrupted)."""
 

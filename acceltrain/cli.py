@@ -1,8 +1,11 @@
-"""Command-line entry points: ``run_recipe`` for recipe scripts and the ``acceltrain`` console script."""
+"""acceltrain: commands around the training loop. Training itself runs from a recipe script
+(python recipes/resnet_cifar.py --help lists its flags); these commands report on the machine and
+measure speed."""
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import typing
@@ -40,11 +43,12 @@ def run_recipe(main: Callable, config_class: type[TrainConfig], argv: list[str] 
     :class:`ConfigError`; it is printed as one line and the process exits with code 2, nothing written.
     A diverged run exits 3, a second Ctrl-C 130, each with one line.
     """
-    from .checkpointing import EXIT_DIVERGED, EXIT_INTERRUPTED
-    from .run import TrainingDiverged
+    from .checkpointing import EXIT_DIVERGED, EXIT_INTERRUPTED, TrainingDiverged
+    from .tracking import active_trackers
 
     try:
         cfg = parse_config(config_class, argv, description=description)
+        active_trackers(cfg)  # a tracker that cannot work (W&B key rejected, unreachable) stops here, before any data
         from accelerate.utils import set_seed
 
         set_seed(cfg.seed)
@@ -74,32 +78,132 @@ def _close_process_group() -> None:
         dist.destroy_process_group()
 
 
-def environment_report() -> dict:
-    """What this machine offers and what Accelerate would do here."""
-    import accelerate
+def environment_report(accelerate_config_file: str | None = None) -> dict:
+    """What ``accelerate env`` reports (from its own function, so the two never disagree) and the toolkit's
+    view: versions of the libraries it builds on, the training device, whether MFU can be computed
+    there, and whether bf16 is worth turning on (measured, not looked up)."""
+    import contextlib
+    import io
+    from importlib.metadata import PackageNotFoundError, version
+
     import torch
+    from accelerate.commands.env import env_command
 
     from . import __version__
     from .distributed import use_cpu
 
-    report = {
-        "acceltrain": __version__,
-        "python": sys.version.split()[0],
-        "torch": torch.__version__,
-        "accelerate": accelerate.__version__,
-        "cuda_available": torch.cuda.is_available(),
-        "cuda_devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
-        "bf16_supported": torch.cuda.is_bf16_supported() if torch.cuda.is_available() else "cpu autocast",
-        "trains_on_cpu": use_cpu(False),
-        "cpu_threads": torch.get_num_threads(),
+    with contextlib.redirect_stdout(io.StringIO()):  # it prints a copy-and-paste block; we print the dict
+        accelerate_report = env_command(argparse.Namespace(config_file=accelerate_config_file))
+    libraries = {}
+    for name in ("transformers", "datasets", "huggingface_hub", "torchvision", "safetensors", "wandb", "deepspeed", "matplotlib"):
+        try:
+            libraries[name] = version(name)
+        except PackageNotFoundError:
+            libraries[name] = "not installed"
+    device = torch.device("cpu") if use_cpu(False) else torch.accelerator.current_accelerator()
+    toolkit = {
+        "version": __version__,
+        "libraries": libraries,
+        "training device": _device_description(device),
+        "torch threads": torch.get_num_threads(),
+        "peak FLOP/s for MFU": _peak_flops_description(device),
+        "bf16": _bf16_verdict(device),
     }
-    return report
+    return {"accelerate env": accelerate_report, "acceltrain": toolkit}
+
+
+def _device_description(device) -> str:
+    import torch
+
+    if device.type == "cuda":
+        return f"cuda: {torch.cuda.device_count()} x {torch.cuda.get_device_name(device)}"
+    if device.type == "cpu":
+        from .bench import machine_description
+
+        return f"cpu: {machine_description(on_cuda=False)}"
+    return device.type
+
+
+def _peak_flops_description(device) -> str:
+    """The table entry behind MFU, per precision, or how to supply one."""
+    from .speed import peak_flops_per_device
+
+    peaks = {precision: peak_flops_per_device(device, precision, None) for precision in ("bf16", "fp16", "no")}
+    known = {("fp32/tf32" if precision == "no" else precision): flops for precision, flops in peaks.items() if flops}
+    if not known:
+        return f"unknown for {device.type}: MFU is not reported unless --peak-tflops gives one device's peak"
+    return "known: " + ", ".join(f"{precision} {flops / 1e12:g} TFLOP/s" for precision, flops in known.items())
+
+
+def _bf16_verdict(device) -> str:
+    """bf16 autocast against fp32, timed on a matmul and a conv: a CPU without AVX-512 BF16 or AMX, or a
+    GPU before Ampere, runs bf16 slower than fp32, and then --mixed-precision bf16 costs speed."""
+    import torch
+
+    if device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        return "not supported on this GPU: use --mixed-precision fp16"
+    speedups = _bf16_speedups(device)
+    mean = math.prod(speedups.values()) ** (1 / len(speedups))
+    figures = ", ".join(f"{op} {ratio:.2f}x" for op, ratio in speedups.items())
+    if mean >= 1.0:
+        return f"fast: {figures} fp32's speed (--mixed-precision bf16 pays here)"
+    return f"slow: {figures} fp32's speed (keep --mixed-precision no here)"
+
+
+def _bf16_speedups(device, seconds_per_case: float = 0.3) -> dict[str, float]:
+    """fp32 time / bf16-autocast time of a matmul and a 3x3 conv on ``device``, each the best of repeats
+    that alternate the two precisions for ``seconds_per_case`` (so others' load hits both alike; two
+    cases: about a second in all)."""
+    import time
+
+    import torch
+
+    from .metrics import synchronize
+
+    size, channels = (4096, 256) if device.type == "cuda" else (512, 32)
+    matrix = torch.randn(size, size, device=device)
+    conv = torch.nn.Conv2d(channels, channels, 3, padding=1).to(device)
+    images = torch.randn(16, channels, 32, 32, device=device)
+    cases = {"matmul": lambda: matrix @ matrix, "conv": lambda: conv(images)}
+
+    def seconds(case, bf16: bool) -> float:
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+            synchronize(device)
+            started = time.perf_counter()
+            case()
+            synchronize(device)
+            return time.perf_counter() - started
+
+    speedups = {}
+    with torch.inference_mode():
+        for name, case in cases.items():
+            seconds(case, False), seconds(case, True)  # first calls: kernel selection, allocation
+            best = {False: math.inf, True: math.inf}
+            deadline = time.perf_counter() + seconds_per_case
+            while time.perf_counter() < deadline:
+                for bf16 in best:
+                    best[bf16] = min(best[bf16], seconds(case, bf16))
+            speedups[name] = best[False] / best[True]
+    return speedups
+
+
+def _print_nested(report: dict, indent: str = "") -> None:
+    for key, value in report.items():
+        if isinstance(value, dict):
+            print(f"{indent}{key}:")
+            _print_nested(value, indent + "  ")
+        else:
+            print(f"{indent}{key}: {value}")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="acceltrain", description=__doc__)
+    from . import __version__
+
+    parser = argparse.ArgumentParser(prog="acceltrain", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"acceltrain {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
-    commands.add_parser("env", help="print versions, devices and what Accelerate would use here")
+    env = commands.add_parser("env", help="what `accelerate env` reports, plus the training device, MFU and a bf16 speed probe")
+    env.add_argument("--accelerate-config-file", help="the accelerate config file to report (default: accelerate's default one)")
     commands.add_parser("bench", help="speed ladder: fp32 -> mixed precision -> channels_last -> compile -> ... (see bench --help)", add_help=False)
     args, rest = parser.parse_known_args(argv)
     if args.command == "bench":
@@ -108,9 +212,7 @@ def main(argv: list[str] | None = None) -> int:
         return bench_main(rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    if args.command == "env":
-        for key, value in environment_report().items():
-            print(f"{key}: {value}")
+    _print_nested(environment_report(args.accelerate_config_file))
     return 0
 
 

@@ -34,13 +34,14 @@ class ConfigError(ValueError):
 def option(default: Any, help: str, **metadata: Any) -> Any:
     """A dataclass field with its CLI help text (and optional ``choices``). ``free_on_resume=True``: a
     setting that does not change the run's maths (speed, logging, outputs) and may differ on ``--resume``;
-    ``list_like=True``: comma-separated values, also given as a YAML list."""
+    ``list_like=True``: comma-separated values, also given as a YAML list; ``aliases={old: new}``: old
+    names still accepted, stored as the new one."""
     return dataclasses.field(default=default, metadata={"help": help, **metadata})
 
 
 MixedPrecision = Literal["no", "fp16", "bf16"]
 ReportTo = Literal["wandb", "tensorboard", "all", "none"]
-LRSchedule = Literal["constant", "cosine", "onecycle"]
+LRSchedule = Literal["constant", "cosine", "linear"]
 Optimizer = Literal["sgd", "adamw"]
 WandbMode = Literal["online", "offline", "disabled"]
 CompileMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
@@ -62,8 +63,10 @@ class TrainConfig:
     lr: float = option(0.1, "peak learning rate")
     momentum: float = option(0.9, "SGD momentum")
     weight_decay: float = option(5e-4, "weight decay (decoupled for adamw)")
+    norm_bias_lr_scale: float = option(1.0, "learning-rate multiplier for biases and normalisation parameters (airbench94: 64)")
     lr_schedule: LRSchedule = option(
-        "cosine", "after warm-up: constant, cosine decay to 0, or onecycle (linear decay to 0)"
+        "cosine", "after warm-up: constant, cosine decay to 0, or linear decay to 0 (its old name onecycle is accepted)",
+        aliases={"onecycle": "linear"},
     )
     warmup_steps: int = option(0, "optimizer steps of linear learning-rate warm-up")
     max_grad_norm: float | None = option(None, "clip the global gradient norm to this on optimizer steps")
@@ -76,6 +79,10 @@ class TrainConfig:
     )
     target_accuracy: float | None = option(
         None, "--target-metric for tasks whose primary metric is accuracy (classification), as a fraction", free_on_resume=True
+    )
+    time_budget_minutes: float | None = option(
+        None, "finish when the next step and the final evaluation would pass this much wall clock (from the first step, "
+        "evaluations included); the LR schedule decays over the budget, or over --epochs/--max-steps when they end first",
     )
     # -- hardware and precision
     mixed_precision: MixedPrecision | None = option(
@@ -107,6 +114,9 @@ class TrainConfig:
     profile_with_stack: bool = option(False, "record Python stacks in the profile (slower, bigger trace)", free_on_resume=True)
     memory_report: bool = option(
         False, "print memory after model build, first forward, first backward, first optimizer step (memory.json)", free_on_resume=True
+    )
+    plots: bool = option(
+        True, "draw <output_dir>/curves.png (loss and eval metric against step and seconds) when each launch ends", free_on_resume=True
     )
     # -- checkpoints, resume and preemption
     save_every_steps: int | None = option(None, "save a checkpoint every N optimizer steps", free_on_resume=True)
@@ -146,6 +156,13 @@ class TrainConfig:
         None, "online, offline or disabled (default: $WANDB_MODE, else online with an API key, offline without)", free_on_resume=True
     )
     log_model: bool = option(False, "upload the final model.safetensors as a W&B artifact (offline: kept for wandb sync)", free_on_resume=True)
+    # -- Hugging Face Hub
+    push_to_hub: bool = option(
+        False, "upload the finished run folder (weights, config.json, model card, summary) to the Hub; token and repo checked before training",
+        free_on_resume=True,
+    )
+    hub_model_id: str | None = option(None, "Hub repo for --push-to-hub, 'name' or 'namespace/name' (default: the output folder's name)", free_on_resume=True)
+    hub_private: bool = option(False, "with --push-to-hub: create the repo private (default: the namespace's default visibility)", free_on_resume=True)
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` on the first bad value. Subclasses extend and call super()."""
@@ -156,6 +173,7 @@ class TrainConfig:
             require(self.max_steps >= 1, "max_steps", self.max_steps, "an integer >= 1")
         require(self.lr > 0, "lr", self.lr, "a number > 0")
         require(self.weight_decay >= 0, "weight_decay", self.weight_decay, "a number >= 0")
+        require(self.norm_bias_lr_scale > 0, "norm_bias_lr_scale", self.norm_bias_lr_scale, "a number > 0")
         require(0 <= self.momentum < 1, "momentum", self.momentum, "a number in [0, 1)")
         require(self.warmup_steps >= 0, "warmup_steps", self.warmup_steps, "an integer >= 0")
         require(self.timing_warmup_steps >= 0, "timing_warmup_steps", self.timing_warmup_steps, "an integer >= 0")
@@ -169,6 +187,8 @@ class TrainConfig:
                 raise ConfigError("give one of --target-metric and --target-accuracy, not both")
         if self.target_metric is not None:
             require(math.isfinite(self.target_metric), "target_metric", self.target_metric, "a finite number")
+        if self.time_budget_minutes is not None:
+            require(self.time_budget_minutes > 0, "time_budget_minutes", self.time_budget_minutes, "a number > 0")
         for name in ("save_every_steps", "keep_last", "stop_after_steps"):
             if getattr(self, name) is not None:
                 require(getattr(self, name) >= 1, name, getattr(self, name), "an integer >= 1")
@@ -184,6 +204,9 @@ class TrainConfig:
         require(0 <= self.seed <= 2**32 - 1, "seed", self.seed, "an integer in [0, 4294967295]")  # numpy's range
         if self.peak_tflops is not None:
             require(self.peak_tflops > 0, "peak_tflops", self.peak_tflops, "a number > 0")
+        for name in ("hub_model_id", "hub_private"):
+            if getattr(self, name) not in (None, False) and not self.push_to_hub:
+                raise ConfigError(f"--{flag_name(name)} needs --push-to-hub")
         if self.num_workers is not None:
             require(self.num_workers >= 0, "num_workers", self.num_workers, "an integer >= 0")
 
@@ -200,8 +223,9 @@ def run_changes(saved: dict[str, Any], cfg: TrainConfig) -> dict[str, list]:
         if field.metadata.get("free_on_resume") or field.name not in saved:
             continue
         now = getattr(cfg, field.name)
-        if saved[field.name] != now:
-            changes[field.name] = [saved[field.name], now]
+        old = field.metadata.get("aliases", {}).get(saved[field.name], saved[field.name])  # written under an old name
+        if old != now:
+            changes[field.name] = [old, now]
     return changes
 
 
@@ -239,19 +263,20 @@ def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
     return tp, False
 
 
-def _field_kind(cls: type, field: dataclasses.Field) -> tuple[Any, tuple[str, ...] | None, bool, bool]:
-    """(base type, allowed choices, optional, list-like) of a config field, from its annotation and metadata.
-    A list-like field (``list_like=True``: comma-separated values) also takes a YAML list."""
+def _field_kind(cls: type, field: dataclasses.Field) -> tuple[Any, tuple[str, ...] | None, bool, bool, dict]:
+    """(base type, allowed choices, optional, list-like, aliases) of a config field, from its annotation and
+    metadata. A list-like field (``list_like=True``: comma-separated values) also takes a YAML list."""
     hints = typing.get_type_hints(cls)
     base, optional = _unwrap_optional(hints[field.name])
     choices = field.metadata.get("choices")
     if typing.get_origin(base) is Literal:
         choices = tuple(typing.get_args(base))
         base = type(choices[0])
-    return base, (tuple(choices) if choices else None), optional, bool(field.metadata.get("list_like"))
+    return base, (tuple(choices) if choices else None), optional, bool(field.metadata.get("list_like")), field.metadata.get("aliases", {})
 
 
-def _convert(name: str, raw: Any, base: Any, choices: tuple | None, optional: bool, list_like: bool = False) -> Any:
+def _convert(name: str, raw: Any, base: Any, choices: tuple | None, optional: bool, list_like: bool = False,
+             aliases: dict | None = None) -> Any:
     """Coerce one value (a CLI string or a YAML scalar) to the field's type, or raise ConfigError."""
     if raw is None or (isinstance(raw, str) and raw.lower() in ("none", "null") and optional):
         if optional:
@@ -288,6 +313,7 @@ def _convert(name: str, raw: Any, base: Any, choices: tuple | None, optional: bo
     except (TypeError, ValueError):
         kind = {bool: "true or false", int: "an integer", float: "a finite number"}.get(base, "a string")
         raise ConfigError(f"--{flag_name(name)} {raw!r} is invalid: must be {kind}") from None
+    value = (aliases or {}).get(value, value)
     if choices is not None and value not in choices:
         allowed = ", ".join(str(c) for c in choices)
         raise ConfigError(f"--{flag_name(name)} {value!r} is invalid: choose one of {allowed}")
@@ -301,15 +327,31 @@ class _OneLineParser(argparse.ArgumentParser):
         raise ConfigError(message)
 
 
+def _help_with_default(field: dataclasses.Field) -> str:
+    """The field's help, ending with its default unless the help states it already (a help saying what
+    an unset value means beats "None"); an unset default reads "unset", a boolean "on" or "off"."""
+    text = field.metadata.get("help", "")
+    if "default:" in text:
+        return text
+    default = field.default_factory() if field.default is dataclasses.MISSING else field.default
+    if default is None:
+        shown = "unset"
+    elif isinstance(default, bool):
+        shown = "on" if default else "off"
+    else:
+        shown = str(default).replace("%", "%%")  # argparse %-formats help texts
+    return f"{text} (default: {shown})"
+
+
 def build_parser(cls: type[TrainConfig], description: str | None = None) -> argparse.ArgumentParser:
     parser = _OneLineParser(
         description=description, argument_default=argparse.SUPPRESS, formatter_class=argparse.RawDescriptionHelpFormatter,
         allow_abbrev=False,  # --max-step is a typo, not --max-steps
     )
     for field in dataclasses.fields(cls):
-        base, choices, _, _ = _field_kind(cls, field)
+        base, choices, *_ = _field_kind(cls, field)
         flag = f"--{flag_name(field.name)}"
-        help_text = f"{field.metadata.get('help', '')} (default: {field.default})"
+        help_text = _help_with_default(field)
         if base is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_text)
         else:

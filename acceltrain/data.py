@@ -103,6 +103,19 @@ def loader_options(num_workers: int, pin_memory: bool, prefetch_factor: int = 4)
     return options
 
 
+def stop_workers(*loaders) -> None:
+    """Stop the persistent workers of these loaders (Accelerate-prepared or not) now. They ignore SIGTERM,
+    so multiprocessing's exit handler, which terminates them with SIGTERM and then waits for them, would
+    wait for good on the workers of a loader still referenced at exit; torch has no public way to stop
+    persistent workers (its iterator's own shutdown, used here, runs only when the loader is freed)."""
+    for loader in loaders:
+        base = getattr(loader, "base_dataloader", loader)
+        iterator = getattr(base, "_iterator", None)
+        if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+            iterator._shutdown_workers()
+            base._iterator = None
+
+
 def train_loader(dataset: Dataset, *, batch_size: int, seed: int, **options) -> DataLoader:
     """Shuffled per epoch, last incomplete batch dropped; prepare it with Accelerate to shard it.
     ``options``: see :func:`loader_options`."""

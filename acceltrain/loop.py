@@ -47,11 +47,11 @@ from .checkpointing import (
     write_summary,
 )
 from .config import ConfigError, TrainConfig, run_changes
-from .data import default_num_workers, eval_loader, train_loader
+from .data import default_num_workers, eval_loader, stop_workers, train_loader
 from .distributed import check_backend_honoured, convert_sync_batchnorm, deepspeed_plugin, main_process_only, use_cpu
 from .hooks import Hooks, builtin_hooks
 from .metrics import peak_memory_mb
-from .optim import build_scheduler
+from .optim import ScheduleProgress, build_scheduler
 from .run import TOKEN_NORMALISATION_UNDER_DEEPSPEED, Run, compatibility, setup_run
 from .speed import apply_batch_size, enable_activation_checkpointing, find_batch_size, peak_flops_per_device
 from .speed import to_channels_last, training_flops_per_sample
@@ -96,6 +96,7 @@ def fit(cfg: TrainConfig, model: nn.Module, optimizer: torch.optim.Optimizer, tr
         _train(run)
         return _finish(run)
     finally:
+        stop_workers(run.train_batches, run.eval_batches)
         unlock_output_dir(output_dir)
 
 
@@ -280,7 +281,8 @@ def _prepare(cfg: TrainConfig, accelerator, model: nn.Module, optimizer, train_s
     total_steps = cfg.max_steps or max(1, math.ceil(cfg.epochs * steps_per_epoch))
     # Not prepared: Accelerate would step it once per process (#1382) and, under DeepSpeed, leave it out
     # of checkpoints; its state travels in TrainerState instead. It drives the torch optimizer's param groups.
-    scheduler = build_scheduler(optimizer, cfg, total_steps)
+    schedule_progress = ScheduleProgress()
+    scheduler = build_scheduler(optimizer, cfg, total_steps, schedule_progress)
     peak_flops = peak_flops_per_device(accelerator.device, accelerator.mixed_precision, cfg.peak_tflops)
     device = accelerator.device
     runtime = {
@@ -299,6 +301,7 @@ def _prepare(cfg: TrainConfig, accelerator, model: nn.Module, optimizer, train_s
         **_backend_settings(accelerator),
     }
     run = Run(cfg=cfg, accelerator=accelerator, model=prepared_model, optimizer=prepared_optimizer, scheduler=scheduler,
+              schedule_progress=schedule_progress,
               task=task, train_batches=loaders[0], eval_batches=loaders[1] if eval_set is not None else None,
               output_dir=Path(cfg.output_dir), total_steps=total_steps, train_samples=len(train_set),
               flops_per_sample=flops_per_sample, peak_flops=peak_flops, runtime=runtime)

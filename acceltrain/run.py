@@ -18,6 +18,7 @@ from accelerate.utils import DistributedType
 from .checkpointing import (
     EXIT_PREEMPTED,
     TrainerState,
+    TrainingDiverged,
     lock_output_dir,
     move_previous_run_aside,
     resolve_output_dir,
@@ -76,15 +77,12 @@ class Stop:
     exit_code: int = EXIT_PREEMPTED
 
 
-class TrainingDiverged(Exception):
-    """A non-finite loss or gradient norm: the run stops without saving anything from that step on."""
-
-
 class Run:
-    def __init__(self, *, cfg, accelerator, model, optimizer, scheduler, task, train_batches, eval_batches,
+    def __init__(self, *, cfg, accelerator, model, optimizer, scheduler, schedule_progress, task, train_batches, eval_batches,
                  output_dir: Path, total_steps: int, train_samples: int, flops_per_sample, peak_flops, runtime: dict):
         self.cfg, self.accelerator, self.task = cfg, accelerator, task
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.schedule_progress = schedule_progress  # the LR schedule's progress by another measure than steps (time)
         self.train_batches, self.eval_batches = train_batches, eval_batches
         self.output_dir, self.runtime = output_dir, runtime
         self.batches_per_epoch = len(train_batches)

@@ -1,10 +1,13 @@
 """Experiment tracking through Accelerate's trackers (``log_with``, ``init_trackers``, ``log``), with the
 W&B rough edges handled: one run for N processes (Accelerate creates it on the main process only), a
-name, offline mode instead of a crash when there is no API key, the same run continued on resume, and
-the final summary equal to ``summary.json``. The API key is never read into the config, printed or saved."""
+name, offline mode instead of a crash when there is no API key, a one-line error within seconds when
+online W&B cannot work (server unreachable, credentials rejected) instead of ``wandb.init``'s 90 s wait
+and traceback, the same run continued on resume, and the final summary equal to ``summary.json``. The
+API key is never read into the config, printed or saved."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import netrc
 import os
@@ -14,6 +17,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from .config import ConfigError, TrainConfig
+from .network import PROBE_SECONDS, check_reachable
 
 TRACKER_PACKAGES = {"wandb": "wandb", "tensorboard": "tensorboard"}
 
@@ -33,7 +37,46 @@ def active_trackers(cfg: TrainConfig) -> list[str]:
     for name in names:
         if importlib.util.find_spec(TRACKER_PACKAGES[name]) is None:
             raise ConfigError(f"--report-to {cfg.report_to} needs the {TRACKER_PACKAGES[name]!r} package: pip install {TRACKER_PACKAGES[name]}")
+    # the main process alone talks to W&B; the others learn of its failure from the launcher
+    if "wandb" in names and wandb_mode(cfg) == "online" and os.environ.get("RANK", "0") == "0":
+        check_wandb_online()
     return names
+
+
+OFFLINE_WAYS = "run with --wandb-mode offline (upload later with wandb sync) or --report-to none"
+
+
+def check_wandb_online() -> None:
+    """Fail in seconds, with one line, where ``wandb.init`` would wait 90 s and raise a CommError: the
+    server (wandb's resolved base URL) does not answer, or rejects the credentials (checked by
+    ``wandb.Api``, which finds them where wandb does)."""
+    import wandb
+
+    _check_wandb_online(wandb.setup().settings.base_url)
+
+
+@functools.cache  # one probe per process and server: fit() and an earlier caller need not both wait
+def _check_wandb_online(base_url: str) -> None:
+    import wandb
+
+    check_reachable(base_url, "W&B", OFFLINE_WAYS)  # first: wandb reports "unreachable" and "rejected" alike
+    try:
+        wandb.Api(timeout=PROBE_SECONDS)
+    except wandb.errors.AuthenticationError as err:
+        reason = str(err).splitlines()[0].removeprefix(f"Failed to verify credentials with {base_url}: ")
+        raise ConfigError(
+            f"W&B at {base_url} rejected {_credentials_source()} ({reason[:200]}); check it (wandb login --relogin), or {OFFLINE_WAYS}"
+        ) from None
+    except wandb.errors.UsageError as err:  # --wandb-mode online without any credentials
+        raise ConfigError(f"W&B online needs credentials ({str(err).splitlines()[0][:200]}); set WANDB_API_KEY, or {OFFLINE_WAYS}") from None
+
+
+def _credentials_source() -> str:
+    if os.environ.get("WANDB_API_KEY"):
+        return "the API key in $WANDB_API_KEY"
+    if os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return "the identity token in $WANDB_IDENTITY_TOKEN_FILE"
+    return "the API key saved by `wandb login`"
 
 
 def wandb_credentials_present() -> bool:
@@ -41,7 +84,9 @@ def wandb_credentials_present() -> bool:
     (where ``wandb login`` writes). Only presence is checked; the key itself is never read."""
     if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
         return True
-    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    import wandb
+
+    host = urlparse(os.environ.get("WANDB_BASE_URL") or wandb.Settings().base_url).hostname  # wandb's default host
     try:
         return netrc.netrc(os.environ.get("NETRC")).authenticators(host) is not None
     except (OSError, netrc.NetrcParseError):

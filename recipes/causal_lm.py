@@ -98,11 +98,9 @@ def main(cfg: CausalLMConfig, task_class: type[CausalLMTask] = CausalLMTask) -> 
         else:
             model = build_causal_lm(cfg.model, **shape, dropout=cfg.dropout, end_of_text_id=tokenizer.eos_token_id)
         task = task_class(cfg.block_size, flops_per_block(model, cfg.block_size))
-        summary = fit(cfg, model, build_optimizer(model, cfg), train_set, eval_set, task=task, name=NAME)
-    if run.is_main_process:  # with model.safetensors: a folder that from_pretrained loads, tokenizer included
-        model.config.save_pretrained(output_dir)
-        save_tokenizer(tokenizer, output_dir)
-    return summary
+        if run.is_main_process:  # before training: the run folder loads with from_pretrained, tokenizer included
+            save_tokenizer(tokenizer, output_dir)
+        return fit(cfg, model, build_optimizer(model, cfg), train_set, eval_set, task=task, name=NAME)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,30 @@ def test_bench_ladder_writes_consistent_json_markdown_and_chart(tmp_path):
     assert f"| fp32 | 1 | 8 | {first:.1f} |" in markdown and "1.00x" in markdown and "scaling efficiency" in markdown
     assert (out / "bench.png").read_bytes()[:4] == b"\x89PNG"
     assert "AMD" in report["machine"] or "cores" in report["machine"]
+    load = report["load_average"]
+    assert len(load["before"]) == len(load["after"]) == 3 and load["cores"] >= 1 and "Load average" in markdown
+    assert "warning: --steps 3 is too few for a stable figure" in result.stdout
+
+
+def test_bench_png_shows_the_baseline_values_batches_and_rows_not_kept():
+    from acceltrain.bench import NOT_KEPT_STYLE, Row, bench_figure
+
+    def ran(name, rate, kept=True):
+        figures = {"samples_per_second": rate, "peak_memory_mb": 100.0, "batch_size": 8}
+        return Row(name, [], figures=figures, kept=kept)
+
+    rows = [ran("fp32", 100.0), ran("mixed-precision", 50.0, kept=False), ran("channels-last", 150.0),
+            Row("compile", ["--compile"], status="skipped: no compiler")]
+    figure = bench_figure(rows, title="acceltrain bench: resnet_tiny")
+    speed, memory = figure.axes
+    assert figure._suptitle.get_text() == "acceltrain bench: resnet_tiny"
+    assert [tuple(line.get_xdata()) for line in speed.lines] == [(1.0, 1.0)], "a 1.0x line"
+    assert [label.get_text() for label in speed.get_yticklabels()] == [
+        "fp32, batch 8, 1 process", "mixed-precision, batch 8, 1 process (not kept)", "channels-last, batch 8, 1 process",
+        "compile, 1 process"]
+    assert [text.get_text().strip() for text in speed.texts] == ["1.00x", "0.50x", "1.50x", "skipped"]
+    hatches = [bar.get_hatch() for bar in speed.patches[:4]]
+    assert hatches == [None, NOT_KEPT_STYLE["hatch"], None, None]
 
 
 def test_bench_reports_a_row_that_cannot_run_as_skipped_with_the_reason(tmp_path):

@@ -95,3 +95,30 @@ def test_synthetic_data_is_deterministic_and_class_dependent():
     assert torch.equal(a, b) and torch.equal(la, lb)
     means = torch.stack([a[la == c].float().mean(dim=(0, 2, 3)) for c in range(10)])
     assert means.std(dim=0).min() > 5  # the classes differ in colour
+
+
+def test_the_process_exits_at_once_when_the_run_outlives_fit_with_persistent_workers(tmp_path):
+    """Workers ignore SIGTERM (a preemption is the main process's to handle), so multiprocessing's exit
+    handler, which terminates them with SIGTERM and then waits, waited minutes for the workers of a loader
+    still referenced at exit (here: a hook keeps the run). fit() now stops its workers itself."""
+    import subprocess
+    import sys
+
+    from conftest import REPO, TINY_RECIPE, subprocess_env
+
+    script = tmp_path / "keeps_the_run.py"
+    script.write_text(
+        "import sys\n"
+        f"sys.path.insert(0, {str(TINY_RECIPE.parent)!r})\n"
+        "import tiny_recipe\n"
+        "from acceltrain import Hook, run_recipe\n"
+        "kept = []\n"
+        "class KeepRun(Hook):\n"
+        "    def on_fit_start(self, run):\n"
+        "        kept.append(run)\n"
+        "run_recipe(lambda cfg: tiny_recipe.main(cfg, hooks=[KeepRun()]), tiny_recipe.TinyConfig)\n"
+    )
+    done = subprocess.run([sys.executable, str(script), "--batch-size", "8", "--max-steps", "3", "--num-workers", "1",
+                           "--no-progress", "--report-to", "none", "--output-dir", str(tmp_path / "out")],
+                          cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]

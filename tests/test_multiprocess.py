@@ -112,3 +112,12 @@ def test_under_torchrun_the_launchers_failure_report_names_the_one_line_error():
     before, root_cause = result.stderr.split("Root Cause")
     assert line + "\n" in before, result.stderr  # printed by rank 0, before the launcher's report
     assert line in root_cause and "To enable traceback" not in root_cause
+
+
+def test_a_time_budget_stops_every_process_at_the_same_step_with_the_same_learning_rates(tmp_path):
+    """The main process's clock decides (one broadcast per step): ranks never disagree on the lr or the end."""
+    check(launch(TINY_RECIPE, ["--batch-size", "4", "--epochs", "1000", "--sleep-per-step", "0.03", "--time-budget-minutes", "0.04",
+                               "--no-progress", "--num-workers", "0", "--output-dir", str(tmp_path)], processes=2, launcher="accelerate"))
+    rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert rank0["lrs"] == rank1["lrs"] and rank0["steps"] == read_summary(tmp_path)["steps"] < 1000
+    assert read_summary(tmp_path)["final_lr"] < 0.3 * rank0["lrs"][0]

@@ -122,7 +122,7 @@ class OutOfMemoryAbove16(torch.nn.Module):
 def test_auto_batch_size_recovers_from_out_of_memory(tmp_path, monkeypatch, capsys, keep, scale):
     import resnet_cifar
 
-    monkeypatch.setattr(resnet_cifar, "build_resnet", lambda *a, **k: OutOfMemoryAbove16())
+    monkeypatch.setattr(resnet_cifar, "build_model", lambda *a, **k: OutOfMemoryAbove16())
     extra = ["--keep-effective-batch" if keep else "--no-keep-effective-batch", "--scale-lr", scale]
     summary = run_cifar(tmp_path / "auto", "--auto-batch-size", "--batch-size", "64", "--grad-accum", "1", "--lr", "0.4", *extra)
     cfg = summary["config"]

@@ -93,3 +93,156 @@ def test_tensorboard_writes_the_same_scalars(tmp_path):
     expected = {e["step"]: e["loss"] for e in read_events(out) if "loss" in e}
     assert logged == pytest.approx(expected)
     assert not (out / "wandb").exists()
+
+
+# --------------------------------------------------------------------------- online W&B that cannot work
+
+SECRET = "acceltraintestsecret0123456789abcdef0123456789"  # the shape of a W&B key: 40+ characters
+
+
+@pytest.fixture
+def wandb_stand_in():
+    """A local stand-in for the W&B server: ``server(status, body)`` answers every request with them and
+    returns its URL (no network needed)."""
+    import http.server
+    import threading
+
+    servers = []
+
+    def server(status: int, body: dict) -> str:
+        payload = json.dumps(body).encode()
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def _answer(self):
+                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+
+            do_GET = do_POST = do_HEAD = _answer
+
+            def log_message(self, *args):
+                pass
+
+        instance = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=instance.serve_forever, daemon=True).start()
+        servers.append(instance)
+        return f"http://127.0.0.1:{instance.server_address[1]}"
+
+    yield server
+    for instance in servers:
+        instance.shutdown()
+
+
+@pytest.fixture
+def silent_port():
+    """A port that accepts connections and never answers: a server lost behind a firewall."""
+    import socket
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+
+
+def closed_port() -> str:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+def launch_online(tmp_path: Path, base_url: str):
+    """The tiny recipe with W&B online (a key in the environment) against ``base_url``; returns the result
+    and its wall time."""
+    import time
+
+    started = time.perf_counter()
+    result = launch(TINY_RECIPE, [*RUN, "--max-steps", "2", "--output-dir", str(tmp_path / "run")], timeout=150,
+                    WANDB_MODE="", WANDB_API_KEY=SECRET, WANDB_BASE_URL=base_url, HOME=str(tmp_path),
+                    NETRC=str(tmp_path / "no-netrc"))
+    return result, time.perf_counter() - started
+
+
+def assert_one_line_error_before_training(result, tmp_path: Path, seconds: float, *phrases: str) -> str:
+    output = result.stdout + result.stderr
+    assert result.returncode == 2, output[-3000:]
+    assert "Traceback" not in output
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, result.stderr[-3000:]
+    assert all(phrase in errors[0] for phrase in phrases), errors[0]
+    assert seconds < 45, f"{seconds:.0f} s: before the probe it took about 105 s"
+    assert not (tmp_path / "run").exists(), "refused before anything was written"
+    assert SECRET not in output
+    for file in tmp_path.rglob("*"):
+        if file.is_file():
+            assert SECRET.encode() not in file.read_bytes(), file
+    return errors[0]
+
+
+def test_rejected_wandb_key_is_one_line_in_seconds(tmp_path, wandb_stand_in):
+    url = wandb_stand_in(401, {"errors": [{"message": "user is not logged in"}]})
+    result, seconds = launch_online(tmp_path, url)
+    assert_one_line_error_before_training(result, tmp_path, seconds, f"W&B at {url} rejected", "$WANDB_API_KEY",
+                                          "--wandb-mode offline")
+
+
+@pytest.mark.parametrize("where", ["closed port", "silent port"])
+def test_unreachable_wandb_is_one_line_in_seconds(tmp_path, where, request):
+    url = closed_port() if where == "closed port" else request.getfixturevalue("silent_port")
+    result, seconds = launch_online(tmp_path, url)
+    assert_one_line_error_before_training(result, tmp_path, seconds, f"W&B at {url} is unreachable", "--wandb-mode offline",
+                                          "wandb sync", "--report-to none")
+
+
+@pytest.fixture
+def fresh_wandb(monkeypatch, tmp_path):
+    """wandb's settings singleton reads the environment once: a fresh one before and after the test."""
+    import wandb
+
+    monkeypatch.delenv("WANDB_MODE")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
+    wandb.teardown()
+    yield
+    wandb.teardown()
+
+
+def test_wandb_online_check_passes_a_server_that_accepts_the_key(monkeypatch, wandb_stand_in, fresh_wandb):
+    from acceltrain.tracking import check_wandb_online
+
+    url = wandb_stand_in(200, {"data": {"viewer": {"id": "VXNlcjox", "entity": "someone", "username": "someone"}}})
+    monkeypatch.setenv("WANDB_BASE_URL", url)
+    monkeypatch.setenv("WANDB_API_KEY", SECRET)
+    check_wandb_online()
+
+
+def test_wandb_mode_online_without_credentials_is_one_line(monkeypatch, wandb_stand_in, fresh_wandb):
+    from acceltrain import ConfigError
+    from acceltrain.tracking import check_wandb_online
+
+    monkeypatch.setenv("WANDB_BASE_URL", wandb_stand_in(401, {}))
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    with pytest.raises(ConfigError, match=r"W&B online needs credentials \(No API key configured.*--wandb-mode offline"):
+        check_wandb_online()
+
+
+def test_a_wandb_login_for_wandbs_default_host_counts_as_credentials(tmp_path, monkeypatch):
+    """`wandb login` writes ~/.netrc for wandb's own default host (not necessarily api.wandb.ai)."""
+    from urllib.parse import urlparse
+
+    import wandb
+
+    from acceltrain import TrainConfig
+    from acceltrain.tracking import wandb_mode
+
+    netrc_file = tmp_path / "netrc"
+    netrc_file.write_text(f"machine {urlparse(wandb.Settings().base_url).hostname}\n  login user\n  password {SECRET}\n")
+    netrc_file.chmod(0o600)
+    for name in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_BASE_URL", "WANDB_IDENTITY_TOKEN_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("NETRC", str(netrc_file))
+    assert wandb_mode(TrainConfig()) == "online"

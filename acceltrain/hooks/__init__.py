@@ -7,12 +7,15 @@ from .base import EVENTS, Hook, Hooks
 from .checkpoint import CheckpointSchedule, Preemption
 from .ema import EMA
 from .evaluation import Evaluation, TargetMetric
+from .hub import HubReady
 from .logging import Console, MetricsFile, Trackers, TrainingLog
+from .plots import Curves
 from .profiling import MemoryReport, Profiler
+from .time_budget import TimeBudget
 
 __all__ = [
-    "EMA", "EVENTS", "CheckpointSchedule", "Console", "Evaluation", "Hook", "Hooks", "MemoryReport",
-    "MetricsFile", "Preemption", "Profiler", "TargetMetric", "Trackers", "TrainingLog", "builtin_hooks",
+    "EMA", "EVENTS", "CheckpointSchedule", "Console", "Curves", "Evaluation", "Hook", "Hooks", "HubReady", "MemoryReport",
+    "MetricsFile", "Preemption", "Profiler", "TargetMetric", "TimeBudget", "Trackers", "TrainingLog", "builtin_hooks",
 ]
 
 
@@ -30,11 +33,16 @@ def builtin_hooks(cfg, *, evaluates: bool, trackers: list[str], run_config: dict
         hooks.append(Evaluation(cfg.eval_every))
         if cfg.target_metric is not None:
             hooks.append(TargetMetric(cfg.target_metric))
+    if cfg.time_budget_minutes is not None:
+        hooks.append(TimeBudget(cfg.time_budget_minutes))
     if cfg.save_every_steps or cfg.save_every_minutes or cfg.keep_best or cfg.stop_after_steps:
         hooks.append(CheckpointSchedule(cfg.save_every_steps, cfg.save_every_minutes, cfg.keep_last, cfg.keep_best))
     hooks.append(Preemption(cfg.stop_after_steps))
     hooks.append(MetricsFile())
+    if cfg.plots:
+        hooks.append(Curves())
     if trackers:
         hooks.append(Trackers(trackers, run_config))
     hooks.append(Console(cfg.progress))
+    hooks.append(HubReady(push=cfg.push_to_hub))  # last: the model card and the upload see every summary entry
     return hooks

@@ -8,14 +8,22 @@ from .base import Hook
 
 class Evaluation(Hook):
     """Evaluate every ``every`` optimizer steps, or at the end of each epoch when ``every`` is None, and
-    always after the last step."""
+    always after the last step, also of a run that finishes early (a target reached, a time budget)."""
 
     def __init__(self, every: int | None):
         self.every = every
+        self.evaluated_step: int | None = None
 
     def on_step_end(self, run) -> None:
         due = run.step % self.every == 0 if self.every else run.batch_in_epoch == run.batches_per_epoch
         if due or run.step == run.total_steps:
+            run.evaluate()
+
+    def on_eval_end(self, run, metrics: dict) -> None:
+        self.evaluated_step = run.step
+
+    def on_train_end(self, run) -> None:
+        if run.stop is not None and run.stop.finish and self.evaluated_step != run.step:
             run.evaluate()
 
 

@@ -29,7 +29,7 @@ class TrainingLog(Hook):
             return
         run.train_loss = run.take_train_loss()
         row = {"step": run.step, "epoch": run.epoch_progress, "loss": run.train_loss, "lr": run.lr,
-               **speed_figures(run, run.throughput.window()), **peak_memory_mb(run.accelerator.device)}
+               "wall_seconds": round(run.elapsed(), 3), **speed_figures(run, run.throughput.window()), **peak_memory_mb(run.accelerator.device)}
         if run.grad_norm is not None:
             row["grad_norm"] = float(run.grad_norm)
         if run.skipped_steps or run.accelerator.mixed_precision == "fp16":

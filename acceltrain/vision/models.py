@@ -1,5 +1,5 @@
 """Image classifiers: torchvision ResNets with a CIFAR stem (3x3 conv, no max-pool) or the ImageNet stem,
-plus a tiny ResNet for smoke tests and CPU runs."""
+a tiny ResNet for smoke tests and CPU runs, and airbench's fast CIFAR net (:mod:`.fast_net`)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,11 @@ from torch import nn
 from torchvision.models.resnet import BasicBlock
 
 from ..config import ConfigError
+from ..hub import loadable
+from .fast_net import FastCifarNet
 
 RESNETS = ("resnet18", "resnet34", "resnet50", "resnet_tiny")
+MODELS = (*RESNETS, "fast_cifar")
 STEMS = ("cifar", "imagenet")
 
 
@@ -52,3 +55,16 @@ def build_resnet(name: str, num_classes: int = 10, stem: str = "cifar") -> nn.Mo
         model.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
         model.maxpool = nn.Identity()
     return model
+
+
+@loadable("acceltrain.vision.build_model", pipeline_tag="image-classification")  # acceltrain.hub.load_model() rebuilds it
+def build_model(name: str, num_classes: int = 10, stem: str = "cifar") -> nn.Module:
+    """Any of ``MODELS``, freshly initialised: a ResNet (:func:`build_resnet`) or the fast CIFAR net, which
+    has its own stem."""
+    if name not in MODELS:
+        raise ConfigError(f"--model {name!r} is invalid: choose one of {', '.join(MODELS)}")
+    if name in RESNETS:
+        return build_resnet(name, num_classes, stem)
+    if stem != "cifar":
+        raise ConfigError(f"--stem {stem!r} is invalid for --model {name}, which has its own stem: --stem applies to the ResNets")
+    return FastCifarNet(num_classes)

@@ -1,0 +1,46 @@
+"""Every finished run folder Hub-ready (``config.json``, model card, ``train_config.yaml``; see
+:mod:`acceltrain.hub`), and ``--push-to-hub``: the repo checked and created before the first step,
+the folder uploaded at the end."""
+
+from __future__ import annotations
+
+from ..checkpointing import write_summary
+from ..distributed import main_process_only
+from ..hub import CARD_FILE, model_card, prepare_repo, push_folder, upload_command, write_model_files, write_train_config
+from .base import Hook
+
+
+class HubReady(Hook):
+    """Runs last among the built-in hooks, so that the card and the upload see every summary entry."""
+
+    def __init__(self, push: bool):
+        self.push = push
+        self.repo_id: str | None = None
+
+    def on_fit_start(self, run) -> None:
+        if not self.push:
+            return
+
+        def prepare() -> None:  # on the main process; its one-line error stops every process
+            self.repo_id = prepare_repo(run.cfg, run.output_dir)
+
+        main_process_only(prepare)
+
+    def on_fit_end(self, run, summary: dict) -> None:
+        if not run.accelerator.is_main_process:
+            return
+        model = run.accelerator.unwrap_model(run.model)
+        pipeline_tag = write_model_files(model, run.output_dir)
+        write_train_config(run.cfg, run.output_dir)
+        (run.output_dir / CARD_FILE).write_text(model_card(run, model, summary, pipeline_tag, self.repo_id))
+        if self.repo_id is None:
+            return
+        write_summary(run.output_dir, summary)  # the loop writes it after the hooks; the upload needs it now
+        try:
+            summary["hub_commit"] = push_folder(self.repo_id, run.output_dir, summary)
+        except Exception as err:  # noqa: BLE001 - the trained run stays finished and on disk; said in one line
+            summary["hub_push_error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:300] if str(err) else ''}"
+            print(f"warning: --push-to-hub: the upload to {self.repo_id} failed ({summary['hub_push_error']}); the run is complete "
+                  f"in {run.output_dir}: upload it with `{upload_command(self.repo_id, run.output_dir)}`", flush=True)
+        else:
+            print(f"pushed {run.output_dir} to the Hub: {summary['hub_commit']}", flush=True)

@@ -1,0 +1,69 @@
+"""``--time-budget-minutes``: the best model a wall-clock budget allows, never past it."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .base import Hook
+
+
+class TimeBudget(Hook):
+    """Finish the run when one more optimizer step and the final evaluation would no longer fit in
+    ``minutes`` of wall clock (counted from the first step, earlier launches and evaluations included),
+    and plan the learning-rate schedule in elapsed time: after each step the schedule's progress is the
+    elapsed fraction of the time left for training, so the decay ends at the budget (or at ``--epochs`` /
+    ``--max-steps`` when those come first).
+
+    Every process decides from the main process's clock (one broadcast per step on several processes),
+    so all stop at the same step with the same learning rate. The duration of the last evaluation is
+    kept in checkpoints; before the first evaluation it is estimated as a third of a training step per
+    evaluation batch (a forward pass without backward)."""
+
+    def __init__(self, minutes: float):
+        self.budget = minutes * 60.0
+        self.eval_seconds: float | None = None
+        self._eval_started = 0.0
+        self._last_step_end: float | None = None
+        self._step_seconds = 0.0
+
+    def state_dict(self) -> dict:
+        return {"eval_seconds": self.eval_seconds}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.eval_seconds = state["eval_seconds"]
+
+    def on_fit_start(self, run) -> None:
+        self._plan(run, run.elapsed(), 0.0, self._final_eval_seconds(run, 0.0))  # a resumed run continues its schedule
+
+    def on_eval_start(self, run) -> None:
+        self._eval_started = time.perf_counter()
+
+    def on_eval_end(self, run, metrics: dict) -> None:
+        self.eval_seconds = time.perf_counter() - self._eval_started
+
+    def on_step_end(self, run) -> None:
+        now = time.perf_counter()
+        if self._last_step_end is not None and self._eval_started < self._last_step_end:  # no evaluation in between
+            self._step_seconds = now - self._last_step_end
+        self._last_step_end = now
+        clock = [run.elapsed(), self._step_seconds, self._final_eval_seconds(run, self._step_seconds)]
+        if run.accelerator.num_processes > 1:
+            from accelerate.utils import broadcast
+
+            clock = broadcast(torch.tensor(clock, dtype=torch.float64, device=run.accelerator.device)).tolist()
+        if self._plan(run, *clock):
+            run.request_stop(f"time budget of {self.budget / 60:g} min", finish=True)
+
+    def _final_eval_seconds(self, run, step_seconds: float) -> float:
+        if self.eval_seconds is not None or run.eval_batches is None:
+            return self.eval_seconds or 0.0
+        return len(run.eval_batches) * step_seconds / run.cfg.grad_accum / 3
+
+    def _plan(self, run, elapsed: float, step_seconds: float, reserve: float) -> bool:
+        """Set the schedule's time progress; True when the next step and the final evaluation would not fit."""
+        fraction = min(1.0, elapsed / max(self.budget - reserve, 1e-9))
+        progress = run.schedule_progress  # never back: a shorter measured evaluation must not raise the lr again
+        progress.time_fraction = max(progress.time_fraction, fraction)
+        return elapsed + 2 * step_seconds + 1.1 * reserve >= self.budget  # margins for a slower step or evaluation

@@ -1,0 +1,265 @@
+"""Run folders as Hugging Face Hub model repos: what made the model (``config.json``), a model card
+(``README.md``), the settings that reproduce it (``train_config.yaml``), one call to load it back
+(:func:`load_model`), and the upload behind ``--push-to-hub``.
+
+Loading never runs code named by the folder: ``config.json`` names a builder, looked up in an allow-list
+of the builders decorated with :func:`loadable` (the very functions the recipes train with), or is a
+Transformers config, loaded by ``AutoModelForCausalLM`` without remote code. Weights load from safetensors.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import json
+import shlex
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import yaml
+from torch import nn
+
+from . import __version__
+from .config import ConfigError, TrainConfig
+from .network import check_reachable
+
+CONFIG_FILE = "config.json"
+CARD_FILE = "README.md"
+TRAIN_CONFIG_FILE = "train_config.yaml"
+BUILD_ATTRIBUTE = "acceltrain_build"  # set on a built model: {"builder": key, "kwargs": {...}}
+# what a repo gets from the run folder: top-level files only (no checkpoints/, wandb/, logs/, .lock)
+HUB_FILES = ["README.md", "*.json", "*.jsonl", "*.safetensors", "*.yaml", "*.txt", "*.png"]
+# run-location settings, left out of train_config.yaml so that it starts a fresh run anywhere
+NOT_REPRODUCED = ("config", "output_dir", "resume", "overwrite", "allow_config_change", "stop_after_steps",
+                  "push_to_hub", "hub_model_id", "hub_private")
+KEY_SETTINGS = ("batch_size", "grad_accum", "optimizer", "lr", "momentum", "weight_decay", "lr_schedule", "warmup_steps",
+                "max_grad_norm", "epochs", "max_steps", "seed")
+RESULT_KEYS = ("train_loss", "steps", "epochs", "samples_seen", "wall_seconds", "samples_per_second", "tokens_per_second",
+               "mfu", "time_to_target_seconds")
+
+_BUILDERS: dict[str, tuple[Callable[..., nn.Module], str]] = {}  # key -> (builder, Hub pipeline tag)
+
+
+def loadable(key: str, pipeline_tag: str) -> Callable:
+    """Register a model builder under ``key`` and record, on each model it builds, the key and the
+    arguments it was called with: the run folder's ``config.json``, from which :func:`load_model` calls
+    the same builder again."""
+
+    def register(builder: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
+        signature = inspect.signature(builder)
+
+        @functools.wraps(builder)
+        def build(*args, **kwargs) -> nn.Module:
+            model = builder(*args, **kwargs)
+            bound = signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            setattr(model, BUILD_ATTRIBUTE, {"builder": key, "kwargs": dict(bound.arguments)})
+            return model
+
+        _BUILDERS[key] = (build, pipeline_tag)
+        return build
+
+    return register
+
+
+def load_model(name_or_path: str | Path) -> nn.Module:
+    """The trained model of a run folder (or of a Hub repo made by ``--push-to-hub``), in eval mode: the
+    registered builder that made it with its recorded arguments, then its ``model.safetensors``; a
+    Transformers folder through ``AutoModelForCausalLM.from_pretrained``."""
+    from safetensors.torch import load_model as load_safetensors
+
+    import acceltrain.vision  # noqa: F401 - registers its builders
+
+    folder = Path(name_or_path)
+    if not folder.is_dir():
+        from huggingface_hub import snapshot_download
+
+        folder = Path(snapshot_download(str(name_or_path), allow_patterns=[CONFIG_FILE, "generation_config.json", "model.safetensors"]))
+    try:
+        config = json.loads((folder / CONFIG_FILE).read_text())
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"{str(name_or_path)!r} has no readable {CONFIG_FILE} ({err}): not a run folder of a finished run") from None
+    if "model_type" in config:
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(folder).eval()
+    if config.get("builder") not in _BUILDERS:
+        raise ConfigError(
+            f"{str(name_or_path)!r}: {CONFIG_FILE} names builder {config.get('builder')!r}; known: {', '.join(sorted(_BUILDERS))}"
+        )
+    model = _BUILDERS[config["builder"]][0](**config["kwargs"])
+    load_safetensors(model, str(folder / "model.safetensors"))
+    return model.eval()
+
+
+# --------------------------------------------------------------------------- writing the folder
+
+
+def write_model_files(model: nn.Module, output_dir: Path) -> str | None:
+    """``config.json`` (and ``generation_config.json`` for a generative Transformers model) next to the
+    exported weights; returns the Hub pipeline tag, None for a model that no builder recorded."""
+    if _is_transformers_model(model):
+        model.config.architectures = [type(model).__name__]  # as save_pretrained records it: the Hub's widgets read it
+        model.config.save_pretrained(output_dir)
+        if model.can_generate():
+            model.generation_config.save_pretrained(output_dir)
+            return "text-generation"
+        return None
+    build = getattr(model, BUILD_ATTRIBUTE, None)
+    if build is None:
+        return None
+    (output_dir / CONFIG_FILE).write_text(json.dumps({**build, "library_name": "acceltrain", "acceltrain_version": __version__}, indent=2) + "\n")
+    return _BUILDERS[build["builder"]][1]
+
+
+def write_train_config(cfg: TrainConfig, output_dir: Path) -> None:
+    """The resolved settings as a ``--config`` preset: the same run again, in a new folder."""
+    settings = {key: value for key, value in cfg.to_dict().items() if key not in NOT_REPRODUCED}
+    (output_dir / TRAIN_CONFIG_FILE).write_text(yaml.safe_dump(settings, sort_keys=False))
+
+
+def model_card(run, model: nn.Module, summary: dict, pipeline_tag: str | None, repo_id: str | None) -> str:
+    """README.md: Hub metadata, then the model, its data, the settings, the final metrics, the hardware and
+    the command, all from the run itself."""
+    from huggingface_hub import ModelCardData
+
+    cfg, runtime = run.cfg, run.runtime
+    transformers_model = _is_transformers_model(model)
+    build = getattr(model, BUILD_ATTRIBUTE, None)
+    data = ModelCardData(
+        library_name="transformers" if transformers_model else "acceltrain",
+        pipeline_tag=pipeline_tag, tags=["acceltrain"],
+        base_model=getattr(cfg, "model_name_or_path", None),
+        datasets=getattr(cfg, "dataset_name", None),
+    )
+    where = repo_id or str(run.output_dir)
+    if transformers_model:
+        made = f"`{type(model).__name__}` (Transformers, `{model.config.model_type}`)"
+        load = f'from transformers import AutoModelForCausalLM\nmodel = AutoModelForCausalLM.from_pretrained("{where}")'
+    elif build is not None:
+        arguments = ", ".join(f"{key}={value!r}" for key, value in build["kwargs"].items())
+        made = f"`{type(model).__name__}` from `{build['builder']}({arguments})`"
+        load = f'from acceltrain.hub import load_model\nmodel = load_model("{where}")'
+    else:
+        made = f"`{type(model).__name__}`, built by the recipe (no registered builder: rebuild it, then load `model.safetensors`)"
+        load = f'from safetensors.torch import load_model\nload_model(model, "{where}/model.safetensors")  # model: the recipe\'s own'
+    own_fields = [f for f in type(cfg).__dataclass_fields__ if f not in TrainConfig.__dataclass_fields__]
+    samples = [f"training samples: {run.train_samples}"]
+    if run.eval_batches is not None and hasattr(run.eval_batches, "dataset"):
+        samples.append(f"evaluation samples: {len(run.eval_batches.dataset)}")
+    metrics = {k: v for k, v in summary.items() if k.startswith("eval_") and v is not None}
+    metrics.update({k: summary[k] for k in RESULT_KEYS if summary.get(k) is not None})
+    hardware = {"device": runtime.get("device_name"), "processes": runtime.get("num_processes"),
+                "distributed type": runtime.get("distributed_type"), "mixed precision": summary.get("mixed_precision"),
+                "torch": runtime.get("torch"), "accelerate": runtime.get("accelerate"), "acceltrain": runtime.get("acceltrain")}
+    settings = {key: getattr(cfg, key) for key in KEY_SETTINGS} | {"global batch": runtime.get("global_batch_size")}
+    script = sys.argv[0] if sys.argv and sys.argv[0] else "RECIPE.py"
+    return "\n".join([
+        f"---\n{data.to_yaml()}\n---",
+        f"# {where.rsplit('/', 1)[-1]}",
+        "",
+        f"Trained by the acceltrain recipe `{Path(script).name}` (one training loop on Hugging Face Accelerate).",
+        "",
+        "## Model",
+        "",
+        f"{made}, {_parameter_count(model):,} parameters. Load it with one call:",
+        "",
+        f"```python\n{load}\n```",
+        "",
+        "## Model and data settings of the recipe",
+        "",
+        _table({name: getattr(cfg, name) for name in own_fields}),
+        "",
+        *[f"- {line}" for line in samples],
+        "",
+        "## Training settings",
+        "",
+        _table(settings),
+        "",
+        f"Every setting: `{TRAIN_CONFIG_FILE}`; the same run again: `python {script} --config {TRAIN_CONFIG_FILE}`.",
+        "",
+        "## Results",
+        "",
+        _table(metrics),
+        "",
+        "Per-step metrics: `metrics.jsonl`; the whole record: `summary.json`.",
+        "",
+        "## Hardware",
+        "",
+        _table(hardware),
+        "",
+        "## Command",
+        "",
+        f"```bash\n{shlex.join(['python', *sys.argv])}\n```",
+        "",
+    ])
+
+
+def _is_transformers_model(model: nn.Module) -> bool:
+    return hasattr(model, "config") and hasattr(model.config, "save_pretrained")
+
+
+def _parameter_count(model: nn.Module) -> int:
+    """Tied parameters once; under DeepSpeed ZeRO-3 the full size of each partitioned one."""
+    return sum(getattr(param, "ds_numel", param.numel()) for param in model.parameters())
+
+
+def _table(values: dict) -> str:
+    if not values:
+        return "(none)"
+    rows = [f"| {key} | {_cell(value)} |" for key, value in values.items()]
+    return "\n".join(["| | |", "| --- | --- |", *rows])
+
+
+def _cell(value) -> str:
+    return f"{value:.6g}" if isinstance(value, float) else str(value).replace("|", "\\|")
+
+
+# --------------------------------------------------------------------------- --push-to-hub
+
+def upload_command(repo_id: str, folder: Path | str) -> str:
+    """The CLI line that uploads a run folder as ``--push-to-hub`` does: its top-level files only."""
+    return shlex.join(["hf", "upload", repo_id, str(folder), "--exclude", "*/*"])
+
+
+WITHOUT_PUSH = f"or drop --push-to-hub (the run folder is Hub-ready: upload it later with `{upload_command('REPO', 'RUN_DIR')}`)"
+
+
+def prepare_repo(cfg: TrainConfig, output_dir: Path) -> str:
+    """Before training: a token, the Hub online and answering, and the repo created (or already there)
+    with write access; returns its id. Every failure is one line."""
+    import huggingface_hub
+    from huggingface_hub.errors import HfHubHTTPError, HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    name = cfg.hub_model_id or output_dir.name
+    try:
+        validate_repo_id(name)
+    except HFValidationError as err:
+        raise ConfigError(f"--hub-model-id {name!r} is invalid: {str(err).splitlines()[0]}") from None
+    if huggingface_hub.is_offline_mode():
+        raise ConfigError(f"--push-to-hub cannot work with HF_HUB_OFFLINE set: unset it, {WITHOUT_PUSH}")
+    if huggingface_hub.get_token() is None:
+        raise ConfigError(f"--push-to-hub needs a Hugging Face token with write access: `hf auth login` or HF_TOKEN, {WITHOUT_PUSH}")
+    api = huggingface_hub.HfApi()
+    check_reachable(api.endpoint, "the Hugging Face Hub", WITHOUT_PUSH.removeprefix("or "))
+    try:
+        return api.create_repo(name, private=cfg.hub_private or None, exist_ok=True).repo_id
+    except HfHubHTTPError as err:
+        status = err.response.status_code if err.response is not None else None
+        if status == 401:
+            raise ConfigError(f"the Hugging Face Hub at {api.endpoint} rejected the token (check it: `hf auth whoami`), {WITHOUT_PUSH}") from None
+        raise ConfigError(f"the Hugging Face Hub refused to create repo {name!r} ({status}: {str(err).splitlines()[0][:200]}), {WITHOUT_PUSH}") from None
+
+
+def push_folder(repo_id: str, output_dir: Path, summary: dict) -> str:
+    """Upload the run folder's top-level files (weights, configs, card, summary, metrics); returns the commit URL."""
+    from huggingface_hub import HfApi
+
+    metric = next((f"{k} {summary[k]:.4g}" for k in ("eval_accuracy", "eval_loss") if summary.get(k) is not None), "no eval")
+    commit = HfApi().upload_folder(
+        repo_id=repo_id, folder_path=output_dir, allow_patterns=HUB_FILES, ignore_patterns=["*/*"],
+        commit_message=f"acceltrain run {output_dir.name}: {summary['steps']} steps, {metric}",
+    )
+    return commit.commit_url

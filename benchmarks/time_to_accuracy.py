@@ -1,0 +1,137 @@
+"""Time to accuracy on the real CIFAR-10 (the JPEG copy), all through recipes/resnet_cifar.py and fit():
+accuracy against epochs and against wall-clock seconds, for
+
+  fast-epochs   the fast preset (recipes/configs/cifar10_fast.yaml) for its epochs (airbench94's budget:
+                about 10), evaluated after every epoch;
+  fast-budget   the fast preset with --time-budget-minutes BUDGET (more epochs allowed: the budget ends it
+                and the LR schedule decays over the budget);
+  tiny-budget   today's best CPU configuration before the fast preset (benchmarks/convergence_cpu.py's
+                tuned resnet_tiny) under the same --time-budget-minutes, as the baseline of the ratio.
+
+Wall-clock is the loop's own (``wall_seconds`` of each evaluation: from the first step, evaluations
+included; process start-up, the file check and the one-off JPEG decode of --data-on-device are outside
+it and reported apart). Headline: accuracy of fast-budget / tiny-budget within the same budget, and the
+epochs and seconds fast-epochs needs to reach 94%. A target missed is printed as missed.
+
+    python benchmarks/time_to_accuracy.py                             # all legs, 10-minute budget
+    python benchmarks/time_to_accuracy.py --legs fast-budget --budget-minutes 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import tempfile
+import time
+from pathlib import Path
+
+from common import REPO, RESULTS_DIR, cifar10_jpeg, machine, run_recipe_process, start, write_result
+
+PRESET = REPO / "recipes" / "configs" / "cifar10_fast.yaml"
+TINY_TUNED = ("--model resnet_tiny --channels-last --data-on-device --batch-size 256 --lr 0.4 --lr-schedule linear "
+              "--warmup-steps 100 --label-smoothing 0.1")
+LEGS = ("fast-epochs", "fast-budget", "tiny-budget")
+TARGET = 0.94
+
+
+def run_leg(name: str, flags: list[str], data_dir: Path, tmp: Path) -> dict:
+    started = time.perf_counter()
+    summary = run_recipe_process(tmp / name, ["--dataset", "imagefolder", "--data-dir", str(data_dir), "--log-every", "100", *flags])
+    process_seconds = time.perf_counter() - started
+    curve = [{"step": e["step"], "epoch": round(e["step"] / summary["runtime"]["steps_per_epoch"], 3),
+              "accuracy": e["eval_accuracy"], "seconds": e["wall_seconds"]} for e in summary["events"] if "eval_accuracy" in e]
+    reached = next((point for point in curve if point["accuracy"] >= TARGET), None)
+    result = {
+        "flags": shlex.join(flags), "steps": summary["steps"], "epochs": summary["epochs"],
+        "samples_per_second": summary["samples_per_second"], "wall_seconds": summary["wall_seconds"],
+        "outside_training_seconds": round(process_seconds - curve[-1]["seconds"], 1),
+        "final_accuracy": summary["eval_accuracy"], "best_accuracy": max(point["accuracy"] for point in curve),
+        "epochs_to_target": reached["epoch"] if reached else None, "seconds_to_target": reached["seconds"] if reached else None,
+        "curve": curve,
+    }
+    to_target = f"{TARGET:.0%} at epoch {reached['epoch']:g} ({reached['seconds']:.0f} s)" if reached else f"{TARGET:.0%} not reached"
+    print(f"{name}: {result['epochs']:.2f} epochs, {result['steps']} steps, {result['samples_per_second']:.0f} samples/s, "
+          f"final accuracy {result['final_accuracy']:.4f} at {curve[-1]['seconds']:.0f} s (+{result['outside_training_seconds']:.0f} s "
+          f"start-up and data preparation); {to_target}", flush=True)
+    return result
+
+
+def earlier_legs(budget_minutes: float) -> dict:
+    """The legs of an earlier run at the same budget, kept when only some legs are rerun (each records its
+    own machine line and load: a leg run apart may have run on a quieter machine)."""
+    path = RESULTS_DIR / ("time_to_accuracy.json" if budget_minutes == 10 else "time_to_accuracy_smoke.json")
+    if not path.exists():
+        return {}
+    earlier = json.loads(path.read_text())
+    return earlier["results"] if earlier.get("budget_minutes") == budget_minutes else {}
+
+
+def plot(results: dict, path: Path, budget_minutes: float) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (by_epoch, by_time) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for name, result in results.items():
+        epochs = [p["epoch"] for p in result["curve"]]
+        seconds = [p["seconds"] for p in result["curve"]]
+        accuracy = [100 * p["accuracy"] for p in result["curve"]]
+        by_epoch.plot(epochs, accuracy, marker="o", label=name)
+        by_time.plot(seconds, accuracy, marker="o", label=name)
+    for axis, label in ((by_epoch, "epochs"), (by_time, "wall-clock seconds of training (evaluation included)")):
+        axis.axhline(100 * TARGET, color="grey", linestyle="--", linewidth=1)
+        axis.set_xlabel(label)
+        axis.set_ylabel("CIFAR-10 test accuracy (%)")
+        axis.grid(alpha=0.3)
+        axis.legend()
+    by_time.axvline(budget_minutes * 60, color="red", linestyle=":", linewidth=1)
+    figure.suptitle("acceltrain time to accuracy, CIFAR-10 (JPEG copy)")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    print(f"wrote {path.relative_to(REPO)}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--legs", default=",".join(LEGS), help=f"comma-separated, of {', '.join(LEGS)}")
+    parser.add_argument("--budget-minutes", type=float, default=10.0, help="the budget legs' --time-budget-minutes")
+    parser.add_argument("--extra", default="", help="flags added to every leg (e.g. '--mixed-precision bf16')")
+    args = parser.parse_args()
+    legs = [leg for leg in args.legs.split(",") if leg]
+    unknown = [leg for leg in legs if leg not in LEGS]
+    if unknown:
+        parser.error(f"unknown legs {unknown}: choose from {', '.join(LEGS)}")
+    info = start(f"time to accuracy on CIFAR-10 (JPEG): legs {', '.join(legs)}, budget {args.budget_minutes:g} min")
+    data_dir = cifar10_jpeg()
+    if data_dir is None:
+        return
+    budget = ["--time-budget-minutes", str(args.budget_minutes), "--epochs", "1000"]
+    flags = {
+        "fast-epochs": ["--config", str(PRESET)],
+        "fast-budget": ["--config", str(PRESET), *budget],
+        "tiny-budget": [*shlex.split(TINY_TUNED), *budget, "--eval-every", "400"],
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        results = {leg: {**run_leg(leg, flags[leg] + shlex.split(args.extra), data_dir, Path(tmp)), "machine": machine()}
+                   for leg in legs}
+    results = {**earlier_legs(args.budget_minutes), **results}
+    headline = {}
+    if {"fast-budget", "tiny-budget"} <= results.keys():
+        fast, tiny = results["fast-budget"]["final_accuracy"], results["tiny-budget"]["final_accuracy"]
+        headline["ratio_accuracy_fast_over_tiny_within_budget"] = fast / tiny
+        print(f"within {args.budget_minutes:g} min: fast preset {fast:.4f}, tiny ResNet {tiny:.4f}; ratio {fast / tiny:.3f}; "
+              f">= 90% in 10 min: {'met' if fast >= 0.90 and args.budget_minutes <= 10 else 'NOT met'}")
+    if "fast-epochs" in results:
+        epochs = results["fast-epochs"]["epochs_to_target"]
+        print(f">= {TARGET:.0%} within 10 epochs: {'met at epoch %g' % epochs if epochs and epochs <= 10 else 'NOT met'} "
+              f"(best {results['fast-epochs']['best_accuracy']:.4f})")
+    name = "time_to_accuracy" if args.budget_minutes == 10 else "time_to_accuracy_smoke"
+    write_result(name, info, {"what": "CIFAR-10 test accuracy against epochs and wall-clock", "target_accuracy": TARGET,
+                              "budget_minutes": args.budget_minutes, "results": results, **headline})
+    plot(results, RESULTS_DIR / f"{name}.png", args.budget_minutes)
+
+
+if __name__ == "__main__":
+    main()

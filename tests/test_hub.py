@@ -1,0 +1,317 @@
+"""Hub-ready run folders: one call loads the trained model back, a model card, the resolved settings as a
+preset, generation_config.json for language models, and --push-to-hub against stand-ins of the Hub API
+(the repo checked before the first step, one line when pushing cannot work). No network: the Hub is a
+local stand-in server or monkeypatched HfApi methods."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from huggingface_hub import HfApi
+
+import acceltrain.hooks.hub
+import acceltrain.loop
+from acceltrain import ConfigError, Hook, parse_config, run_recipe
+from acceltrain.config import run_changes
+from acceltrain.hub import NOT_REPRODUCED, load_model
+from conftest import RECIPE, read_summary, reset_accelerate_state
+
+sys.path.insert(0, str(RECIPE.parent))
+import causal_lm  # noqa: E402
+from resnet_cifar import CifarConfig, main as cifar_main  # noqa: E402
+
+TOKEN = "hf_acceltraintesttoken0123456789abcdef"
+REAL_CREATE_REPO = HfApi.create_repo  # before any test replaces it
+TINY_CIFAR = ["--dataset", "synthetic", "--model", "resnet_tiny", "--batch-size", "16", "--max-steps", "2", "--report-to", "none",
+              "--no-progress", "--num-workers", "0"]
+
+
+class Recorder(Hook):
+    """Notes each optimizer step in ``events`` and keeps the trained model for comparison."""
+
+    def __init__(self, events: list):
+        self.events = events
+
+    def on_step_end(self, run):
+        self.events.append("step")
+
+    def on_fit_end(self, run, summary):
+        self.model = run.accelerator.unwrap_model(run.model).eval()
+
+
+@pytest.fixture
+def hub_hooks(monkeypatch):
+    """The built-in hooks (HubReady last) plus a Recorder first; yields (events, recorder)."""
+    events: list = []
+    recorder = Recorder(events)
+    builtin = acceltrain.loop.builtin_hooks
+    monkeypatch.setattr(acceltrain.loop, "builtin_hooks", lambda cfg, **kwargs: [recorder, *builtin(cfg, **kwargs)])
+    return events, recorder
+
+
+def run_cifar(output_dir: Path, *args: str, monkeypatch) -> int:
+    argv = [*TINY_CIFAR, "--output-dir", str(output_dir), *args]
+    monkeypatch.setattr(sys, "argv", ["recipes/resnet_cifar.py", *argv])  # the command the card records
+    reset_accelerate_state()
+    try:
+        run_recipe(cifar_main, CifarConfig, argv)
+    except SystemExit as stop:
+        return stop.code
+    return 0
+
+
+@pytest.fixture(scope="module")
+def fixed_images():
+    return torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+
+
+def test_a_resnet_run_folder_loads_with_one_call_and_describes_itself(tmp_path, hub_hooks, monkeypatch):
+    out = tmp_path / "run"
+    assert run_cifar(out, "--ema-decay", "0.9", monkeypatch=monkeypatch) == 0
+    loaded = load_model(out)
+    assert type(loaded).__name__ == "TinyResNet" and not loaded.training
+    from safetensors.torch import load_file  # with --ema-decay: the averaged weights, as exported
+
+    exported = load_file(str(out / "model.safetensors"))
+    for name, tensor in loaded.state_dict().items():
+        torch.testing.assert_close(tensor, exported[name], rtol=0, atol=0, msg=name)
+    config = json.loads((out / "config.json").read_text())
+    assert config["builder"] == "acceltrain.vision.build_model"
+    assert config["kwargs"] == {"name": "resnet_tiny", "num_classes": 10, "stem": "cifar"}
+
+    card = (out / "README.md").read_text()
+    summary = read_summary(out)
+    assert card.startswith("---\n") and "library_name: acceltrain" in card and "pipeline_tag: image-classification" in card
+    assert "acceltrain.vision.build_model(name='resnet_tiny', num_classes=10, stem='cifar')" in card  # model
+    assert "| dataset | synthetic |" in card and "training samples: 2048" in card and "evaluation samples: 512" in card  # data
+    assert "| lr | 0.1 |" in card and "| batch_size | 16 |" in card and "| ema_decay | 0.9 |" in card  # settings
+    assert f"| eval_accuracy | {summary['eval_accuracy']:.6g} |" in card and "| steps | 2 |" in card  # final metrics
+    assert f"| device | {summary['runtime']['device_name']} |" in card and "| processes | 1 |" in card  # hardware
+    assert "python recipes/resnet_cifar.py --dataset synthetic --model resnet_tiny" in card  # the command
+    assert 'load_model("' in card
+
+
+def test_the_loaded_model_gives_the_trained_model_s_outputs(tmp_path, hub_hooks, monkeypatch, fixed_images):
+    _, recorder = hub_hooks
+    out = tmp_path / "run"
+    assert run_cifar(out, monkeypatch=monkeypatch) == 0
+    with torch.no_grad():
+        torch.testing.assert_close(load_model(str(out))(fixed_images), recorder.model(fixed_images), rtol=0, atol=0)
+
+
+def test_train_config_yaml_reproduces_the_run_s_settings(tmp_path, hub_hooks, monkeypatch):
+    out = tmp_path / "run"
+    assert run_cifar(out, "--lr", "0.05", "--label-smoothing", "0.1", monkeypatch=monkeypatch) == 0
+    again = parse_config(CifarConfig, ["--config", str(out / "train_config.yaml")])
+    assert run_changes(read_summary(out)["config"], again) == {}, "same maths"
+    assert (again.lr, again.label_smoothing, again.output_dir) == (0.05, 0.1, None)
+    assert not set(NOT_REPRODUCED) & set((out / "train_config.yaml").read_text().split(":"))
+
+
+def test_load_model_runs_no_builder_outside_the_allow_list(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"builder": "os.system", "kwargs": {"command": "touch pwned"}}))
+    with pytest.raises(ConfigError, match=r"names builder 'os.system'; known: acceltrain.vision.build_model"):
+        load_model(tmp_path)
+    assert not Path("pwned").exists()
+
+
+def test_a_causal_lm_folder_gets_generation_config_and_a_card(tmp_path, hub_hooks, monkeypatch):
+    from test_causal_lm import SMALL, offline_on_one_thread, write_text
+    from transformers import GenerationConfig
+
+    out = tmp_path / "run"
+    text = write_text(tmp_path / "plays.txt")
+    argv = ["--output-dir", str(out), *SMALL, "--text-files", str(text), "--batch-size", "8", "--max-steps", "2"]
+    monkeypatch.setattr(sys, "argv", ["recipes/causal_lm.py", *argv])
+    with offline_on_one_thread(tmp_path / "hf"):
+        reset_accelerate_state()
+        run_recipe(causal_lm.main, causal_lm.CausalLMConfig, argv)
+        generation = GenerationConfig.from_pretrained(out)
+        model = load_model(out)
+    tokenizer_eos = json.loads((out / "config.json").read_text())["eos_token_id"]
+    assert generation.eos_token_id == tokenizer_eos is not None
+    assert type(model).__name__ == "GPT2LMHeadModel"
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["GPT2LMHeadModel"]
+    card = (out / "README.md").read_text()
+    assert "library_name: transformers" in card and "pipeline_tag: text-generation" in card
+    assert "AutoModelForCausalLM.from_pretrained" in card and "| model | gpt2-tiny |" in card and "text_files" in card
+    assert "| eval_loss |" in card and "python recipes/causal_lm.py --output-dir" in card
+
+
+# --------------------------------------------------------------------------- --push-to-hub
+
+
+@pytest.fixture
+def hub_stand_in(monkeypatch):
+    """A Hub that answers (a local HTTP server for the reachability check), a token, and HfApi's
+    create_repo/upload_folder replaced by recorders; yields the list of calls."""
+    import http.server
+    import threading
+
+    import huggingface_hub.constants
+    from huggingface_hub.utils import filter_repo_objects
+
+    class Answer(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Answer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    calls: list = []
+
+    def create_repo(self, repo_id, *, private=None, exist_ok=False, **kwargs):
+        calls.append(("create_repo", repo_id, private, exist_ok))
+        return type("RepoUrl", (), {"repo_id": repo_id if "/" in repo_id else f"someone/{repo_id}"})()
+
+    def upload_folder(self, *, repo_id, folder_path, allow_patterns, ignore_patterns, commit_message, **kwargs):
+        files = sorted(str(p.relative_to(folder_path)) for p in Path(folder_path).rglob("*") if p.is_file())
+        uploaded = sorted(filter_repo_objects(files, allow_patterns=allow_patterns, ignore_patterns=ignore_patterns))
+        calls.append(("upload_folder", repo_id, uploaded, commit_message))
+        return type("CommitInfo", (), {"commit_url": f"https://hub.example/{repo_id}/commit/abc"})()
+
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", f"http://127.0.0.1:{server.server_address[1]}")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    monkeypatch.setattr(HfApi, "create_repo", create_repo)
+    monkeypatch.setattr(HfApi, "upload_folder", upload_folder)
+    yield calls
+    server.shutdown()
+
+
+def test_push_to_hub_creates_the_repo_before_training_and_uploads_the_folder(tmp_path, hub_hooks, monkeypatch, hub_stand_in, capsys):
+    events, _ = hub_hooks
+    monkeypatch.setattr(acceltrain.hooks.hub, "prepare_repo", _recording(acceltrain.hooks.hub.prepare_repo, events, "repo ready"))
+    out = tmp_path / "run"
+    assert run_cifar(out, "--push-to-hub", "--hub-model-id", "someone/tiny-cifar", "--hub-private", "--save-every-steps", "1",
+                     monkeypatch=monkeypatch) == 0
+    assert events[0] == "repo ready" and events.count("step") == 2, "checked and created before the first step"
+    (create, upload) = hub_stand_in
+    assert create == ("create_repo", "someone/tiny-cifar", True, True)
+    _, repo_id, uploaded, message = upload
+    assert repo_id == "someone/tiny-cifar" and message.startswith("acceltrain run run: 2 steps, eval_accuracy ")
+    assert {"README.md", "config.json", "model.safetensors", "summary.json", "train_config.yaml", "metrics.jsonl"} <= set(uploaded)
+    assert not [name for name in uploaded if "/" in name or name == ".lock"], "no checkpoints, no lock"
+    summary = read_summary(out)
+    assert summary["hub_commit"] == "https://hub.example/someone/tiny-cifar/commit/abc"
+    assert "pushed " in capsys.readouterr().out
+    assert 'load_model("someone/tiny-cifar")' in (out / "README.md").read_text()
+    for file in out.rglob("*"):
+        if file.is_file():
+            assert TOKEN.encode() not in file.read_bytes(), file
+
+
+def _recording(function, events: list, name: str):
+    def recorded(*args, **kwargs):
+        result = function(*args, **kwargs)
+        events.append(name)
+        return result
+
+    return recorded
+
+
+def test_a_failed_upload_keeps_the_finished_run_and_says_how_to_upload_later(tmp_path, hub_hooks, monkeypatch, hub_stand_in, capsys):
+    def broken_upload(self, **kwargs):
+        raise OSError("connection reset by peer")
+
+    monkeypatch.setattr(HfApi, "upload_folder", broken_upload)
+    out = tmp_path / "run"
+    assert run_cifar(out, "--push-to-hub", monkeypatch=monkeypatch) == 0
+    summary = read_summary(out)
+    assert summary["hub_push_error"] == "OSError: connection reset by peer" and summary["steps"] == 2
+    printed = capsys.readouterr().out
+    assert f"upload it with `hf upload someone/run {out} --exclude '*/*'`" in printed
+
+
+def no_token(monkeypatch):
+    import huggingface_hub
+
+    monkeypatch.delenv("HF_TOKEN")
+    monkeypatch.setattr(huggingface_hub, "get_token", lambda: None)
+
+
+def offline_hub(monkeypatch):
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+
+
+def unreachable_hub(monkeypatch):
+    import socket
+
+    import huggingface_hub.constants
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", f"http://127.0.0.1:{port}")
+
+
+def rejected_token(monkeypatch):
+    """The real create_repo against a server that answers 401."""
+    import http.server
+    import threading
+
+    import huggingface_hub.constants
+
+    class Unauthorized(http.server.BaseHTTPRequestHandler):
+        def _answer(self):
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            body = b'{"error": "Invalid credentials in Authorization header"}'
+            self.send_response(401)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        do_GET = do_POST = _answer
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Unauthorized)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", f"http://127.0.0.1:{server.server_address[1]}")
+    monkeypatch.setattr(HfApi, "create_repo", REAL_CREATE_REPO)
+
+
+IMPOSSIBLE_PUSHES = [
+    (no_token, "--push-to-hub needs a Hugging Face token with write access: `hf auth login` or HF_TOKEN"),
+    (offline_hub, "--push-to-hub cannot work with HF_HUB_OFFLINE set"),
+    (unreachable_hub, "the Hugging Face Hub at http://127.0.0.1:"),
+    (rejected_token, "rejected the token (check it: `hf auth whoami`)"),
+]
+
+
+@pytest.mark.parametrize(("make_impossible", "message"), IMPOSSIBLE_PUSHES, ids=[p[0].__name__ for p in IMPOSSIBLE_PUSHES])
+def test_push_that_cannot_work_is_one_line_before_training(tmp_path, hub_hooks, monkeypatch, hub_stand_in, capsys,
+                                                           make_impossible, message):
+    events, _ = hub_hooks
+    make_impossible(monkeypatch)
+    out = tmp_path / "run"
+    assert run_cifar(out, "--push-to-hub", monkeypatch=monkeypatch) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and message in err and "\n" not in err, err
+    assert "upload it later with `hf upload REPO RUN_DIR --exclude '*/*'`" in err
+    assert "step" not in events and not (out / "model.safetensors").exists(), "refused before training"
+    assert TOKEN not in err
+
+
+@pytest.mark.parametrize("flag", [["--hub-model-id", "someone/x"], ["--hub-private"]])
+def test_hub_settings_need_push_to_hub(flag):
+    with pytest.raises(ConfigError, match=f"{flag[0]} needs --push-to-hub"):
+        parse_config(CifarConfig, flag)
+
+
+def test_an_invalid_repo_id_is_one_line(tmp_path, hub_hooks, monkeypatch, hub_stand_in, capsys):
+    assert run_cifar(tmp_path / "run", "--push-to-hub", "--hub-model-id", "a/b/c", monkeypatch=monkeypatch) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --hub-model-id 'a/b/c' is invalid: ") and "\n" not in err, err
+

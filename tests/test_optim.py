@@ -1,0 +1,74 @@
+"""Learning-rate schedules: transformers' shapes, a warm-up whose first step already trains."""
+
+from __future__ import annotations
+
+import typing
+
+import pytest
+import torch
+from transformers import get_scheduler
+
+from acceltrain import TrainConfig
+from acceltrain.config import LRSchedule
+from acceltrain.optim import DECAYS, build_scheduler, lr_multiplier
+
+TRANSFORMERS_NAME = {"constant": "constant_with_warmup", "cosine": "cosine", "linear": "linear"}
+
+
+def test_every_schedule_the_config_allows_has_a_decay():
+    assert set(DECAYS) == set(typing.get_args(LRSchedule))
+
+
+@pytest.mark.parametrize("schedule", sorted(DECAYS))
+@pytest.mark.parametrize("warmup", [0, 1, 3])
+def test_schedules_are_transformers_ones_one_step_later_with_one_more_warmup_step(schedule, warmup):
+    total = 12
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    reference = get_scheduler(TRANSFORMERS_NAME[schedule], optimizer, num_warmup_steps=warmup + 1, num_training_steps=total + 1)
+    expected = [reference.lr_lambdas[0](step + 1) for step in range(total)]
+    ours = [lr_multiplier(step, total_steps=total, warmup_steps=warmup, schedule=schedule) for step in range(total)]
+    assert ours == pytest.approx(expected, abs=1e-12)
+
+
+@pytest.mark.parametrize("schedule", sorted(DECAYS))
+def test_no_step_is_taken_at_lr_zero_unlike_transformers_warmup(schedule):
+    """transformers' warm-up gives its first optimizer step lr 0: a step that changes nothing."""
+    total, warmup = 10, 4
+    multipliers = [lr_multiplier(step, total_steps=total, warmup_steps=warmup, schedule=schedule) for step in range(total)]
+    assert multipliers[0] == pytest.approx(1 / 5) and min(multipliers) > 0
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    assert get_scheduler(TRANSFORMERS_NAME[schedule], optimizer, num_warmup_steps=warmup, num_training_steps=total).get_last_lr() == [0.0]
+
+
+def test_the_scheduler_steps_through_the_multipliers_once_per_step():
+    cfg = TrainConfig(lr=0.5, warmup_steps=2, lr_schedule="linear")
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=cfg.lr)
+    scheduler = build_scheduler(optimizer, cfg, total_steps=6)
+    seen = []
+    for _ in range(6):
+        seen.append(scheduler.get_last_lr()[0])
+        optimizer.step()
+        scheduler.step()
+    assert seen == pytest.approx([0.5 * lr_multiplier(s, total_steps=6, warmup_steps=2, schedule="linear") for s in range(6)])
+    assert seen == pytest.approx([0.5 / 3, 1.0 / 3, 0.5, 0.375, 0.25, 0.125])
+
+
+def test_the_decays_take_a_progress_fraction_for_budgets_other_than_steps():
+    assert [DECAYS[name](0.5) for name in ("constant", "cosine", "linear")] == pytest.approx([1.0, 0.5, 0.5])
+    assert [DECAYS[name](1.0) for name in ("cosine", "linear")] == pytest.approx([0.0, 0.0])
+
+
+def test_biases_and_norm_parameters_can_take_a_scaled_lr_that_follows_the_schedule():
+    from torch import nn
+
+    from acceltrain.config import TrainConfig
+    from acceltrain.optim import build_optimizer, build_scheduler
+
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
+    cfg = TrainConfig(lr=0.1, norm_bias_lr_scale=64.0, warmup_steps=0, lr_schedule="linear")
+    optimizer = build_optimizer(model, cfg)
+    assert [group["lr"] for group in optimizer.param_groups] == [0.1, 0.1 * 64]
+    scheduler = build_scheduler(optimizer, cfg, total_steps=4)
+    optimizer.step()
+    scheduler.step()
+    assert [group["lr"] for group in optimizer.param_groups] == pytest.approx([0.075, 0.075 * 64])

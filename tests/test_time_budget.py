@@ -1,0 +1,44 @@
+"""--time-budget-minutes: the run finishes inside the budget, its final evaluation included, with the
+learning rate decayed over the budget; a resumed run continues the same budget and schedule."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import read_events, read_summary, run_tiny_in_process
+
+BUDGET_MINUTES = 0.03  # 1.8 s of training at 0.05 s a step: about 30 steps
+SLOW = ["--batch-size", "8", "--sleep-per-step", "0.05", "--epochs", "1000", "--log-every", "1", "--eval-every", "10", "--no-progress",
+        "--num-workers", "0", "--report-to", "none", "--time-budget-minutes", str(BUDGET_MINUTES)]
+
+
+def _lrs(events) -> dict[int, float]:
+    return {event["step"]: event["lr"] for event in events if "lr" in event}
+
+
+def test_finishes_inside_the_budget_evaluated_at_its_last_step_with_the_schedule_decayed(tmp_path):
+    assert run_tiny_in_process(tmp_path, *SLOW) == 0
+    summary, events = read_summary(tmp_path), read_events(tmp_path)
+    evals = [event for event in events if "eval_accuracy" in event]
+    assert evals[-1]["step"] == summary["steps"] < 1000, "the final model is evaluated"
+    assert evals[-1]["wall_seconds"] <= BUDGET_MINUTES * 60, "the final evaluation ends inside the budget"
+    assert summary["steps"] >= 10
+    lrs = _lrs(events)
+    assert lrs[summary["steps"]] < 0.25 * lrs[1], "the cosine decay follows the elapsed time, not the 1000 epochs"
+    assert all(later <= earlier + 1e-12 for earlier, later in zip(list(lrs.values()), list(lrs.values())[1:]))
+
+
+def test_a_resumed_run_continues_the_budget_and_the_schedule(tmp_path):
+    assert run_tiny_in_process(tmp_path, *SLOW, "--stop-after-steps", "8") == 75
+    first = _lrs(read_events(tmp_path))
+    assert max(first) == 8
+    assert run_tiny_in_process(tmp_path, *SLOW, "--resume", "auto") == 0
+    summary = read_summary(tmp_path)
+    assert summary["resumed_from_step"] == 8
+    assert summary["wall_seconds"] <= BUDGET_MINUTES * 60, "the first launch's training time counts"
+    lrs = _lrs(read_events(tmp_path))
+    assert lrs[9] <= first[8] and lrs[9] == pytest.approx(first[8], rel=0.2), "no restart of the schedule at its peak"
+
+
+def test_the_budget_is_validated():
+    assert run_tiny_in_process(None, "--time-budget-minutes", "0") == 2
