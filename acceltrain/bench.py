@@ -91,8 +91,9 @@ def skip_reason(row: Row, mixed_precision: str, on_cuda: bool) -> str | None:
 
 
 def run_row(row: Row, args, out: Path, position: int) -> None:
-    """One row in a fresh process: the recipe under ``python`` or ``accelerate launch``, its progress
-    shown from its metrics.jsonl, its figures read from its summary.json."""
+    """One row in a fresh process: the recipe under ``python``, or torchrun for several processes (the
+    launcher Accelerate uses for DDP, with no accelerate config file to find: the rows' flags alone set the
+    run, as on one process), its progress shown from its metrics.jsonl, its figures read from its summary.json."""
     from tqdm.auto import tqdm
 
     row_dir = out / "rows" / f"{position:02d}-{row.name}"
@@ -104,12 +105,12 @@ def run_row(row: Row, args, out: Path, position: int) -> None:
         "--timing-warmup-steps", str(args.warmup), "--log-every", "1", "--report-to", "none", "--no-progress",
         "--output-dir", str(row_dir), *row.flags, *args.recipe_args,
     ]
+    recipe = [args.recipe] if _is_script(args.recipe) else ["-m", args.recipe]
     if row.processes > 1:
-        config = "multi_gpu.yaml" if args.on_cuda else "multi_cpu.yaml"
-        command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(args.configs / config),
-                   "--num_processes", str(row.processes), args.recipe, *recipe_args]
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(row.processes),
+                   *recipe, *recipe_args]
     else:
-        command = [sys.executable, args.recipe, *recipe_args]
+        command = [sys.executable, *recipe, *recipe_args]
     log_path = out / "rows" / f"{position:02d}-{row.name}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     bar = tqdm(total=total, desc=f"{row.name} x{row.processes}", leave=False, disable=None)  # None: only on a terminal
@@ -245,9 +246,25 @@ def machine_description(on_cuda: bool) -> str:
     return f"{cpu}, {os.cpu_count()} cores, no GPU, torch {torch.__version__}"
 
 
+DEFAULT_RECIPE = "acceltrain.recipes.resnet_cifar"  # installed with the package: bench needs no checkout
+
+
+def _is_script(recipe: str) -> bool:
+    """``--recipe``: a file path (``recipes/resnet_cifar.py``) rather than a module name."""
+    return recipe.endswith(".py") or os.sep in recipe
+
+
+def _module_exists(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:  # a parent package is missing
+        return False
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="acceltrain bench", description=__doc__)
-    parser.add_argument("--recipe", default="recipes/resnet_cifar.py", help="recipe script to run (default: %(default)s)")
+    parser.add_argument("--recipe", default=DEFAULT_RECIPE,
+                        help="recipe to run: an installed module (python -m) or a script path (default: %(default)s)")
     parser.add_argument("--model", default="resnet_tiny", help="the recipe's --model (default: %(default)s)")
     parser.add_argument("--dataset", default="synthetic", help="the recipe's --dataset (default: %(default)s)")
     parser.add_argument("--batch-size", type=int, default=64, help="per-process batch (default: %(default)s)")
@@ -277,8 +294,9 @@ def main(argv: list[str] | None = None) -> int:
         processes = [int(p) for p in args.processes.split(",")]
         if unknown:
             raise ConfigError(f"--rows {','.join(unknown)!r} is invalid: choose from {', '.join(LADDER)}")
-        if not Path(args.recipe).is_file():
-            raise ConfigError(f"--recipe {args.recipe!r} not found (run from the repository root or pass the path)")
+        if not (Path(args.recipe).is_file() if _is_script(args.recipe) else _module_exists(args.recipe)):
+            raise ConfigError(f"--recipe {args.recipe!r} not found: give a recipe script's path or an installed module "
+                              f"such as {DEFAULT_RECIPE}")
         if min(args.steps, args.batch_size) < 1 or args.warmup < 0 or min(processes) < 1:
             raise ConfigError("--steps, --batch-size and --processes must be >= 1, --warmup >= 0")
     except (ConfigError, ValueError) as err:
@@ -291,7 +309,6 @@ def main(argv: list[str] | None = None) -> int:
 
     load_before = os.getloadavg()
     args.on_cuda = torch.cuda.is_available()
-    args.configs = Path(args.recipe).resolve().parent.parent / "accelerate_configs"
     mixed_precision = "bf16" if (not args.on_cuda or torch.cuda.is_bf16_supported()) else "fp16"
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -72,6 +72,8 @@ def _fail(message: str, code: int) -> typing.NoReturn:
 
 
 def _close_process_group() -> None:
+    if "torch.distributed" not in sys.modules:  # a config error before any training: exit without importing torch (~3 s)
+        return
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():

@@ -74,6 +74,10 @@ class TrainConfig:
     eval_every: int | None = option(
         None, "evaluate every N optimizer steps; unset: at the end of each epoch and of the run", free_on_resume=True
     )
+    eval_samples: int | None = option(
+        None, "evaluate on a seeded random subset of N eval samples (stratified by label), the same on any number of "
+        "processes; unset: all of them", free_on_resume=True,
+    )
     target_metric: float | None = option(
         None, "finish as soon as the task's primary metric reaches this (accuracy: >=, loss: <=); records time_to_target_seconds", free_on_resume=True
     )
@@ -181,6 +185,8 @@ class TrainConfig:
             require(self.max_grad_norm > 0, "max_grad_norm", self.max_grad_norm, "a number > 0")
         if self.eval_every is not None:
             require(self.eval_every >= 1, "eval_every", self.eval_every, "an integer >= 1")
+        if self.eval_samples is not None:
+            require(self.eval_samples >= 1, "eval_samples", self.eval_samples, "an integer >= 1")
         if self.target_accuracy is not None:
             require(0 < self.target_accuracy <= 1, "target_accuracy", self.target_accuracy, "a fraction in (0, 1]")
             if self.target_metric is not None:
@@ -383,6 +389,16 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 
 
 def load_yaml_preset(path: str) -> dict[str, Any]:
+    """``--config``: a YAML file, or the name of a preset shipped with the package (``cifar10_fast``,
+    ``cifar10_fast.yaml``), so that presets need no checkout."""
+    from .recipes import PRESETS
+
+    if not Path(path).exists() and Path(path).name == path:  # a bare name: a preset shipped with the package
+        shipped = PRESETS / f"{path.removesuffix('.yaml')}.yaml"
+        if not shipped.is_file():
+            names = ", ".join(sorted(p.stem for p in PRESETS.glob("*.yaml")))
+            raise ConfigError(f"--config {path!r} is neither a file nor a shipped preset: give a YAML file or one of {names}")
+        path = str(shipped)
     try:
         text = Path(path).read_text()
     except OSError as err:

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ConfigError
+from .vision.names import TTA_MODES
 
 
 class Task(Protocol):
@@ -25,8 +26,9 @@ class Task(Protocol):
     what ``--keep-best`` and ``--target-metric`` read) and ``higher_is_better``.
 
     Optional: ``eval_metrics(sums, samples)`` turns the eval values summed over the eval set into metrics
-    (default: their means; a task without the method gets the same); ``flops_per_sample`` (default: counted with torch's FLOP counter) and
-    ``tokens_per_sample`` (tokens/s is reported when set).
+    (default: their means; a task without the method gets the same); ``flops_per_sample`` (default:
+    counted with torch's FLOP counter); ``tokens_per_sample`` (tokens/s is reported when set);
+    ``eval_views`` (forward passes per evaluated sample, default 1; a time budget plans with it).
     """
 
     primary_metric: str
@@ -70,7 +72,7 @@ class ClassificationTask(Task):
 
     primary_metric = "accuracy"
     higher_is_better = True
-    tta_modes = ("none", "flip", "flip-translate")
+    tta_modes = TTA_MODES
 
     def __init__(self, label_smoothing: float = 0.0, tta: str = "none"):
         if tta not in self.tta_modes:
@@ -89,6 +91,11 @@ class ClassificationTask(Task):
             "loss": F.cross_entropy(logits.float(), labels, reduction="none"),
             "accuracy": (logits.argmax(dim=-1) == labels).float(),
         }
+
+    @property
+    def eval_views(self) -> int:
+        """Forward passes per evaluated image: what an evaluation costs, for planning a time budget."""
+        return {"none": 1, "flip": 2, "flip-translate": 6}[self.tta]
 
     def eval_logits(self, model: nn.Module, inputs: torch.Tensor) -> torch.Tensor:
         """The model's logits for an image batch (N, C, H, W), averaged over the ``tta`` views."""

@@ -120,9 +120,9 @@ class OutOfMemoryAbove16(torch.nn.Module):
 
 @pytest.mark.parametrize("keep,scale", [(True, "none"), (False, "linear")])
 def test_auto_batch_size_recovers_from_out_of_memory(tmp_path, monkeypatch, capsys, keep, scale):
-    import resnet_cifar
+    import acceltrain.vision
 
-    monkeypatch.setattr(resnet_cifar, "build_model", lambda *a, **k: OutOfMemoryAbove16())
+    monkeypatch.setattr(acceltrain.vision, "build_model", lambda *a, **k: OutOfMemoryAbove16())  # the recipe imports it in main()
     extra = ["--keep-effective-batch" if keep else "--no-keep-effective-batch", "--scale-lr", scale]
     summary = run_cifar(tmp_path / "auto", "--auto-batch-size", "--batch-size", "64", "--grad-accum", "1", "--lr", "0.4", *extra)
     cfg = summary["config"]

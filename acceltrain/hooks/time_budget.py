@@ -19,7 +19,7 @@ class TimeBudget(Hook):
     Every process decides from the main process's clock (one broadcast per step on several processes),
     so all stop at the same step with the same learning rate. The duration of the last evaluation is
     kept in checkpoints; before the first evaluation it is estimated as a third of a training step per
-    evaluation batch (a forward pass without backward)."""
+    evaluation batch (a forward pass without backward) and per view of the task's ``eval_views``."""
 
     def __init__(self, minutes: float):
         self.budget = minutes * 60.0
@@ -59,7 +59,8 @@ class TimeBudget(Hook):
     def _final_eval_seconds(self, run, step_seconds: float) -> float:
         if self.eval_seconds is not None or run.eval_batches is None:
             return self.eval_seconds or 0.0
-        return len(run.eval_batches) * step_seconds / run.cfg.grad_accum / 3
+        views = getattr(run.task, "eval_views", 1)
+        return len(run.eval_batches) * views * step_seconds / run.cfg.grad_accum / 3
 
     def _plan(self, run, elapsed: float, step_seconds: float, reserve: float) -> bool:
         """Set the schedule's time progress; True when the next step and the final evaluation would not fit."""

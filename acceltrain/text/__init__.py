@@ -1,40 +1,13 @@
 """Text: local files or Hub datasets -> a tokenizer (loaded, or a BPE trained here) -> packed blocks, and
-Transformers causal LMs with the token-normalised loss."""
+Transformers causal LMs with the token-normalised loss. Names are imported on first use (see
+``acceltrain.lazy_exports``)."""
 
-from .corpus import (
-    TOKENIZER_FILE,
-    load_text,
-    removed_on_bad_input,
-    save_tokenizer,
-    show_progress_bars,
-    split_blocks,
-    token_blocks,
-    tokenizer_for_run,
-)
-from .lm import (
-    IGNORE_INDEX,
-    MODEL_PRESETS,
-    CausalLMTask,
-    build_causal_lm,
-    flops_per_block,
-    load_causal_lm,
-    matmul_parameters,
-)
+from ..lazy_exports import lazy_exports
 
-__all__ = [
-    "IGNORE_INDEX",
-    "MODEL_PRESETS",
-    "TOKENIZER_FILE",
-    "CausalLMTask",
-    "build_causal_lm",
-    "flops_per_block",
-    "load_causal_lm",
-    "load_text",
-    "matmul_parameters",
-    "removed_on_bad_input",
-    "save_tokenizer",
-    "show_progress_bars",
-    "split_blocks",
-    "token_blocks",
-    "tokenizer_for_run",
-]
+__getattr__, __dir__, __all__ = lazy_exports(__name__, {
+    "MODEL_PRESETS": "names",
+    "TOKENIZER_FILE": "corpus", "load_text": "corpus", "removed_on_bad_input": "corpus", "save_tokenizer": "corpus",
+    "show_progress_bars": "corpus", "split_blocks": "corpus", "token_blocks": "corpus", "tokenizer_for_run": "corpus",
+    "IGNORE_INDEX": "lm", "CausalLMTask": "lm", "build_causal_lm": "lm", "flops_per_block": "lm", "load_causal_lm": "lm",
+    "matmul_parameters": "lm",
+})

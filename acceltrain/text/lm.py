@@ -4,7 +4,6 @@ from a local folder, and the task that turns token blocks into a token-normalise
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -12,21 +11,9 @@ from torch import nn
 
 from ..config import ConfigError
 from ..tasks import Task
+from .names import ARCHITECTURES, MODEL_PRESETS, MODEL_SIZES
 
 IGNORE_INDEX = -100  # a target position that is not predicted (padding, masked tokens)
-
-
-@dataclass(frozen=True)
-class ModelSize:
-    layers: int
-    width: int
-    heads: int
-
-
-# tiny: ~0.6M non-embedding parameters (tests, CPU); mini: ~11M; small: GPT-2 small (124M with its 50,257 vocabulary)
-MODEL_SIZES = {"tiny": ModelSize(3, 128, 4), "mini": ModelSize(6, 384, 6), "small": ModelSize(12, 768, 12)}
-ARCHITECTURES = ("gpt2", "llama")
-MODEL_PRESETS = tuple(f"{arch}-{size}" for arch in ARCHITECTURES for size in MODEL_SIZES)
 
 
 def build_causal_lm(preset: str, *, vocab_size: int, block_size: int, dropout: float = 0.0, end_of_text_id: int | None = None):

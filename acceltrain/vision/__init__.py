@@ -1,40 +1,15 @@
 """Images: datasets and augmentation keyed on ``(seed, epoch, index)``, the on-device loader, ResNets and a
-fast CIFAR net, whitening initialisation."""
+fast CIFAR net, whitening initialisation. Names are imported on first use (see ``acceltrain.lazy_exports``)."""
 
-from .data import (
-    CIFAR10_MEAN,
-    CIFAR10_STD,
-    FLIPS,
-    IMAGE_DATASETS,
-    PADDING_MODES,
-    CropFlip,
-    ImageClassification,
-    image_datasets,
-    synthetic_images,
-)
-from .device_loader import DeviceImageLoader
-from .fast_net import FastCifarNet
-from .models import MODELS, RESNETS, STEMS, TinyResNet, build_model, build_resnet
-from .whitening import whiten_first_conv, whitening_images
+from ..lazy_exports import lazy_exports
 
-__all__ = [
-    "CIFAR10_MEAN",
-    "CIFAR10_STD",
-    "FLIPS",
-    "IMAGE_DATASETS",
-    "MODELS",
-    "PADDING_MODES",
-    "RESNETS",
-    "STEMS",
-    "CropFlip",
-    "DeviceImageLoader",
-    "FastCifarNet",
-    "ImageClassification",
-    "TinyResNet",
-    "build_model",
-    "build_resnet",
-    "image_datasets",
-    "synthetic_images",
-    "whiten_first_conv",
-    "whitening_images",
-]
+__getattr__, __dir__, __all__ = lazy_exports(__name__, {
+    "FLIPS": "names", "IMAGE_DATASETS": "names", "MODELS": "names", "PADDING_MODES": "names", "RESNETS": "names",
+    "STEMS": "names", "TTA_MODES": "names",
+    "CIFAR10_MEAN": "data", "CIFAR10_STD": "data", "CropFlip": "data", "ImageClassification": "data",
+    "image_datasets": "data", "synthetic_images": "data",
+    "DeviceImageLoader": "device_loader",
+    "FastCifarNet": "fast_net",
+    "TinyResNet": "models", "build_model": "models", "build_resnet": "models",
+    "whiten_first_conv": "whitening", "whitening_images": "whitening",
+})

@@ -14,6 +14,7 @@ from torch.utils.data import Dataset
 from ..config import ConfigError
 from ..data import mix_seed
 from ..distributed import on_main_process_first
+from .names import FLIPS, IMAGE_DATASETS, PADDING_MODES
 
 CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR10_STD = (0.2470, 0.2435, 0.2616)
@@ -45,10 +46,6 @@ def hash32_int(x: int) -> int:
 def _mul32(x: torch.Tensor, constant: int) -> torch.Tensor:
     low, high = constant & 0xFFFF, constant >> 16
     return (x * low + (((x * high) & 0xFFFF) << 16)) & 0xFFFFFFFF
-
-
-FLIPS = ("random", "alternating", "none")
-PADDING_MODES = ("zeros", "reflect")
 
 
 class CropFlip:
@@ -372,9 +369,6 @@ def _without_bad_images(splits: dict, root: Path, skip: bool) -> dict:
         pairs = [(path, label) for path, label in zip(paths, labels) if path not in bad]
         kept[split] = ([path for path, _ in pairs], [label for _, label in pairs], classes)
     return kept
-
-
-IMAGE_DATASETS = ("cifar10", "imagefolder", "synthetic")
 
 
 def image_datasets(

@@ -10,10 +10,7 @@ from torchvision.models.resnet import BasicBlock
 from ..config import ConfigError
 from ..hub import loadable
 from .fast_net import FastCifarNet
-
-RESNETS = ("resnet18", "resnet34", "resnet50", "resnet_tiny")
-MODELS = (*RESNETS, "fast_cifar")
-STEMS = ("cifar", "imagenet")
+from .names import MODELS, RESNETS, STEMS
 
 
 class TinyResNet(nn.Module):
