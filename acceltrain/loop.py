@@ -48,6 +48,7 @@ from .checkpointing import (
 )
 from .config import ConfigError, TrainConfig, run_changes
 from .data import default_num_workers, eval_loader, stop_workers, train_loader
+from .eval_subset import eval_subset
 from .distributed import check_backend_honoured, convert_sync_batchnorm, deepspeed_plugin, main_process_only, use_cpu
 from .hooks import Hooks, builtin_hooks
 from .metrics import peak_memory_mb
@@ -263,6 +264,10 @@ def _prepare(cfg: TrainConfig, accelerator, model: nn.Module, optimizer, train_s
             )
         eval_set = eval_set.decoded() if hasattr(eval_set, "decoded") else eval_set  # decode eval files once too
     loaders = [] if cfg.data_on_device else [train_loader(train_set, batch_size=cfg.batch_size, seed=cfg.seed, **options)]
+    if cfg.eval_samples is not None:
+        if eval_set is None:
+            raise ConfigError(f"--eval-samples {cfg.eval_samples} needs an eval set, and this recipe passes none to fit()")
+        eval_set = eval_subset(eval_set, cfg.eval_samples, cfg.seed)
     if eval_set is not None:
         loaders.append(eval_loader(eval_set, batch_size=cfg.batch_size, **options))
     prepared_model, prepared_optimizer, *loaders = accelerator.prepare(model, optimizer, *loaders)

@@ -148,7 +148,7 @@ class Run:
         """Evaluate now (every process), keep the result and the best primary metric, log it."""
         with self.paused():
             self.hooks.call("on_eval_start", self)
-            metrics, samples = evaluate(self.accelerator, self.model, self.eval_batches, self.task)
+            metrics, samples = evaluate(self.accelerator, self.model, self.eval_batches, self.task, progress=self.cfg.progress)
             self.model.train()
             key = f"eval_{self.task.primary_metric}"
             if key not in metrics:
@@ -317,15 +317,19 @@ def _improves(value: float, best: float | None, higher_is_better: bool) -> bool:
     return value > best if higher_is_better else value < best
 
 
-def evaluate(accelerator, model, batches, task) -> tuple[dict[str, float], int]:
+def evaluate(accelerator, model, batches, task, *, progress: bool = False) -> tuple[dict[str, float], int]:
     """Each per-sample eval value summed over the whole eval set, exact across processes
     (``gather_for_metrics`` drops the samples that even batches padded onto the last one), then turned
-    into metrics by ``task.eval_metrics(sums, samples)`` if the task has it, else into means."""
+    into metrics by ``task.eval_metrics(sums, samples)`` if the task has it, else into means. ``progress``:
+    a tqdm bar over the batches on the main process, gone when done (an evaluation can take a minute)."""
+    from tqdm.auto import tqdm
+
     model.eval()
     totals: dict[str, torch.Tensor] = {}
     count = 0
     with torch.no_grad():
-        for batch in batches:
+        for batch in tqdm(batches, desc="eval", unit="batch", leave=False, dynamic_ncols=True,
+                          disable=not (progress and accelerator.is_main_process)):
             values = accelerator.gather_for_metrics(task.eval_values(model, batch))
             for key, value in values.items():
                 totals[key] = totals.get(key, 0) + value.double().sum()

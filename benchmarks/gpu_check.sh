@@ -6,7 +6,9 @@
 #   3. the same model on one GPU through the shipped configs: plain (single_gpu), DeepSpeed ZeRO-2,
 #      ZeRO-3 and FSDP2, throughput and peak memory side by side;
 #   4. GPT-2 small (124M, 1,024-token blocks) through recipes/causal_lm.py in bf16 with torch.compile on
-#      generated text: tokens/s and MFU.
+#      generated text: tokens/s and MFU;
+#   5. time to 94% on the real CIFAR-10 (the JPEG copy carried in .device): the cifar10_fast preset through
+#      accelerate launch on one GPU, evaluated every epoch until 94% (target: <= 3 s, <= 10 epochs).
 # Prepare once on a machine with network: bash benchmarks/gpu_wheels.sh  (wheels into .device/wheels)
 # Then, with the device tool:  run(command="bash benchmarks/gpu_check.sh", carry=[".device"], timeout_s=590)
 # Results: $OUT (the device tool's output folder) or benchmarks/results/gpu/.
@@ -55,3 +57,16 @@ timeout 180 python3 recipes/causal_lm.py --config recipes/configs/lm_gpt2_124m_g
     --output-dir "$RESULTS/gpt2_small" --overwrite > "$RESULTS/gpt2_small.log" 2>&1 || echo "gpt2_small: failed, see gpt2_small.log"
 python3 -c "import json, sys; s = json.load(open(sys.argv[1])); print({k: s.get(k) for k in ('tokens_per_second', 'mfu', 'ms_per_step', 'compile_seconds', 'peak_allocated_mb')})" \
     "$RESULTS/gpt2_small/summary.json" 2>/dev/null | tee "$RESULTS/gpt2_small.txt"
+
+echo "== 5. Time to 94% on CIFAR-10 (cifar10_fast preset, one GPU, accelerate launch)"
+if [ -f .device/cifar10-jpeg.tar.gz ]; then
+    mkdir -p /tmp/cifar10-jpeg && tar xzf .device/cifar10-jpeg.tar.gz -C /tmp/cifar10-jpeg
+    timeout 200 python3 -m accelerate.commands.launch --config_file accelerate_configs/single_gpu.yaml recipes/resnet_cifar.py \
+        --config cifar10_fast --dataset imagefolder --data-dir /tmp/cifar10-jpeg --target-accuracy 0.94 --eval-every 48 \
+        --report-to none --no-progress --output-dir "$RESULTS/cifar10_fast" --overwrite > "$RESULTS/cifar10_fast.log" 2>&1 \
+        || echo "cifar10_fast: failed, see cifar10_fast.log: $(grep -m1 'error:' "$RESULTS/cifar10_fast.log")"
+    python3 -c "import json, sys; s = json.load(open(sys.argv[1])); print({k: s.get(k) for k in ('eval_accuracy', 'epochs', 'time_to_target_seconds', 'wall_seconds', 'samples_per_second')})" \
+        "$RESULTS/cifar10_fast/summary.json" 2>/dev/null | tee "$RESULTS/cifar10_fast.txt"
+else
+    echo "skipped: .device/cifar10-jpeg.tar.gz absent (bash benchmarks/gpu_wheels.sh copies it there)"
+fi

@@ -25,9 +25,11 @@ def reset_accelerate_state() -> None:
 
 
 @pytest.fixture(autouse=True)
-def fresh_accelerate_state(monkeypatch):
-    """Also: no W&B unless a test asks for it (the default --report-to is wandb)."""
+def fresh_accelerate_state(monkeypatch, tmp_path_factory):
+    """Also: no W&B unless a test asks for it (the default --report-to is wandb); decoded images cached in
+    the tests' temporary folder, never in the user's ~/.cache."""
     monkeypatch.setenv("WANDB_MODE", "disabled")
+    monkeypatch.setenv("ACCELTRAIN_CACHE", str(tmp_path_factory.getbasetemp() / "acceltrain-cache"))
     yield
     reset_accelerate_state()
 

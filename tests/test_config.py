@@ -31,7 +31,7 @@ BAD_INPUTS = [
     (["--lr", "-0.1"], "--lr -0.1 is invalid: must be a number > 0"),
     (["--batch-size", "ten"], "--batch-size 'ten' is invalid: must be an integer"),
     (["--model", "resnet9000"], "--model 'resnet9000' is invalid: choose one of resnet18, resnet34, resnet50"),
-    (["--dataset", "mnist"], "--dataset 'mnist' is invalid: choose one of cifar10, imagefolder, synthetic"),
+    (["--dataset", "mnist"], "--dataset 'mnist' is invalid: must be one of cifar10, imagefolder, synthetic, or a Hub dataset as namespace/name"),
     (["--mixed-precision", "fp8"], "--mixed-precision 'fp8' is invalid"),
     (["--target-accuracy", "94"], "--target-accuracy 94.0 is invalid: must be a fraction in (0, 1]"),
     (["--bogus-flag", "1"], "unrecognized arguments: --bogus-flag"),

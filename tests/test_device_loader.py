@@ -186,16 +186,6 @@ def _must_not_decode(path, image_size):
     raise AssertionError(f"decoded {path} although the cache is valid")
 
 
-def test_unwritable_cache_dir_falls_back_to_the_home_cache_and_says_so(image_folder, tmp_path, monkeypatch, capsys):
-    train, _ = image_datasets("imagefolder", str(image_folder), seed=0)
-    blocker = tmp_path / "a-file"
-    blocker.write_text("")
-    monkeypatch.setattr(device_loader, "FALLBACK_CACHE_DIR", tmp_path / "home-cache")
-    DeviceImageLoader.from_dataset(train, batch_size=4, seed=0, device="cpu", process_index=0, num_processes=1, cache_dir=blocker / "cache")
-    assert len(list((tmp_path / "home-cache").glob("*.safetensors"))) == 1
-    assert capsys.readouterr().out.count("not writable") == 1
-
-
 def test_a_dataset_without_a_device_loader_is_refused_in_one_line(tmp_path):
     """The loop asks the dataset for its device loader (acceltrain.vision.ImageClassification has one)."""
     from acceltrain import TrainConfig, fit

@@ -152,7 +152,9 @@ def test_data_on_device_trains_exactly_like_the_dataloader_path(tmp_path, plain)
     assert summary["train_loss"] == plain[1]["train_loss"]
 
 
-def test_data_on_device_on_an_image_folder_caches_the_decoded_images_in_the_data_dir(tmp_path, image_folder):
+def test_data_on_device_on_an_image_folder_caches_the_decoded_images_in_acceltrain_cache(tmp_path, image_folder, monkeypatch):
+    monkeypatch.setenv("ACCELTRAIN_CACHE", str(tmp_path / "cache"))
     run_cifar(tmp_path / "run", "--dataset", "imagefolder", "--data-dir", str(image_folder), "--batch-size", "6",
               "--max-steps", "3", "--data-on-device")
-    assert len(list(image_folder.rglob("*.safetensors"))) == 2  # train and test split, each decoded once
+    assert len(list((tmp_path / "cache").glob("decoded-*.safetensors"))) == 2  # train and test split, each decoded once
+    assert not list(image_folder.rglob("*.safetensors")), "nothing written into the data folder"

@@ -97,10 +97,15 @@ class Trackers(Hook):
 
 
 class Console(Hook):
-    """Logged rows printed on the main process, above a tqdm bar over optimizer steps when ``progress``."""
+    """Logged rows printed on the main process, above a tqdm bar over optimizer steps when ``progress``.
+
+    The bar's rate and time left are the training steps' alone: the time of each evaluation is taken out
+    of its clock, and the evaluations still to come are shown next to it at the duration of the last one
+    (``+4 evals ~01:20``), so the two estimates add up to when the run ends."""
 
     def __init__(self, progress: bool):
         self.progress = progress
+        self._eval_started = 0.0
 
     def on_fit_start(self, run) -> None:
         from tqdm.auto import tqdm
@@ -111,12 +116,33 @@ class Console(Hook):
     def on_step_end(self, run) -> None:
         self.bar.update(1)
 
+    def on_eval_start(self, run) -> None:
+        self._eval_started = time.perf_counter()
+
+    def on_eval_end(self, run, metrics: dict) -> None:
+        seconds = time.perf_counter() - self._eval_started
+        if not self.bar.disable:  # the evaluation's time out of the training clock (tqdm's unpause() would drop the step's too)
+            self.bar.start_t += seconds
+            self.bar.last_print_t += seconds
+        left = evaluations_left(run)
+        self.bar.set_postfix_str(f"+{left} eval{'s' if left != 1 else ''} ~{self.bar.format_interval(left * seconds)}" if left else "")
+
     def on_log(self, run, metrics: dict) -> None:
         if self.main:
             self.bar.write(" ".join(f"{k}={_fmt(v)}" for k, v in metrics.items()))
 
     def on_train_end(self, run) -> None:
         self.bar.close()
+
+
+def evaluations_left(run) -> int:
+    """How many evaluations :class:`~acceltrain.hooks.Evaluation` will still run after this step: every
+    ``--eval-every`` steps (else at each epoch's end, every ``ceil(batches / grad_accum)`` steps), and
+    after the last step."""
+    if run.step >= run.total_steps:
+        return 0
+    every = run.cfg.eval_every or -(-run.batches_per_epoch // run.cfg.grad_accum)
+    return run.total_steps // every - run.step // every + (run.total_steps % every != 0)
 
 
 def _fmt(value) -> str:

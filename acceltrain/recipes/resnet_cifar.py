@@ -12,7 +12,7 @@ Every flag: acceltrain-resnet-cifar --help (or python recipes/resnet_cifar.py --
 from dataclasses import dataclass
 
 from acceltrain import TrainConfig, option, require, run_recipe
-from acceltrain.vision import FLIPS, IMAGE_DATASETS, MODELS, PADDING_MODES, STEMS, TTA_MODES
+from acceltrain.vision import FLIPS, IMAGE_DATASETS, MODELS, PADDING_MODES, STEMS, TTA_MODES, is_hub_dataset
 
 __all__ = ["CifarConfig", "cli", "main"]
 
@@ -23,7 +23,10 @@ WHITENING_IMAGES = 5000  # airbench's count: plenty for the covariance of 2x2 or
 class CifarConfig(TrainConfig):
     model: str = option("resnet18", "network; fast_cifar: airbench94's 2M-parameter net (see cifar10_fast.yaml)", choices=MODELS)
     stem: str = option("cifar", "ResNets: cifar: 3x3 conv, no max-pool; imagenet: torchvision's 7x7/2 conv + max-pool", choices=STEMS)
-    dataset: str = option("cifar10", "cifar10 (torchvision download), imagefolder (--data-dir) or synthetic", choices=IMAGE_DATASETS)
+    dataset: str = option(
+        "cifar10", "cifar10 (torchvision download), imagefolder (--data-dir), synthetic, or a Hub image-classification "
+        "dataset as namespace/name (e.g. uoft-cs/cifar10; HF cache, HF_DATASETS_OFFLINE=1 after one download)",
+    )
     data_dir: str | None = option(
         None, "dataset folder (cifar10: default ./data; imagefolder: train/<class>/* and test/<class>/*)", free_on_resume=True
     )
@@ -50,6 +53,8 @@ class CifarConfig(TrainConfig):
 
     def validate(self) -> None:
         super().validate()
+        require(self.dataset in IMAGE_DATASETS or is_hub_dataset(self.dataset), "dataset", self.dataset,
+                f"one of {', '.join(IMAGE_DATASETS)}, or a Hub dataset as namespace/name (e.g. uoft-cs/cifar10)")
         require(0 <= self.label_smoothing < 1, "label_smoothing", self.label_smoothing, "a number in [0, 1)")
         require(self.crop_padding >= 0, "crop_padding", self.crop_padding, "an integer >= 0")
         if self.ema_decay is not None:

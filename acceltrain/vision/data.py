@@ -14,7 +14,7 @@ from torch.utils.data import Dataset
 from ..config import ConfigError
 from ..data import mix_seed
 from ..distributed import on_main_process_first
-from .names import FLIPS, IMAGE_DATASETS, PADDING_MODES
+from .names import FLIPS, IMAGE_DATASETS, PADDING_MODES, is_hub_dataset
 
 CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR10_STD = (0.2470, 0.2435, 0.2616)
@@ -169,7 +169,7 @@ class ImageClassification(Dataset):
         self.seed = seed
         self.mean = torch.tensor(mean).view(-1, 1, 1) * 255
         self.std = torch.tensor(std).view(-1, 1, 1) * 255
-        self.cache_dir = cache_dir  # where --data-on-device may cache the decoded files (the data folder)
+        self.cache_dir = cache_dir  # where --data-on-device caches decoded files; None: $ACCELTRAIN_CACHE, else ~/.cache/acceltrain
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -382,11 +382,17 @@ def image_datasets(
     augment: CropFlip | None = None,
 ) -> tuple[ImageClassification, ImageClassification]:
     """(train, eval) image datasets: ``cifar10`` (torchvision, downloaded once by the main process),
-    ``imagefolder`` (``data_dir/{train,test}/<class>/*``) or ``synthetic``. Training samples get
+    ``imagefolder`` (``data_dir/{train,test}/<class>/*``), ``synthetic``, or a Hub dataset ``namespace/name``
+    with an image and a ClassLabel column (``uoft-cs/cifar10``; see :mod:`.hub_datasets`). Training samples get
     ``augment`` (default: crop with zero padding 4 + random flip); both are normalised with CIFAR-10 statistics."""
+    from .hub_datasets import hub_image_arrays
+
     augment = CropFlip() if augment is None else augment
-    cache_dir = None
-    if name == "cifar10":
+    if is_hub_dataset(name):
+        if data_dir:
+            raise ConfigError(f"--data-dir is not used by the Hub dataset {name!r}, which lives in the HF cache (HF_HOME): leave it out")
+        (train_images, train_labels, classes), (eval_images, eval_labels, _) = hub_image_arrays(name, image_size)
+    elif name == "cifar10":
         root = data_dir or "data"
         (train_images, train_labels, classes), (eval_images, eval_labels, _) = on_main_process_first(
             lambda: (cifar10_arrays(root, train=True), cifar10_arrays(root, train=False))
@@ -396,15 +402,17 @@ def image_datasets(
             raise ConfigError("--dataset imagefolder needs --data-dir DIR holding train/<class>/* and test/<class>/*")
         splits = scan_image_folder(data_dir, skip_bad_images)
         (train_images, train_labels, classes), (eval_images, eval_labels, _) = splits["train"], splits["test"]
-        cache_dir = data_dir
     elif name == "synthetic":
         (train_images, train_labels), (eval_images, eval_labels) = synthetic_images(
             *synthetic_sizes, image_size=image_size, seed=seed
         )
         classes = [f"class{i}" for i in range(10)]
     else:
-        raise ConfigError(f"--dataset {name!r} is invalid: choose one of {', '.join(IMAGE_DATASETS)}")
-    common = {"image_size": image_size, "seed": seed, "cache_dir": cache_dir}
+        raise ConfigError(
+            f"--dataset {name!r} is invalid: choose one of {', '.join(IMAGE_DATASETS)}, or a Hub dataset as namespace/name "
+            "(e.g. uoft-cs/cifar10)"
+        )
+    common = {"image_size": image_size, "seed": seed}
     return (
         ImageClassification(train_images, train_labels, classes, augment=augment, **common),
         ImageClassification(eval_images, eval_labels, classes, **common),

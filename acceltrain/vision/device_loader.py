@@ -7,8 +7,9 @@ incomplete global batches dropped), the same augmentation (``CropFlip`` draws ke
 ``(seed, epoch, index)``) and normalisation. So it yields the very same tensors, and a run can switch
 loaders, or resume mid-epoch with the other one, without changing what the model sees.
 
-ImageFolder files are decoded once into a safetensors cache (keyed on the files' paths, sizes and
-mtimes and the image size), so later runs start in seconds instead of re-decoding every JPEG.
+ImageFolder files are decoded once into a safetensors cache in ``$ACCELTRAIN_CACHE`` (default
+``~/.cache/acceltrain``; keyed on the files' paths, sizes and mtimes and the image size), so later runs
+start in seconds instead of re-decoding every JPEG.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from ..data import EpochSampler
 from .data import CropFlip, ImageClassification, decode_image_file
 from ..distributed import on_main_process_first
 
-FALLBACK_CACHE_DIR = Path.home() / ".cache" / "acceltrain"
+CACHE_ENV = "ACCELTRAIN_CACHE"
 
 
 class DeviceImageLoader(DataLoaderStateMixin):
@@ -86,7 +87,7 @@ class DeviceImageLoader(DataLoaderStateMixin):
         cache_dir: str | os.PathLike | None = None,
     ) -> DeviceImageLoader:
         """The loader for one of the project's image datasets: in-memory uint8 images are moved to
-        ``device``; file lists are decoded once into a safetensors cache in ``cache_dir`` (the data dir)."""
+        ``device``; file lists are decoded once into a safetensors cache in ``cache_dir`` (default: :func:`decode_cache_dir`)."""
         if isinstance(dataset.images, torch.Tensor):
             images = dataset.images
         else:
@@ -180,25 +181,33 @@ class _RestOfEpoch:
 # --------------------------------------------------------------------------- the decode cache
 
 
-def decoded_images(paths: list[str], image_size: int, cache_dir: str | os.PathLike | None) -> torch.Tensor:
-    """All ``paths`` as one uint8 (N, 3, S, S) tensor, decoded once and cached as safetensors.
+def decoded_images(paths: list[str], image_size: int, cache_dir: str | os.PathLike | None = None) -> torch.Tensor:
+    """All ``paths`` as one uint8 (N, 3, S, S) tensor, decoded once and cached as safetensors in
+    ``cache_dir`` (default: :func:`decode_cache_dir`).
 
     The main process decodes while the others wait (:func:`on_main_process_first`), then they read its
-    cache. The cache file is named after the folder and image size and holds a fingerprint of every
-    file's path, size and mtime: a changed, added or removed file makes it stale, and it is rewritten.
+    cache; it says where the cache goes and shows a bar while it decodes (CIFAR-10's 60,000 JPEGs: about
+    40 s, 184 MB). The cache file is named after the folder and image size and holds a fingerprint of
+    every file's path, size and mtime: a changed, added or removed file makes it stale, and it is rewritten.
     """
     from accelerate import PartialState
     from safetensors.torch import save_file
+    from tqdm.auto import tqdm
 
-    cache_file = _cache_root(cache_dir, PartialState()) / f"decoded-{_folder_key(paths, image_size)}.safetensors"
+    state = PartialState()
+    cache_file = _writable(decode_cache_dir(cache_dir)) / f"decoded-{_folder_key(paths, image_size)}.safetensors"
     fingerprint = _fingerprint(paths, image_size)
 
     def cached_or_decoded() -> torch.Tensor:
         cached = _read_cache(cache_file, fingerprint)
         if cached is not None:
+            state.print(f"using the {len(paths)} images decoded in {cache_file}")
             return cached
+        megabytes = len(paths) * 3 * image_size**2 / 1e6
+        state.print(f"decoding {len(paths)} image files once into {cache_file} ({megabytes:.1f} MB; {CACHE_ENV} sets the folder)")
         images = torch.empty((len(paths), 3, image_size, image_size), dtype=torch.uint8)
-        for position, path in enumerate(paths):
+        progress = tqdm(paths, desc="decoding images", unit="file", leave=False, dynamic_ncols=True, disable=not state.is_main_process)
+        for position, path in enumerate(progress):
             images[position] = decode_image_file(path, image_size)
         partial = cache_file.with_name(f".{cache_file.name}.{os.getpid()}.tmp")
         save_file({"images": images}, str(partial), metadata={"fingerprint": fingerprint})
@@ -206,6 +215,28 @@ def decoded_images(paths: list[str], image_size: int, cache_dir: str | os.PathLi
         return images
 
     return on_main_process_first(cached_or_decoded)
+
+
+def decode_cache_dir(cache_dir: str | os.PathLike | None = None) -> Path:
+    """Where decoded images are cached: ``cache_dir`` when given, else ``$ACCELTRAIN_CACHE``, else
+    ``$XDG_CACHE_HOME/acceltrain`` (``~/.cache/acceltrain``). Like ``HF_HOME`` it is the machine's
+    setting, not the run's, and never the data folder, which may be shared, read-only or backed up."""
+    if cache_dir is not None:
+        return Path(cache_dir).expanduser()
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV]).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "acceltrain"
+
+
+def _writable(root: Path) -> Path:
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        writable = os.access(root, os.W_OK | os.X_OK)
+    except OSError:
+        writable = False
+    if not writable:
+        raise ConfigError(f"the decoded-image cache {str(root)!r} is not a writable folder: set {CACHE_ENV} to one")
+    return root
 
 
 def _read_cache(cache_file: Path, fingerprint: str) -> torch.Tensor | None:
@@ -221,21 +252,6 @@ def _read_cache(cache_file: Path, fingerprint: str) -> torch.Tensor | None:
             return cached.get_tensor("images")
     except (OSError, SafetensorError):  # truncated or foreign file: decode again and overwrite it
         return None
-
-
-def _cache_root(cache_dir: str | os.PathLike | None, state) -> Path:
-    """``cache_dir`` if we may write there, else ``~/.cache/acceltrain`` (said once, by the main process)."""
-    if cache_dir is not None:
-        root = Path(cache_dir)
-        try:
-            root.mkdir(parents=True, exist_ok=True)
-            if os.access(root, os.W_OK | os.X_OK):
-                return root
-        except OSError:
-            pass
-        state.print(f"--data-on-device: {root} is not writable; caching decoded images in {FALLBACK_CACHE_DIR}")
-    FALLBACK_CACHE_DIR.mkdir(parents=True, exist_ok=True)
-    return FALLBACK_CACHE_DIR
 
 
 def _folder_key(paths: list[str], image_size: int) -> str:

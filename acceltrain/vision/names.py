@@ -8,3 +8,8 @@ RESNETS = ("resnet18", "resnet34", "resnet50", "resnet_tiny")
 MODELS = (*RESNETS, "fast_cifar")
 STEMS = ("cifar", "imagenet")
 TTA_MODES = ("none", "flip", "flip-translate")  # ClassificationTask(tta=...)
+
+
+def is_hub_dataset(name: str) -> bool:
+    """A ``--dataset`` value naming a Hub dataset (``namespace/name``) or a local dataset folder (a path)."""
+    return "/" in name
