@@ -3,6 +3,8 @@ learning rate decayed over the budget; a resumed run continues the same budget a
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from conftest import read_events, read_summary, run_tiny_in_process
@@ -42,3 +44,19 @@ def test_a_resumed_run_continues_the_budget_and_the_schedule(tmp_path):
 
 def test_the_budget_is_validated():
     assert run_tiny_in_process(None, "--time-budget-minutes", "0") == 2
+
+
+class OneSlowStep:
+    """Step 5 takes two seconds (a stall on a shared machine): the budget must not take it for the norm."""
+
+    def on_step_end(self, run):
+        if run.step == 5:
+            time.sleep(2.0)
+
+
+def test_one_slow_step_does_not_end_the_run_early(tmp_path):
+    args = [arg if arg != str(BUDGET_MINUTES) else "0.12" for arg in SLOW]  # 7.2 s
+    assert run_tiny_in_process(tmp_path, *args, hooks=[OneSlowStep()]) == 0
+    summary = read_summary(tmp_path)
+    assert summary["steps"] > 40, "a single stalled step made the budget stop at once"
+    assert [e for e in read_events(tmp_path) if "eval_accuracy" in e][-1]["wall_seconds"] <= 7.2

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import collections
+import statistics
 import time
 
 import torch
 
 from .base import Hook
+
+RECENT_STEPS = 21  # the step time is the median of these: robust to a stalled step on a shared machine
 
 
 class TimeBudget(Hook):
@@ -26,7 +30,7 @@ class TimeBudget(Hook):
         self.eval_seconds: float | None = None
         self._eval_started = 0.0
         self._last_step_end: float | None = None
-        self._step_seconds = 0.0
+        self._recent_steps: collections.deque[float] = collections.deque(maxlen=RECENT_STEPS)
 
     def state_dict(self) -> dict:
         return {"eval_seconds": self.eval_seconds}
@@ -46,9 +50,10 @@ class TimeBudget(Hook):
     def on_step_end(self, run) -> None:
         now = time.perf_counter()
         if self._last_step_end is not None and self._eval_started < self._last_step_end:  # no evaluation in between
-            self._step_seconds = now - self._last_step_end
+            self._recent_steps.append(now - self._last_step_end)
         self._last_step_end = now
-        clock = [run.elapsed(), self._step_seconds, self._final_eval_seconds(run, self._step_seconds)]
+        step_seconds = statistics.median(self._recent_steps) if self._recent_steps else 0.0  # one stall is no trend
+        clock = [run.elapsed(), step_seconds, self._final_eval_seconds(run, step_seconds)]
         if run.accelerator.num_processes > 1:
             from accelerate.utils import broadcast
 
