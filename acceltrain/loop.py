@@ -28,6 +28,7 @@ import accelerate
 import torch
 import yaml
 from accelerate.utils import DistributedType
+from safetensors import SafetensorError
 from torch import nn
 from torch.utils.data import Dataset, default_collate
 
@@ -371,7 +372,7 @@ def _resume(run: Run, resume: str) -> bool:
     try:
         with loading_without_code():
             accelerator.load_state(path)
-    except (RuntimeError, KeyError, ValueError, IndexError) as err:
+    except (RuntimeError, KeyError, ValueError, IndexError, SafetensorError) as err:  # SafetensorError: not a safetensors file
         raise CheckpointError(f"checkpoint {path!r} does not fit this model or optimizer: {str(err).strip().splitlines()[0][:300]}") from None
     run.restore(saved)
     if changes:

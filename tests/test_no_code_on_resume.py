@@ -41,7 +41,7 @@ def run_tiny(output_dir: Path, *args: str) -> int:
     return run_tiny_in_process(output_dir, *RUN, *args)
 
 
-@pytest.mark.parametrize("relative", ["optimizer.bin", "random_states_0.pkl", "hooks/EMA.safetensors"])
+@pytest.mark.parametrize("relative", ["model.safetensors", "optimizer.bin", "scaler.pt", "random_states_0.pkl", "hooks/EMA.safetensors"])
 def test_a_planted_pickle_in_a_checkpoint_is_refused_and_never_runs(tmp_path, capsys, relative):
     out, marker = tmp_path / "run", tmp_path / "payload-ran"
     assert run_tiny(out, "--stop-after-steps", "3", "--ema-decay", "0.9") == EXIT_PREEMPTED
