@@ -7,7 +7,10 @@ the config parser answer without importing torch and Accelerate (seconds on a sm
 from importlib import import_module
 from importlib.metadata import version
 
+from .logs import install_console_handler
+
 __version__ = version("acceltrain")  # the one version, pyproject.toml's
+install_console_handler()  # the toolkit's lines show at info by default, as transformers' do (see acceltrain.logs)
 
 _HOME = {  # public name -> the submodule that defines it
     "ConfigError": "config", "TrainConfig": "config", "option": "config", "parse_config": "config", "require": "config",

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -303,8 +304,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     if args.steps < MIN_STABLE_STEPS:
-        print(f"warning: --steps {args.steps} is too few for a stable figure: a mean over n steps is good to about "
-              f"10%/sqrt(n) on a quiet machine; use --steps {MIN_STABLE_STEPS} or more", flush=True)
+        logging.getLogger(__name__).warning(  # the plain logger: the bench itself runs no Accelerate state
+            f"--steps {args.steps} is too few for a stable figure: a mean over n steps is good to about "
+            f"10%/sqrt(n) on a quiet machine; use --steps {MIN_STABLE_STEPS} or more")
     import torch
 
     load_before = os.getloadavg()

@@ -44,10 +44,12 @@ def run_recipe(main: Callable, config_class: type[TrainConfig], argv: list[str] 
     A diverged run exits 3, a second Ctrl-C 130, each with one line.
     """
     from .checkpointing import EXIT_DIVERGED, EXIT_INTERRUPTED, TrainingDiverged
+    from .logs import set_log_level
     from .tracking import active_trackers
 
     try:
         cfg = parse_config(config_class, argv, description=description)
+        set_log_level(cfg.log_level)  # before anything logs, or imports a library that does
         active_trackers(cfg)  # a tracker that cannot work (W&B key rejected, unreachable) stops here, before any data
         from accelerate.utils import set_seed
 

@@ -21,7 +21,7 @@ from typing import Any, Literal
 import yaml
 
 __all__ = [
-    "CompileMode", "ConfigError", "LRSchedule", "MixedPrecision", "Optimizer", "ReportTo", "ScaleLR", "TrainConfig",
+    "CompileMode", "ConfigError", "LRSchedule", "LogLevel", "MixedPrecision", "Optimizer", "ReportTo", "ScaleLR", "TrainConfig",
     "WandbMode", "build_parser", "flag_name", "load_yaml_preset", "option", "parse_config", "parse_step_range", "require",
     "run_changes",
 ]
@@ -46,6 +46,7 @@ Optimizer = Literal["sgd", "adamw"]
 WandbMode = Literal["online", "offline", "disabled"]
 CompileMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
 ScaleLR = Literal["none", "linear"]
+LogLevel = Literal["debug", "info", "warning", "error"]
 
 
 @dataclasses.dataclass
@@ -149,6 +150,10 @@ class TrainConfig:
         5, "optimizer steps excluded from the throughput figure (warm-up, allocator, compile)", free_on_resume=True
     )
     progress: bool = option(True, "show a tqdm progress bar on the main process", free_on_resume=True)
+    log_level: LogLevel = option(
+        "info", "the toolkit's messages from this level up (warning: no config, metric rows or 'done:'; the progress bar "
+        "follows --progress); debug adds time and logger name and lets the libraries' warnings through", free_on_resume=True,
+    )
     # -- tracking (Accelerate's trackers)
     report_to: ReportTo = option("wandb", "experiment tracker: wandb, tensorboard, all (both) or none", free_on_resume=True)
     wandb_project: str | None = option(None, "W&B project (default: $WANDB_PROJECT, else 'acceltrain'); also TensorBoard's subfolder", free_on_resume=True)

@@ -27,6 +27,7 @@ from pathlib import Path
 import accelerate
 import torch
 import yaml
+from accelerate.logging import get_logger
 from accelerate.utils import DistributedType
 from safetensors import SafetensorError
 from torch import nn
@@ -52,6 +53,7 @@ from .data import default_num_workers, eval_loader, stop_workers, train_loader
 from .eval_subset import eval_subset
 from .distributed import check_backend_honoured, convert_sync_batchnorm, deepspeed_plugin, main_process_only, use_cpu
 from .hooks import Hooks, builtin_hooks
+from .logs import set_log_level
 from .metrics import peak_memory_mb
 from .optim import ScheduleProgress, build_scheduler
 from .run import TOKEN_NORMALISATION_UNDER_DEEPSPEED, Run, compatibility, setup_run
@@ -59,6 +61,8 @@ from .speed import apply_batch_size, enable_activation_checkpointing, find_batch
 from .speed import to_channels_last, training_flops_per_sample
 from .tasks import ClassificationTask, check_task
 from .tracking import active_trackers
+
+logger = get_logger(__name__)
 
 
 def fit(cfg: TrainConfig, model: nn.Module, optimizer: torch.optim.Optimizer, train_set: Dataset,
@@ -70,6 +74,7 @@ def fit(cfg: TrainConfig, model: nn.Module, optimizer: torch.optim.Optimizer, tr
     from accelerate import Accelerator
     from accelerate.utils import ProjectConfiguration
 
+    set_log_level(cfg.log_level)  # run_recipe did; code that calls fit() directly has not
     task = ClassificationTask() if task is None else task
     check_task(task, evaluates=eval_set is not None)
     cfg = _resolve_target(cfg, task)
@@ -87,9 +92,9 @@ def fit(cfg: TrainConfig, model: nn.Module, optimizer: torch.optim.Optimizer, tr
     run.hooks = Hooks([*hooks, *builtin_hooks(run.cfg, evaluates=eval_set is not None, trackers=trackers, run_config=run_config)])
     # created only now: bad input found above leaves nothing behind; one live run per folder
     main_process_only(lambda: lock_output_dir(output_dir))
-    accelerator.print(yaml.safe_dump({"config": run.cfg.to_dict(), "runtime": run.runtime}, sort_keys=False).rstrip())
+    logger.info(yaml.safe_dump({"config": run.cfg.to_dict(), "runtime": run.runtime}, sort_keys=False).rstrip())
     for note in notes:
-        accelerator.print(note)
+        logger.info(note)
     try:
         if cfg.resume and not _resume(run, cfg.resume):
             return _already_finished(run)
@@ -163,7 +168,7 @@ def _finish(run: Run) -> dict:
     wall_seconds = run.elapsed()
     run.hooks.call("on_train_end", run)
     if run.stop is not None and not run.stop.finish:
-        accelerator.print(f"stopped at step {run.step} ({run.stop.reason}); checkpoint saved; continue with --resume auto")
+        logger.info(f"stopped at step {run.step} ({run.stop.reason}); checkpoint saved; continue with --resume auto")
         accelerator.wait_for_everyone()
         accelerator.end_training()
         raise SystemExit(run.stop.exit_code)
@@ -176,7 +181,7 @@ def _finish(run: Run) -> dict:
     if accelerator.is_main_process:
         write_summary(run.output_dir, summary)
         metric = f"eval_{getattr(run.task, 'primary_metric', 'loss')}"
-        accelerator.print(f"done: {run.step} steps, train loss {run.train_loss}, {metric} {summary.get(metric)}, outputs in {run.output_dir}")
+        logger.info(f"done: {run.step} steps, train loss {run.train_loss}, {metric} {summary.get(metric)}, outputs in {run.output_dir}")
     accelerator.wait_for_everyone()
     accelerator.end_training()  # trackers, then the process group
     return summary
@@ -185,7 +190,7 @@ def _finish(run: Run) -> dict:
 def _already_finished(run: Run) -> dict:
     """``--resume`` of a run that has finished at its newest checkpoint: nothing to train, nothing rewritten."""
     summary = json.loads((run.output_dir / SUMMARY_FILE).read_text())
-    run.accelerator.print(f"the run in {run.output_dir} already finished at step {summary['steps']}; nothing to do")
+    logger.info(f"the run in {run.output_dir} already finished at step {summary['steps']}; nothing to do")
     run.accelerator.end_training()
     return summary
 
@@ -335,7 +340,7 @@ def _resume(run: Run, resume: str) -> bool:
     found = [None, None, None]  # path, state fields, error
     if accelerator.is_main_process:
         try:
-            hit = find_resume_checkpoint(resume, run.output_dir, warn=lambda message: print(f"warning: {message}", flush=True))
+            hit = find_resume_checkpoint(resume, run.output_dir, warn=logger.warning)
             if hit is not None:
                 found[:2] = [str(hit[0]), dataclasses.asdict(hit[1])]
         except ConfigError as err:
@@ -348,7 +353,7 @@ def _resume(run: Run, resume: str) -> bool:
     if path is None:
         if finished is not None:
             raise ConfigError(f"--output-dir {str(run.output_dir)!r} holds a finished run but no checkpoint to resume: use --overwrite to replace it")
-        accelerator.print(f"--resume auto: no complete checkpoint in {run.output_dir / CHECKPOINTS_DIR}; starting fresh")
+        logger.info(f"--resume auto: no complete checkpoint in {run.output_dir / CHECKPOINTS_DIR}; starting fresh")
         return True
     saved = TrainerState(**fields)
     saved.check_compatible(TrainerState(**compatibility(run.cfg, accelerator.num_processes, run.train_samples)), Path(path))
@@ -377,8 +382,8 @@ def _resume(run: Run, resume: str) -> bool:
     run.restore(saved)
     if changes:
         _apply_changes(run, fresh, changes)
-        accelerator.print(f"--allow-config-change: applying {described}")
-    accelerator.print(f"resumed from {path} at step {saved.step} (epoch {saved.epoch}, {saved.batches_in_epoch} batches into it)")
+        logger.info(f"--allow-config-change: applying {described}")
+    logger.info(f"resumed from {path} at step {saved.step} (epoch {saved.epoch}, {saved.batches_in_epoch} batches into it)")
     return True
 
 

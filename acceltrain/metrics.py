@@ -10,6 +10,9 @@ import time
 from pathlib import Path
 
 import torch
+from accelerate.logging import get_logger
+
+logger = get_logger(__name__)
 
 
 def synchronize(device: torch.device) -> None:
@@ -129,7 +132,7 @@ class EventLog:
                 except (ValueError, KeyError, TypeError):  # a line cut short by a crash mid-write
                     unreadable += bool(line.strip())
             if unreadable:
-                print(f"warning: {path}: dropped {unreadable} unreadable line(s), a write cut short by a crash", flush=True)
+                logger.warning(f"{path}: dropped {unreadable} unreadable line(s), a write cut short by a crash")
             path.write_text("".join(line + "\n" for line in kept))
         self._file = open(path, "a", buffering=1)
 

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import torch
+from accelerate.logging import get_logger
 from accelerate.utils import DistributedType
 
 from .checkpointing import (
@@ -28,6 +29,7 @@ from .config import ConfigError, TrainConfig
 from .distributed import init_process_state, main_process_only
 from .metrics import Throughput, synchronize
 
+logger = get_logger(__name__)
 TOKEN_NORMALISATION_UNDER_DEEPSPEED = (
     "a task returning (loss sum, target count) needs the gradients in param.grad to normalise them, and "
     "DeepSpeed keeps them in its partitions: use DDP or FSDP for this recipe"
@@ -62,7 +64,7 @@ def _claim_output_dir(output_dir: Path, overwrite: bool) -> None:
     if overwrite:
         aside = move_previous_run_aside(output_dir)
         if aside is not None:
-            print(f"--overwrite: moved the previous run in {output_dir} to {aside}", flush=True)
+            logger.info(f"--overwrite: moved the previous run in {output_dir} to {aside}")
     if output_dir.is_dir():
         lock_output_dir(output_dir)
 
@@ -299,7 +301,7 @@ class Run:
             path = save_checkpoint(self.accelerator, state, self.output_dir, write_extra=self.hooks.save_states)
             self.last_saved_step = self.step
             self.hooks.call("on_save", self, path)
-            self.accelerator.print(f"checkpoint: {path}")
+            logger.info(f"checkpoint: {path}")
         return path
 
 

@@ -122,7 +122,9 @@ def start_tracking(accelerator, cfg: TrainConfig, names: list[str], *, run_name:
     run = accelerator.get_tracker("wandb", unwrap=True)
     if wandb_kwargs["mode"] == "offline":
         why = "" if cfg.wandb_mode or os.environ.get("WANDB_MODE") else "no W&B API key found (WANDB_API_KEY or `wandb login`), so "
-        accelerator.print(f"W&B: {why}logging offline; upload later with: wandb sync {run.settings.sync_dir}")
+        from accelerate.logging import get_logger  # here: run_recipe imports this module before torch, to check trackers
+
+        get_logger(__name__).info(f"W&B: {why}logging offline; upload later with: wandb sync {run.settings.sync_dir}")
     return run.id
 
 

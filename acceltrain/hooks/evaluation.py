@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from accelerate.logging import get_logger
 
 from .base import Hook
+
+logger = get_logger(__name__)
 
 
 class Evaluation(Hook):
@@ -43,7 +46,7 @@ class TargetMetric(Hook):
         if reached and self.seconds is None:
             self.seconds = run.elapsed()
             relation = ">=" if run.task.higher_is_better else "<="
-            run.accelerator.print(f"reached {name} {value:.4f} {relation} {self.target} in {self.seconds:.1f} s")
+            logger.info(f"reached {name} {value:.4f} {relation} {self.target} in {self.seconds:.1f} s")
             run.request_stop(f"{name} reached {self.target}", finish=True)
 
     def on_fit_end(self, run, summary: dict) -> None:

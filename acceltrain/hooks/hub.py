@@ -4,10 +4,14 @@ the folder uploaded at the end."""
 
 from __future__ import annotations
 
+from accelerate.logging import get_logger
+
 from ..checkpointing import write_summary
 from ..distributed import main_process_only
 from ..hub import CARD_FILE, model_card, prepare_repo, push_folder, upload_command, write_model_files, write_train_config
 from .base import Hook
+
+logger = get_logger(__name__)
 
 
 class HubReady(Hook):
@@ -40,7 +44,7 @@ class HubReady(Hook):
             summary["hub_commit"] = push_folder(self.repo_id, run.output_dir, summary)
         except Exception as err:  # noqa: BLE001 - the trained run stays finished and on disk; said in one line
             summary["hub_push_error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:300] if str(err) else ''}"
-            print(f"warning: --push-to-hub: the upload to {self.repo_id} failed ({summary['hub_push_error']}); the run is complete "
-                  f"in {run.output_dir}: upload it with `{upload_command(self.repo_id, run.output_dir)}`", flush=True)
+            logger.warning(f"--push-to-hub: the upload to {self.repo_id} failed ({summary['hub_push_error']}); the run is complete "
+                           f"in {run.output_dir}: upload it with `{upload_command(self.repo_id, run.output_dir)}`")
         else:
-            print(f"pushed {run.output_dir} to the Hub: {summary['hub_commit']}", flush=True)
+            logger.info(f"pushed {run.output_dir} to the Hub: {summary['hub_commit']}")

@@ -6,10 +6,14 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from accelerate.logging import get_logger
+
 from ..checkpointing import METRICS_FILE
 from ..metrics import EventLog, peak_memory_mb, synchronize
 from ..tracking import finish_tracking, start_tracking
 from .base import Hook
+
+logger = get_logger(__name__)
 
 
 class TrainingLog(Hook):
@@ -97,7 +101,8 @@ class Trackers(Hook):
 
 
 class Console(Hook):
-    """Logged rows printed on the main process, above a tqdm bar over optimizer steps when ``progress``.
+    """Logged rows as info lines on the main process (``--log-level warning`` hides them), above a tqdm bar
+    over optimizer steps when ``progress`` (the log handler writes through ``tqdm.write``: the bar stays whole).
 
     The bar's rate and time left are the training steps' alone: the time of each evaluation is taken out
     of its clock, and the evaluations still to come are shown next to it at the duration of the last one
@@ -129,7 +134,7 @@ class Console(Hook):
 
     def on_log(self, run, metrics: dict) -> None:
         if self.main:
-            self.bar.write(" ".join(f"{k}={_fmt(v)}" for k, v in metrics.items()))
+            logger.info(" ".join(f"{k}={_fmt(v)}" for k, v in metrics.items()))
 
     def on_train_end(self, run) -> None:
         self.bar.close()

@@ -7,9 +7,12 @@ import json
 from pathlib import Path
 
 import torch
+from accelerate.logging import get_logger
 
 from ..config import parse_step_range
 from .base import Hook
+
+logger = get_logger(__name__)
 
 
 class Profiler(Hook):
@@ -90,7 +93,7 @@ class MemoryReport(Hook):
                 handle.remove()
             self._handles = []
             if run.accelerator.is_main_process:
-                self._write(run.output_dir, run.accelerator.print)
+                self._write(run.output_dir)
 
     def _mark(self, stage: str) -> None:
         if any(row["stage"] == stage for row in self.rows):
@@ -106,7 +109,7 @@ class MemoryReport(Hook):
             row = {"rss_mb": _current_rss_mb()}
         self.rows.append({"stage": stage, **row})
 
-    def _write(self, output_dir: Path, printer) -> None:
+    def _write(self, output_dir: Path) -> None:
         (output_dir / "memory.json").write_text(json.dumps(self.rows, indent=2))
         columns = [key for key in self.rows[0] if key != "stage"]
         lines = [f"{'memory':<24}" + "".join(f"{c:>18}" for c in columns)]
@@ -115,7 +118,7 @@ class MemoryReport(Hook):
             delta = f"  (+{row[columns[0]] - previous:.1f})" if previous is not None else ""
             lines.append(f"{row['stage']:<24}" + "".join(f"{row[c]:>18.1f}" for c in columns) + delta)
             previous = row[columns[0]]
-        printer("\n".join(lines))
+        logger.info("\n".join(lines))
 
 
 def _current_rss_mb() -> float:

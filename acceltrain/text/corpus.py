@@ -23,10 +23,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from accelerate.logging import get_logger
 
 from ..config import ConfigError
 from ..data import available_cpus, mix_seed
 from ..distributed import on_main_process_first
+
+logger = get_logger(__name__)
 
 TOKENIZER_FILE = "tokenizer.json"
 END_OF_TEXT = "<|endoftext|>"
@@ -153,12 +156,12 @@ def tokenizer_for_run(source: str | None, flag: str, texts, output_dir: Path, vo
             return _read_tokenizer_file(saved, "--output-dir")
         if resuming and saved.is_file():
             tokenizer = _read_tokenizer_file(saved, "--output-dir")
-            state.print(f"tokenizer: reusing {saved} (vocabulary {tokenizer.get_vocab_size()})")
+            logger.info(f"tokenizer: reusing {saved} (vocabulary {tokenizer.get_vocab_size()})")
             return tokenizer
         tokenizer = train_byte_level_bpe(texts, vocab_size)
         output_dir.mkdir(parents=True, exist_ok=True)
         save_tokenizer(_as_transformers_tokenizer(tokenizer), output_dir)
-        state.print(f"tokenizer: trained a byte-level BPE of {tokenizer.get_vocab_size()} tokens, saved to {saved}")
+        logger.info(f"tokenizer: trained a byte-level BPE of {tokenizer.get_vocab_size()} tokens, saved to {saved}")
         return tokenizer
 
     return _as_transformers_tokenizer(on_main_process_first(trained_or_reused))

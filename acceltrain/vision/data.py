@@ -4,6 +4,7 @@ and synthetic images."""
 
 from __future__ import annotations
 
+import logging
 import os
 import stat
 from pathlib import Path
@@ -15,6 +16,9 @@ from ..config import ConfigError
 from ..data import mix_seed
 from ..distributed import on_main_process_first
 from .names import FLIPS, IMAGE_DATASETS, PADDING_MODES, is_hub_dataset
+
+# the plain logger: a recipe reads its data before Accelerate's state exists, which accelerate's logger needs
+logger = logging.getLogger(__name__)
 
 CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR10_STD = (0.2470, 0.2435, 0.2616)
@@ -363,7 +367,7 @@ def _without_bad_images(splits: dict, root: Path, skip: bool) -> dict:
         raise ConfigError(f"--data-dir {str(root)!r}: {count}: {named}{', ...' if len(bad) > 3 else ''}; "
                           "remove or replace them, or pass --skip-bad-images to train without them")
     if os.environ.get("RANK", "0") == "0":
-        print(f"--skip-bad-images: skipped {count} in {str(root)!r}: {named}{', ...' if len(bad) > 3 else ''}", flush=True)
+        logger.warning(f"--skip-bad-images: skipped {count} in {str(root)!r}: {named}{', ...' if len(bad) > 3 else ''}")
     kept = {}
     for split, (paths, labels, classes) in splits.items():
         pairs = [(path, label) for path, label in zip(paths, labels) if path not in bad]

@@ -21,12 +21,15 @@ from pathlib import Path
 
 import torch
 from accelerate.data_loader import DataLoaderStateMixin
+from accelerate.logging import get_logger
 from accelerate.state import GradientState
 
 from ..config import ConfigError
 from ..data import EpochSampler
 from .data import CropFlip, ImageClassification, decode_image_file
 from ..distributed import on_main_process_first
+
+logger = get_logger(__name__)
 
 CACHE_ENV = "ACCELTRAIN_CACHE"
 
@@ -201,10 +204,10 @@ def decoded_images(paths: list[str], image_size: int, cache_dir: str | os.PathLi
     def cached_or_decoded() -> torch.Tensor:
         cached = _read_cache(cache_file, fingerprint)
         if cached is not None:
-            state.print(f"using the {len(paths)} images decoded in {cache_file}")
+            logger.info(f"using the {len(paths)} images decoded in {cache_file}")
             return cached
         megabytes = len(paths) * 3 * image_size**2 / 1e6
-        state.print(f"decoding {len(paths)} image files once into {cache_file} ({megabytes:.1f} MB; {CACHE_ENV} sets the folder)")
+        logger.info(f"decoding {len(paths)} image files once into {cache_file} ({megabytes:.1f} MB; {CACHE_ENV} sets the folder)")
         images = torch.empty((len(paths), 3, image_size, image_size), dtype=torch.uint8)
         progress = tqdm(paths, desc="decoding images", unit="file", leave=False, dynamic_ncols=True, disable=not state.is_main_process)
         for position, path in enumerate(progress):

@@ -12,7 +12,6 @@ import torch
 
 from ..config import ConfigError
 from ..distributed import on_main_process_first
-from .names import is_hub_dataset  # noqa: F401 - where callers of this module found it
 
 EVAL_SPLITS = ("test", "validation")
 

@@ -1,0 +1,93 @@
+"""The toolkit's messages go through Python's ``logging``, under the ``acceltrain`` logger, the way the
+Hugging Face libraries do theirs: silence them with ``--log-level warning``, redirect them with your own
+handler (``logging.getLogger("acceltrain").addHandler(...)``), or drop the default one
+(``removeHandler(acceltrain.logs.CONSOLE)``).
+
+Importing ``acceltrain`` gives that logger its console handler at info (as transformers installs its own
+handler), so the lines show in a notebook or script that never calls ``run_recipe`` or ``fit``; like
+transformers', it does not propagate to the root logger, so a ``logging.basicConfig`` in your script does
+not print every line twice. The handler writes each line to the current ``sys.stdout`` through
+``tqdm.write``, so a live progress bar is redrawn below it instead of being cut in two.
+
+The lines look as they did when they were printed: the message alone (``warning: `` before a warning);
+the one-line ``error: ...`` of a failed run is not a log record and shows at every level. At
+``--log-level debug`` each line carries time, level and logger name (accelerate's examples' format), so
+that the toolkit's lines can be told apart from the libraries' debug output they are then mixed with.
+
+Modules log through ``accelerate.logging.get_logger(__name__)`` (main process only unless
+``main_process_only=False``), which needs Accelerate's state; code that runs before the state exists uses
+``logging.getLogger(__name__)`` and checks the rank itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+ROOT = "acceltrain"
+# The libraries under the loop. In a normal run they warn about things the run cannot act on (DeepSpeed,
+# once installed: "Setting accelerator to CPU ..." in every CPU run): errors only, unless --log-level debug.
+LIBRARY_LOGGERS = ("DeepSpeed", "accelerate", "transformers", "datasets", "huggingface_hub")
+DEBUG_FORMAT = logging.Formatter("%(asctime)s - %(levelname)s - %(name)s - %(message)s", datefmt="%m/%d/%Y %H:%M:%S")
+# what accelerate's logger puts before every message; the plain lines drop it on the main process
+MAIN_PROCESS_PREFIX = "[RANK 0] "
+
+
+class PlainFormatter(logging.Formatter):
+    """The message as the toolkit printed it before it logged: ``warning: `` (``error: ``) before a warning
+    (an error), and no ``[RANK 0]`` before the main process's lines."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        message = record.getMessage().removeprefix(MAIN_PROCESS_PREFIX)
+        return message if record.levelno < logging.WARNING else f"{record.levelname.lower()}: {message}"
+
+
+class ConsoleHandler(logging.Handler):
+    """Each record on the current ``sys.stdout`` (so ``contextlib.redirect_stdout`` and pytest's capture see
+    it), through ``tqdm.write``, which clears live bars, writes the line, and redraws them."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            from tqdm.auto import tqdm
+
+            tqdm.write(self.format(record), file=sys.stdout)
+            sys.stdout.flush()
+        except Exception:  # noqa: BLE001 - logging's own policy: report on stderr, never fail the caller
+            self.handleError(record)
+
+
+PLAIN_FORMAT = PlainFormatter()
+CONSOLE = ConsoleHandler()
+CONSOLE.setFormatter(PLAIN_FORMAT)
+
+
+def install_console_handler() -> None:
+    """The ``acceltrain`` logger's default set-up, done when ``acceltrain`` is imported: info and up, on the console."""
+    toolkit = logging.getLogger(ROOT)
+    if CONSOLE not in toolkit.handlers:
+        toolkit.addHandler(CONSOLE)
+        toolkit.setLevel(logging.INFO)
+        toolkit.propagate = False
+
+
+def set_log_level(level: str) -> None:
+    """``--log-level``: the toolkit's messages from ``level`` up, and the libraries' loggers at errors only,
+    or at their own defaults with ``debug``. ``run_recipe`` calls it as soon as the flags are parsed, before
+    the recipe imports the libraries; ``fit()`` again, for code that calls it directly and because
+    transformers, datasets and huggingface_hub set their logger's level once, when imported."""
+    debug = level == "debug"
+    logging.getLogger(ROOT).setLevel(level.upper())
+    CONSOLE.setLevel(level.upper())  # also when ACCELERATE_LOG_LEVEL gave a module's logger a level of its own
+    CONSOLE.setFormatter(DEBUG_FORMAT if debug else PLAIN_FORMAT)
+    for name in LIBRARY_LOGGERS:
+        logging.getLogger(name).setLevel(logging.NOTSET if debug else logging.ERROR)
+    # DeepSpeed sets its logger's level when it is imported, typically mid-run (after both calls): its records are filtered
+    deepspeed = logging.getLogger("DeepSpeed")
+    if debug:
+        deepspeed.removeFilter(_errors_only)
+    else:
+        deepspeed.addFilter(_errors_only)
+
+
+def _errors_only(record: logging.LogRecord) -> bool:
+    return record.levelno >= logging.ERROR
