@@ -64,7 +64,7 @@ class TrainConfig:
     lr: float = option(0.1, "peak learning rate")
     momentum: float = option(0.9, "SGD momentum")
     weight_decay: float = option(5e-4, "weight decay (decoupled for adamw)")
-    norm_bias_lr_scale: float = option(1.0, "learning-rate multiplier for biases and normalisation parameters (airbench94: 64)")
+    norm_bias_lr_scale: float = option(1.0, "learning-rate multiplier for the normalisation layers' parameters (airbench94: 64)")
     lr_schedule: LRSchedule = option(
         "cosine", "after warm-up: constant, cosine decay to 0, or linear decay to 0 (its old name onecycle is accepted)",
         aliases={"onecycle": "linear"},

@@ -11,16 +11,22 @@ from torch import nn
 from .config import TrainConfig, require
 
 
+NORMALISATIONS = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)
+
+
 def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
     """SGD (Nesterov) or AdamW at ``cfg.lr``. Weight decay applies to weight matrices and conv kernels
-    only, not to biases and normalisation scales (decaying those only hurts); those take
-    ``cfg.norm_bias_lr_scale`` times the lr (airbench94 trains them 64x faster)."""
-    decay, no_decay = [], []
+    only, not to biases and normalisation scales (decaying those only hurts). The normalisation layers'
+    parameters take ``cfg.norm_bias_lr_scale`` times the lr (airbench94 trains its BatchNorm biases 64x
+    faster; other biases, such as its whitening conv's, keep the base lr)."""
+    norm = {id(p) for m in model.modules() if isinstance(m, NORMALISATIONS) for p in m.parameters(recurse=False)}
+    decay, other, scaled = [], [], []
     for param in model.parameters():
         if param.requires_grad:
-            (decay if param.ndim >= 2 else no_decay).append(param)
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0, "lr": cfg.lr * cfg.norm_bias_lr_scale}]
+            (scaled if id(param) in norm else decay if param.ndim >= 2 else other).append(param)
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": other, "weight_decay": 0.0},
+              {"params": scaled, "weight_decay": 0.0, "lr": cfg.lr * cfg.norm_bias_lr_scale}]
+    groups = [group for group in groups if group["params"]]  # a model without norms or biases: no empty group
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.momentum > 0)
     return torch.optim.AdamW(groups, lr=cfg.lr)
