@@ -26,6 +26,8 @@ def test_finishes_inside_the_budget_evaluated_at_its_last_step_with_the_schedule
     assert evals[-1]["wall_seconds"] <= BUDGET_MINUTES * 60, "the final evaluation ends inside the budget"
     assert summary["steps"] >= 10
     lrs = _lrs(events)
+    middle = lrs[summary["steps"] // 2]
+    assert 0.2 * lrs[1] < middle < 0.8 * lrs[1], "half-way through the budget the cosine is half-way down (it was 0 from step 2 on)"
     assert lrs[summary["steps"]] < 0.25 * lrs[1], "the cosine decay follows the elapsed time, not the 1000 epochs"
     assert all(later <= earlier + 1e-12 for earlier, later in zip(list(lrs.values()), list(lrs.values())[1:]))
 
@@ -39,6 +41,7 @@ def test_a_resumed_run_continues_the_budget_and_the_schedule(tmp_path):
     assert summary["resumed_from_step"] == 8
     assert summary["wall_seconds"] <= BUDGET_MINUTES * 60, "the first launch's training time counts"
     lrs = _lrs(read_events(tmp_path))
+    assert first[8] > 0.3 * first[1], "a third of the budget in, the lr is still high"
     assert lrs[9] <= first[8] and lrs[9] == pytest.approx(first[8], rel=0.2), "no restart of the schedule at its peak"
 
 

@@ -42,7 +42,9 @@ class TimeBudget(Hook):
         self.eval_seconds = state["eval_seconds"]
 
     def on_fit_start(self, run) -> None:
-        self._plan(run, run.elapsed(), 0.0, self._final_eval_seconds(run, 0.0))  # a resumed run continues its schedule
+        # before the clock starts: the training time of earlier launches (0 for a fresh run), so that a
+        # resumed run continues its schedule where it was
+        self._plan(run, run.train_seconds_before, 0.0, self._final_eval_seconds(run, 0.0))
 
     def on_eval_start(self, run) -> None:
         self._eval_started = time.perf_counter()
