@@ -85,6 +85,7 @@ def plot(results: dict, path: Path, budget_minutes: float) -> None:
         axis.axhline(100 * TARGET, color="grey", linestyle="--", linewidth=1)
         axis.set_xlabel(label)
         axis.set_ylabel("CIFAR-10 test accuracy (%)")
+        axis.set_xlim(left=0)
         axis.grid(alpha=0.3)
         axis.legend()
     by_time.axvline(budget_minutes * 60, color="red", linestyle=":", linewidth=1)
