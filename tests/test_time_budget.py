@@ -60,6 +60,6 @@ class OneSlowStep:
 def test_one_slow_step_does_not_end_the_run_early(tmp_path):
     args = [arg if arg != str(BUDGET_MINUTES) else "0.12" for arg in SLOW]  # 7.2 s
     assert run_tiny_in_process(tmp_path, *args, hooks=[OneSlowStep()]) == 0
-    summary = read_summary(tmp_path)
-    assert summary["steps"] > 40, "a single stalled step made the budget stop at once"
-    assert [e for e in read_events(tmp_path) if "eval_accuracy" in e][-1]["wall_seconds"] <= 7.2
+    ended = [e for e in read_events(tmp_path) if "eval_accuracy" in e][-1]["wall_seconds"]
+    assert ended >= 0.6 * 7.2, "a single stalled step made the budget stop at once (at about 2.5 s)"
+    assert ended <= 7.2 * 1.1  # the final evaluation's own duration varies with the load of a shared machine
