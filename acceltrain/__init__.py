@@ -4,9 +4,9 @@ The public names are imported on first use (PEP 562), so that ``--help``, ``acce
 the config parser answer without importing torch and Accelerate (seconds on a small machine).
 """
 
-from importlib import import_module
 from importlib.metadata import version
 
+from .lazy_exports import lazy_exports
 from .logs import install_console_handler
 
 __version__ = version("acceltrain")  # the one version, pyproject.toml's
@@ -24,16 +24,4 @@ _HOME = {  # public name -> the submodule that defines it
     "run_recipe": "cli",
 }
 
-__all__ = sorted(_HOME)
-
-
-def __getattr__(name: str):
-    if name not in _HOME:
-        raise AttributeError(f"module 'acceltrain' has no attribute {name!r}")
-    value = getattr(import_module(f".{_HOME[name]}", __name__), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__, __all__ = lazy_exports(__name__, _HOME)
