@@ -231,17 +231,25 @@ class UnreadableImage(ConfigError):
 
 def decode_image_file(path: str, image_size: int) -> torch.Tensor:
     """An image file as a uint8 RGB CHW tensor of ``image_size`` x ``image_size`` (resized when it differs)."""
-    import numpy as np
     from PIL import Image
 
     try:
         with Image.open(path) as image:
-            image = image.convert("RGB")
-            if image.size != (image_size, image_size):
-                image = image.resize((image_size, image_size), Image.Resampling.BILINEAR)
-            return torch.from_numpy(np.array(image)).permute(2, 0, 1).contiguous()
+            return torch.from_numpy(rgb_chw(image, image_size))
     except (OSError, SyntaxError, ValueError) as err:  # PIL reports damaged data as any of these
         raise UnreadableImage(f"image file {path!r} cannot be decoded ({_one_line(err)}): remove or replace it") from None
+
+
+def rgb_chw(image, image_size: int):
+    """A PIL image as a uint8 RGB (3, S, S) numpy array, resized (bilinear) when its size is not S x S: the
+    one conversion of image files and Hub datasets' images alike."""
+    import numpy as np
+    from PIL import Image
+
+    image = image.convert("RGB")
+    if image.size != (image_size, image_size):
+        image = image.resize((image_size, image_size), Image.Resampling.BILINEAR)
+    return np.ascontiguousarray(np.asarray(image).transpose(2, 0, 1))
 
 
 def _one_line(err: BaseException) -> str:

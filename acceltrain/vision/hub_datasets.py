@@ -16,8 +16,6 @@ from ..distributed import on_main_process_first
 EVAL_SPLITS = ("test", "validation")
 
 
-
-
 def hub_image_arrays(name: str, image_size: int) -> tuple[tuple[torch.Tensor, list[int], list[str]], ...]:
     """``(train, eval)`` of Hub dataset ``name``, each ``(uint8 images (N, 3, S, S), labels, class names)``: the
     one image and one ``ClassLabel`` column, found by their feature types; the ``train`` split, and ``test``
@@ -75,14 +73,7 @@ def _pixels(name: str, split_set, split: str, image_column: str, label_column: s
 
 
 def _to_pixels(batch: dict, column: str, image_size: int) -> dict:
-    """Dataset.map: PIL images -> RGB CHW uint8 arrays of ``image_size`` (resized as image folders are)."""
-    import numpy as np
-    from PIL import Image
+    """Dataset.map: PIL images -> RGB CHW uint8 arrays of ``image_size`` (converted as image files are)."""
+    from .data import rgb_chw
 
-    pixels = []
-    for image in batch[column]:
-        image = image.convert("RGB")
-        if image.size != (image_size, image_size):
-            image = image.resize((image_size, image_size), Image.Resampling.BILINEAR)
-        pixels.append(np.asarray(image).transpose(2, 0, 1))
-    return {"pixels": pixels}
+    return {"pixels": [rgb_chw(image, image_size) for image in batch[column]]}
