@@ -185,9 +185,9 @@ def render(rows: list[Row], machine: str) -> str:
 
 
 def plot(rows: list[Row], path: Path, title: str) -> str | None:
-    """bench.png; None, or why not (matplotlib is an optional extra)."""
+    """bench.png; None, or why not (matplotlib missing from a broken install)."""
     if importlib.util.find_spec("matplotlib") is None:
-        return "bench.png not written: pip install matplotlib (or acceltrain[bench])"
+        return "bench.png not written: pip install matplotlib"
     if not any(r.status == "ok" for r in rows):
         return "bench.png not written: no row ran"
     bench_figure(rows, title).savefig(path, dpi=100)
