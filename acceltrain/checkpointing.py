@@ -294,13 +294,32 @@ def _allowed_globals() -> list:
     allowed += [type(numpy.dtype(name)) for name in ("uint32", "int64", "float64", "bool")]  # numpy >= 1.25 dtype classes
     try:
         from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-        from deepspeed.runtime.zero.config import ZeroStageEnum
         from deepspeed.utils.tensor_fragment import fragment_address
 
-        allowed += [ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address]
+        allowed += [LossScaler, DynamicLossScaler, fragment_address]
     except ImportError:
         pass
-    return allowed
+    enums = allowed_enums()
+    # some Pythons (3.11.2) pickle an Enum member as getattr(EnumClass, name): that GLOBAL resolves here to a
+    # getattr that returns members of these enums only
+    return [*allowed, *enums, (_enum_member, "builtins.getattr")]
+
+
+def allowed_enums() -> tuple:
+    """The Enum classes a checkpoint may hold members of: DeepSpeed's ZeRO stage, when DeepSpeed is installed."""
+    try:
+        from deepspeed.runtime.zero.config import ZeroStageEnum
+    except ImportError:
+        return ()
+    return (ZeroStageEnum,)
+
+
+def _enum_member(owner, name: str):
+    import pickle
+
+    if owner in allowed_enums() and name in owner.__members__:
+        return owner[name]
+    raise pickle.UnpicklingError(f"getattr({getattr(owner, '__name__', owner)!r}, {name!r}) is not an allowed enum member")
 
 
 def check_loadable_without_code(path: Path) -> None:

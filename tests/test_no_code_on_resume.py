@@ -88,3 +88,38 @@ def test_deepspeeds_own_load_runs_without_code_too():
     torch.save({"state": Payload(Path("/nonexistent/never"))}, buffer)
     with loading_without_code(), pytest.raises(pickle.UnpicklingError):
         torch.load(io.BytesIO(buffer.getvalue()), weights_only=False)
+
+
+class ByName:
+    """Pickles as ``getattr(owner, name)``: how some Python versions (3.11.2 here) pickle an Enum member, e.g.
+    the ZeroStageEnum in DeepSpeed's optimizer states; the same opcode could fetch any attribute."""
+
+    def __init__(self, owner, name):
+        self.owner, self.name = owner, name
+
+    def __reduce__(self):
+        return getattr, (self.owner, self.name)
+
+
+def _saved(value) -> Path:
+    import tempfile
+
+    path = Path(tempfile.mkdtemp()) / "checkpoint"
+    path.mkdir()
+    torch.save({"state": value}, path / "optimizer.bin")
+    return path
+
+
+def test_an_allowed_enum_pickled_by_name_loads_and_other_attributes_do_not():
+    import enum
+
+    from acceltrain.checkpointing import CheckpointError, allowed_enums, check_loadable_without_code
+
+    Stage = next(iter(allowed_enums()), None)
+    if Stage is None:
+        pytest.skip("no allow-listed enum without DeepSpeed")
+    check_loadable_without_code(_saved(ByName(Stage, next(iter(Stage)).name)))  # as DeepSpeed's states on Python 3.11.2
+    assert issubclass(Stage, enum.Enum)
+    for owner, name in ((Path, "unlink"), (Stage, "__class__"), (Stage, "mro")):
+        with pytest.raises(CheckpointError, match="cannot be loaded without running code"):
+            check_loadable_without_code(_saved(ByName(owner, name)))
