@@ -15,7 +15,7 @@ import threading
 import time
 from pathlib import Path
 
-from .config import ConfigError, TrainConfig
+from .config import ConfigError, TrainConfig, first_line
 
 SUMMARY_FILE = "summary.json"
 METRICS_FILE = "metrics.jsonl"
@@ -233,9 +233,8 @@ def save_checkpoint(accelerator, state: TrainerState, output_dir: Path, write_ex
             _fsync(final.parent)
     except (OSError, RuntimeError) as err:  # a full disk, a quota: torch reports it from C++ as a RuntimeError
         shutil.rmtree(staging, ignore_errors=True)
-        cause = (getattr(err, "strerror", None) or str(err)).strip().splitlines()[0][:300]
         raise CheckpointError(
-            f"could not write checkpoint {str(final)!r}: {cause}; the previous checkpoints are intact (free space and "
+            f"could not write checkpoint {str(final)!r}: {first_line(err)}; the previous checkpoints are intact (free space and "
             "continue with --resume auto)"
         ) from None
     accelerator.wait_for_everyone()
@@ -322,22 +321,78 @@ def _enum_member(owner, name: str):
     raise pickle.UnpicklingError(f"getattr({getattr(owner, '__name__', owner)!r}, {name!r}) is not an allowed enum member")
 
 
+DCP_METADATA = ".metadata"  # torch.distributed.checkpoint's index of a sharded (FSDP) state, next to its .distcp files
+
+
 def check_loadable_without_code(path: Path) -> None:
-    """Load every pickled file of checkpoint ``path`` with ``weights_only=True`` and only the allowed
-    globals: a file that would run code (a planted pickle, whatever its sha256 says) or does not load is
-    a one-line CheckpointError, before Accelerate sees it (it skips an unloadable RNG file with a log line)."""
+    """Load every pickle of checkpoint ``path`` with ``weights_only=True`` and only the allowed globals: a
+    file that would run code (a planted pickle, whatever its sha256 says) or does not load is a one-line
+    CheckpointError, before Accelerate sees it (it skips an unloadable RNG file with a log line). FSDP's
+    sharded folders included: DCP reads their ``.metadata`` with plain ``pickle``, so it is checked here
+    with an unpickler that knows only DCP's own classes, then every item it points to in the ``.distcp``
+    files. (The check reads each file once more than the resume does.)"""
     import torch
 
     with torch.serialization.safe_globals(_allowed_globals()):
-        for file in sorted(f for f in path.rglob("*") if f.suffix in PICKLED_SUFFIXES and f.is_file()):
-            try:
+        for file in sorted(f for f in path.rglob("*") if (f.suffix in PICKLED_SUFFIXES or f.name == DCP_METADATA) and f.is_file()):
+            if file.name == DCP_METADATA:
+                _check_dcp_folder(file)
+                continue
+            with _refusing(file):
                 torch.load(file, map_location="cpu", weights_only=True)
-            except Exception as err:  # noqa: BLE001 - UnpicklingError, EOFError, RuntimeError: all the same verdict
-                first = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
-                raise CheckpointError(
-                    f"checkpoint file {str(file)!r} cannot be loaded without running code or is unreadable ({first}); "
-                    "refusing to resume from it"
-                ) from None
+
+
+@contextlib.contextmanager
+def _refusing(file: Path):
+    """Any failure inside is the one-line refusal to resume, naming ``file``."""
+    try:
+        yield
+    except Exception as err:  # noqa: BLE001 - UnpicklingError, EOFError, RuntimeError: all the same verdict
+        raise CheckpointError(
+            f"checkpoint file {str(file)!r} cannot be loaded without running code or is unreadable ({first_line(err, 200)}); "
+            "refusing to resume from it"
+        ) from None
+
+
+def _check_dcp_folder(metadata_file: Path) -> None:
+    import io
+
+    import torch
+
+    with _refusing(metadata_file):
+        storage = _load_dcp_metadata(metadata_file).storage_data
+        items = [(metadata_file.parent / info.relative_path, info.offset, info.length) for info in storage.values()]
+    for file, offset, length in items:
+        with _refusing(file), open(file, "rb") as stream:
+            stream.seek(offset)
+            item = io.BytesIO(stream.read(length))
+            torch.load(item, map_location="cpu", weights_only=True)
+
+
+def _load_dcp_metadata(file: Path):
+    """DCP's ``.metadata`` pickle, allowing only the names it holds: DCP's metadata classes, torch sizes,
+    dtypes and layouts, and the checkpoint's path."""
+    import pathlib
+    import pickle
+
+    import torch
+    from torch.distributed.checkpoint import filesystem, metadata
+
+    allowed = {f"torch.distributed.checkpoint.metadata.{name}": getattr(metadata, name) for name in (
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata", "ChunkStorageMetadata",
+        "BytesStorageMetadata", "_MEM_FORMAT_ENCODING") if hasattr(metadata, name)}
+    allowed |= {"torch.distributed.checkpoint.filesystem._StorageInfo": filesystem._StorageInfo, "torch.Size": torch.Size,
+                "torch.serialization._get_layout": torch.serialization._get_layout, "pathlib.PosixPath": pathlib.PosixPath}
+    allowed |= {f"torch.{name}": value for name, value in vars(torch).items() if isinstance(value, torch.dtype)}
+
+    class OnlyMetadata(pickle.Unpickler):
+        def find_class(self, module: str, name: str):
+            if f"{module}.{name}" not in allowed:
+                raise pickle.UnpicklingError(f"global {module}.{name} is not allowed in DCP metadata")
+            return allowed[f"{module}.{name}"]
+
+    with open(file, "rb") as stream:
+        return OnlyMetadata(stream).load()
 
 
 @contextlib.contextmanager

@@ -23,7 +23,7 @@ fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$RESULTS/gpu.txt"
 
 echo "== 1. GPU tests"
-timeout 150 python3 -m pytest -q -m gpu tests/test_gpu.py 2>&1 | tail -3 | tee "$RESULTS/gpu_tests.txt"
+timeout 240 python3 -m pytest -q -m gpu tests/test_gpu.py 2>&1 | tail -3 | tee "$RESULTS/gpu_tests.txt"
 
 echo "== 2. ResNet-50 speed ladder"
 timeout 300 python3 -m acceltrain.cli bench --model resnet50 --dataset synthetic --batch-size 256 --steps 30 --warmup 10 \

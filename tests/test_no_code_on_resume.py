@@ -28,10 +28,16 @@ class Payload:
         return os.mkdir, (self.marker,)
 
 
-def plant(checkpoint: Path, relative: str, marker: Path) -> None:
-    """Replace one file with a malicious pickle and make the manifest agree with it."""
+def plant(checkpoint: Path, relative: str, marker: Path, plain_pickle: bool = False) -> None:
+    """Replace one file with a malicious pickle (torch.save's format, or ``plain_pickle`` as DCP's ``.metadata``)
+    and make the manifest agree with it."""
+    import pickle
+
     target = checkpoint / relative
-    torch.save({"state": Payload(marker)}, target)
+    if plain_pickle:
+        target.write_bytes(pickle.dumps(Payload(marker)))
+    else:
+        torch.save({"state": Payload(marker)}, target)
     manifest = json.loads((checkpoint / "COMPLETE").read_text())
     manifest[relative] = {"bytes": target.stat().st_size, "sha256": _sha256(target)}
     (checkpoint / "COMPLETE").write_text(json.dumps(manifest))
@@ -123,3 +129,33 @@ def test_an_allowed_enum_pickled_by_name_loads_and_other_attributes_do_not():
     for owner, name in ((Path, "unlink"), (Stage, "__class__"), (Stage, "mro")):
         with pytest.raises(CheckpointError, match="cannot be loaded without running code"):
             check_loadable_without_code(_saved(ByName(owner, name)))
+
+
+def _sharded(folder: Path, extra=None) -> Path:
+    """A torch.distributed.checkpoint folder as FSDP's sharded state dicts are written (``.metadata`` plus
+    ``__0_0.distcp``), here on one process without a process group."""
+    import torch.distributed.checkpoint as dcp
+
+    state = {"model": {"weight": torch.randn(4, 3), "step": torch.tensor(7)}, "param_groups": [{"lr": 0.1, "nesterov": True}]}
+    if extra is not None:
+        state["extra"] = extra
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(folder / "pytorch_model_fsdp_0")), no_dist=True)
+    return folder
+
+
+def test_fsdp_sharded_checkpoints_load_and_a_planted_pickle_in_their_metadata_or_items_is_refused(tmp_path):
+    """DCP unpickles ``.metadata`` with plain pickle (FSDP's load path), and each non-tensor item of a .distcp
+    file with torch.load(weights_only=False): both are checked before the resume."""
+    import pickle
+
+    from acceltrain.checkpointing import CheckpointError, check_loadable_without_code
+
+    check_loadable_without_code(_sharded(tmp_path / "clean"))
+    marker = tmp_path / "payload-ran"
+    planted = _sharded(tmp_path / "metadata")
+    (planted / "pytorch_model_fsdp_0" / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
+    with pytest.raises(CheckpointError, match=r"\.metadata' cannot be loaded without running code .*posix.mkdir is not allowed"):
+        check_loadable_without_code(planted)
+    with pytest.raises(CheckpointError, match=r"__0_0\.distcp' cannot be loaded without running code"):
+        check_loadable_without_code(_sharded(tmp_path / "item", extra=Payload(marker)))
+    assert not marker.exists(), "the checkpoint ran code"
