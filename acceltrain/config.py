@@ -31,6 +31,13 @@ class ConfigError(ValueError):
     """Bad user input: reported as one line and exit code 2, before any training starts."""
 
 
+def first_line(err: object, limit: int = 300) -> str:
+    """An exception (or a reason) inside a one-line message: its OS reason or text, first line, at most
+    ``limit`` characters; its type's name when it has no text."""
+    text = str(getattr(err, "strerror", None) or err).strip()
+    return text.splitlines()[0][:limit] if text else type(err).__name__
+
+
 def option(default: Any, help: str, **metadata: Any) -> Any:
     """A dataclass field with its CLI help text (and optional ``choices``). ``free_on_resume=True``: a
     setting that does not change the run's maths (speed, logging, outputs) and may differ on ``--resume``;

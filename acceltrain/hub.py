@@ -21,7 +21,7 @@ import yaml
 from torch import nn
 
 from . import __version__
-from .config import ConfigError, TrainConfig
+from .config import ConfigError, TrainConfig, first_line
 from .network import check_reachable
 
 CONFIG_FILE = "config.json"
@@ -237,7 +237,7 @@ def prepare_repo(cfg: TrainConfig, output_dir: Path) -> str:
     try:
         validate_repo_id(name)
     except HFValidationError as err:
-        raise ConfigError(f"--hub-model-id {name!r} is invalid: {str(err).splitlines()[0]}") from None
+        raise ConfigError(f"--hub-model-id {name!r} is invalid: {first_line(err)}") from None
     if huggingface_hub.is_offline_mode():
         raise ConfigError(f"--push-to-hub cannot work with HF_HUB_OFFLINE set: unset it, {WITHOUT_PUSH}")
     if huggingface_hub.get_token() is None:
@@ -250,7 +250,7 @@ def prepare_repo(cfg: TrainConfig, output_dir: Path) -> str:
         status = err.response.status_code if err.response is not None else None
         if status == 401:
             raise ConfigError(f"the Hugging Face Hub at {api.endpoint} rejected the token (check it: `hf auth whoami`), {WITHOUT_PUSH}") from None
-        raise ConfigError(f"the Hugging Face Hub refused to create repo {name!r} ({status}: {str(err).splitlines()[0][:200]}), {WITHOUT_PUSH}") from None
+        raise ConfigError(f"the Hugging Face Hub refused to create repo {name!r} ({status}: {first_line(err, 200)}), {WITHOUT_PUSH}") from None
 
 
 def push_folder(repo_id: str, output_dir: Path, summary: dict) -> str:

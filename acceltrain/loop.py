@@ -48,7 +48,7 @@ from .checkpointing import (
     unlock_output_dir,
     write_summary,
 )
-from .config import ConfigError, TrainConfig, run_changes
+from .config import ConfigError, TrainConfig, first_line, run_changes
 from .data import default_num_workers, eval_loader, stop_workers, train_loader
 from .eval_subset import eval_subset
 from .distributed import check_backend_honoured, convert_sync_batchnorm, deepspeed_plugin, main_process_only, use_cpu
@@ -378,7 +378,7 @@ def _resume(run: Run, resume: str) -> bool:
         with loading_without_code():
             accelerator.load_state(path)
     except (RuntimeError, KeyError, ValueError, IndexError, SafetensorError) as err:  # SafetensorError: not a safetensors file
-        raise CheckpointError(f"checkpoint {path!r} does not fit this model or optimizer: {str(err).strip().splitlines()[0][:300]}") from None
+        raise CheckpointError(f"checkpoint {path!r} does not fit this model or optimizer: {first_line(err)}") from None
     run.restore(saved)
     if changes:
         _apply_changes(run, fresh, changes)

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlparse
 
-from .config import ConfigError, TrainConfig
+from .config import ConfigError, TrainConfig, first_line
 from .network import PROBE_SECONDS, check_reachable
 
 TRACKER_PACKAGES = {"wandb": "wandb", "tensorboard": "tensorboard"}
@@ -63,12 +63,12 @@ def _check_wandb_online(base_url: str) -> None:
     try:
         wandb.Api(timeout=PROBE_SECONDS)
     except wandb.errors.AuthenticationError as err:
-        reason = str(err).splitlines()[0].removeprefix(f"Failed to verify credentials with {base_url}: ")
+        reason = first_line(err).removeprefix(f"Failed to verify credentials with {base_url}: ")
         raise ConfigError(
             f"W&B at {base_url} rejected {_credentials_source()} ({reason[:200]}); check it (wandb login --relogin), or {OFFLINE_WAYS}"
         ) from None
     except wandb.errors.UsageError as err:  # --wandb-mode online without any credentials
-        raise ConfigError(f"W&B online needs credentials ({str(err).splitlines()[0][:200]}); set WANDB_API_KEY, or {OFFLINE_WAYS}") from None
+        raise ConfigError(f"W&B online needs credentials ({first_line(err, 200)}); set WANDB_API_KEY, or {OFFLINE_WAYS}") from None
 
 
 def _credentials_source() -> str:

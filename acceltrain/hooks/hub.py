@@ -7,6 +7,7 @@ from __future__ import annotations
 from accelerate.logging import get_logger
 
 from ..checkpointing import write_summary
+from ..config import first_line
 from ..distributed import main_process_only
 from ..hub import CARD_FILE, model_card, prepare_repo, push_folder, upload_command, write_model_files, write_train_config
 from .base import Hook
@@ -43,7 +44,7 @@ class HubReady(Hook):
         try:
             summary["hub_commit"] = push_folder(self.repo_id, run.output_dir, summary)
         except Exception as err:  # noqa: BLE001 - the trained run stays finished and on disk; said in one line
-            summary["hub_push_error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:300] if str(err) else ''}"
+            summary["hub_push_error"] = f"{type(err).__name__}: {first_line(err)}"
             logger.warning(f"--push-to-hub: the upload to {self.repo_id} failed ({summary['hub_push_error']}); the run is complete "
                            f"in {run.output_dir}: upload it with `{upload_command(self.repo_id, run.output_dir)}`")
         else:

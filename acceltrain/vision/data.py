@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import Dataset
 
-from ..config import ConfigError
+from ..config import ConfigError, first_line
 from ..data import mix_seed
 from ..distributed import on_main_process_first
 from .names import FLIPS, IMAGE_DATASETS, PADDING_MODES, is_hub_dataset
@@ -237,7 +237,7 @@ def decode_image_file(path: str, image_size: int) -> torch.Tensor:
         with Image.open(path) as image:
             return torch.from_numpy(rgb_chw(image, image_size))
     except (OSError, SyntaxError, ValueError) as err:  # PIL reports damaged data as any of these
-        raise UnreadableImage(f"image file {path!r} cannot be decoded ({_one_line(err)}): remove or replace it") from None
+        raise UnreadableImage(f"image file {path!r} cannot be decoded ({first_line(err)}): remove or replace it") from None
 
 
 def rgb_chw(image, image_size: int):
@@ -250,10 +250,6 @@ def rgb_chw(image, image_size: int):
     if image.size != (image_size, image_size):
         image = image.resize((image_size, image_size), Image.Resampling.BILINEAR)
     return np.ascontiguousarray(np.asarray(image).transpose(2, 0, 1))
-
-
-def _one_line(err: BaseException) -> str:
-    return (getattr(err, "strerror", None) or str(err) or type(err).__name__).splitlines()[0]
 
 
 def unreadable_reason(path: str) -> str | None:
@@ -275,7 +271,7 @@ def unreadable_reason(path: str) -> str | None:
     except Image.UnidentifiedImageError:
         return "not an image"
     except (OSError, SyntaxError, ValueError) as err:
-        return _one_line(err)
+        return first_line(err)
     return None
 
 
@@ -311,7 +307,7 @@ def cifar10_arrays(data_dir: str, train: bool) -> tuple[torch.Tensor, list[int],
     try:
         dataset = CIFAR10(root=data_dir, train=train, download=True)
     except (OSError, RuntimeError) as err:  # URLError is an OSError; md5 mismatch is a RuntimeError
-        reason = str(getattr(err, "reason", err)).splitlines()[0]
+        reason = first_line(getattr(err, "reason", err))
         raise ConfigError(
             f"CIFAR-10 is not in --data-dir {data_dir!r} and could not be downloaded ({reason}); "
             "put the python-version batches there, use --dataset imagefolder --data-dir DIR, "

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..config import ConfigError
+from ..config import ConfigError, first_line
 from ..distributed import on_main_process_first
 
 EVAL_SPLITS = ("test", "validation")
@@ -29,9 +29,8 @@ def _load(name: str, image_size: int):
     try:
         splits = datasets.load_dataset(name)
     except (OSError, ValueError) as err:  # offline and not cached, unknown repo, no data files, bad id
-        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ConfigError(
-            f"--dataset {name!r} cannot be loaded ({reason}): download it once online (it is then kept in the HF cache, "
+            f"--dataset {name!r} cannot be loaded ({first_line(err)}): download it once online (it is then kept in the HF cache, "
             "and HF_DATASETS_OFFLINE=1 runs use it), or use --dataset imagefolder --data-dir DIR, or --dataset synthetic"
         ) from None
     if "train" not in splits:
