@@ -96,6 +96,7 @@ class Run:
         self.step = self.epoch = self.batch_in_epoch = self.samples_seen = 0
         self.train_seconds_before = 0.0  # training time of earlier launches of this run
         self.last_eval: dict = {}
+        self.last_eval_started, self.last_eval_seconds = 0.0, None  # perf_counter and duration of the latest evaluation
         self.best_metric: float | None = None
         self.best_checkpoint: str | None = None
         self.tracker_run_id: str | None = None
@@ -149,9 +150,11 @@ class Run:
     def evaluate(self) -> dict:
         """Evaluate now (every process), keep the result and the best primary metric, log it."""
         with self.paused():
+            self.last_eval_started = time.perf_counter()
             self.hooks.call("on_eval_start", self)
             metrics, samples = evaluate(self.accelerator, self.model, self.eval_batches, self.task, progress=self.cfg.progress)
             self.model.train()
+            self.last_eval_seconds = time.perf_counter() - self.last_eval_started
             key = f"eval_{self.task.primary_metric}"
             if key not in metrics:
                 raise ConfigError(

@@ -110,7 +110,6 @@ class Console(Hook):
 
     def __init__(self, progress: bool):
         self.progress = progress
-        self._eval_started = 0.0
 
     def on_fit_start(self, run) -> None:
         from tqdm.auto import tqdm
@@ -121,11 +120,8 @@ class Console(Hook):
     def on_step_end(self, run) -> None:
         self.bar.update(1)
 
-    def on_eval_start(self, run) -> None:
-        self._eval_started = time.perf_counter()
-
     def on_eval_end(self, run, metrics: dict) -> None:
-        seconds = time.perf_counter() - self._eval_started
+        seconds = run.last_eval_seconds
         if not self.bar.disable:  # the evaluation's time out of the training clock (tqdm's unpause() would drop the step's too)
             self.bar.start_t += seconds
             self.bar.last_print_t += seconds

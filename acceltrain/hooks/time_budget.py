@@ -31,7 +31,6 @@ class TimeBudget(Hook):
     def __init__(self, minutes: float):
         self.budget = minutes * 60.0
         self.eval_seconds: float | None = None
-        self._eval_started = 0.0
         self._last_step_end: float | None = None
         self._recent_steps: collections.deque[float] = collections.deque(maxlen=RECENT_STEPS)
 
@@ -46,15 +45,12 @@ class TimeBudget(Hook):
         # resumed run continues its schedule where it was
         self._plan(run, run.train_seconds_before, 0.0, self._final_eval_seconds(run, 0.0))
 
-    def on_eval_start(self, run) -> None:
-        self._eval_started = time.perf_counter()
-
     def on_eval_end(self, run, metrics: dict) -> None:
-        self.eval_seconds = time.perf_counter() - self._eval_started
+        self.eval_seconds = run.last_eval_seconds
 
     def on_step_end(self, run) -> None:
         now = time.perf_counter()
-        if self._last_step_end is not None and self._eval_started < self._last_step_end:  # no evaluation in between
+        if self._last_step_end is not None and run.last_eval_started < self._last_step_end:  # no evaluation in between
             self._recent_steps.append(now - self._last_step_end)
         self._last_step_end = now
         step_seconds = statistics.median(self._recent_steps) if self._recent_steps else 0.0  # one stall is no trend
