@@ -42,6 +42,8 @@ BAD_INPUTS = [
     (["--seed", "-1"], "--seed -1 is invalid: must be an integer in [0, 4294967295]"),
     (["--seed", "100000000000000000000"], "--seed 100000000000000000000 is invalid: must be an integer in [0, 4294967295]"),
     (["--max-step", "5"], "unrecognized arguments: --max-step (did you mean --max-steps?)"),
+    (["--lookahead-decay", "1"], "--lookahead-decay 1.0 is invalid: must be a number in (0, 1)"),
+    (["--lookahead-every", "0"], "--lookahead-every 0 is invalid: must be an integer >= 1"),
 ]
 
 
@@ -51,6 +53,15 @@ def test_bad_flags_are_one_line_errors(argv, message):
         parse_config(CifarConfig, argv)
     assert message in str(err.value)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("err,line", [(OSError(28, "No space left on device"), "No space left on device"), (ValueError(""), "ValueError"),
+                                      (RuntimeError("first\nsecond"), "first"), (KeyError("x" * 500), "'" + "x" * 299)])
+def test_an_exception_quoted_in_a_message_is_one_short_line(err, line):
+    """An empty message used to raise IndexError inside the error path (the W&B key check, --hub-model-id)."""
+    from acceltrain.config import first_line
+
+    assert first_line(err) == line
 
 
 @pytest.mark.parametrize(
