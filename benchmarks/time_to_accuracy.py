@@ -2,7 +2,9 @@
 accuracy against epochs and against wall-clock seconds, for
 
   fast-epochs   the fast preset (recipes/configs/cifar10_fast.yaml) for its epochs (airbench94's budget:
-                about 10), evaluated after every epoch;
+                about 10), evaluated every 2 epochs;
+  fast-epochs-no-lookahead
+                the same without the lookahead (--lookahead-decay none): what the lookahead adds;
   fast-budget   the fast preset with --time-budget-minutes BUDGET (more epochs allowed: the budget ends it
                 and the LR schedule decays over the budget);
   tiny-budget   today's best CPU configuration before the fast preset (benchmarks/convergence_cpu.py's
@@ -31,7 +33,7 @@ from common import REPO, RESULTS_DIR, cifar10_jpeg, machine, run_recipe_process,
 PRESET = REPO / "recipes" / "configs" / "cifar10_fast.yaml"
 TINY_TUNED = ("--model resnet_tiny --channels-last --data-on-device --batch-size 256 --lr 0.4 --lr-schedule linear "
               "--warmup-steps 100 --label-smoothing 0.1")
-LEGS = ("fast-epochs", "fast-budget", "tiny-budget")
+LEGS = ("fast-epochs", "fast-epochs-no-lookahead", "fast-budget", "tiny-budget")
 TARGET = 0.94
 
 
@@ -115,6 +117,7 @@ def main() -> None:
     budget = ["--time-budget-minutes", str(args.budget_minutes), "--epochs", "1000", "--eval-every", "1000000"]
     flags = {
         "fast-epochs": ["--config", str(PRESET), "--eval-every", "96"],
+        "fast-epochs-no-lookahead": ["--config", str(PRESET), "--eval-every", "96", "--lookahead-decay", "none"],
         "fast-budget": ["--config", str(PRESET), *budget],
         "tiny-budget": [*shlex.split(TINY_TUNED), *budget],
     }

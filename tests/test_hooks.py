@@ -13,7 +13,7 @@ import torch
 from accelerate.utils import DistributedType
 from safetensors.torch import load_file
 
-from acceltrain import EMA, ClassificationTask, ConfigError, Hook
+from acceltrain import EMA, ClassificationTask, ConfigError, Hook, Lookahead
 from acceltrain.checkpointing import EXIT_PREEMPTED, complete_checkpoints
 from conftest import read_events, read_summary, run_tiny_in_process
 
@@ -211,6 +211,58 @@ def test_ema_refuses_sharded_weights_with_one_line(distributed_type, stage):
 def test_ema_refuses_a_decay_outside_zero_one(decay):
     with pytest.raises(ConfigError, match=f"EMA decay {decay!r} is invalid"):
         EMA(decay=decay)
+
+
+def _fake_run(model, *, step, total_steps, time_fraction=0.0, distributed_type=DistributedType.NO):
+    accelerator = SimpleNamespace(distributed_type=distributed_type, unwrap_model=lambda m: m)
+    return SimpleNamespace(accelerator=accelerator, model=model, step=step, total_steps=total_steps, stop=None,
+                           schedule_progress=SimpleNamespace(time_fraction=time_fraction))
+
+
+def test_lookahead_moves_the_average_by_the_ramped_decay_and_sets_the_weights_to_it():
+    model = torch.nn.Linear(3, 2)
+    lookahead = Lookahead(decay=0.9, every=4)
+    run = _fake_run(model, step=0, total_steps=10)
+    lookahead.on_fit_start(run)
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    for step in (1, 2, 3):  # between updates the weights train freely
+        run.step = step
+        lookahead.on_step_end(run)
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    trained = model.weight.clone()
+    run.step = 4  # an update at 40% of the run: decay 0.9**4 * 0.4**3
+    lookahead.on_step_end(run)
+    decay = 0.9**4 * 0.4**3
+    assert torch.allclose(model.weight, decay * start["weight"] + (1 - decay) * trained)
+    assert torch.equal(model.weight, lookahead.average["weight"]) and torch.equal(model.bias, start["bias"])
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    before, run.step, run.schedule_progress.time_fraction = model.weight.clone(), 7, 0.9  # a time budget 90% spent
+    average = lookahead.average["weight"].clone()
+    lookahead.on_train_end(run)  # an early finish off the update steps ends on the average too
+    decay = 0.9**4 * 0.9**3
+    assert torch.allclose(model.weight, decay * average + (1 - decay) * before)
+    run.step = 10  # the last step updates whatever ``every`` says
+    lookahead.on_step_end(run)
+    assert lookahead.updated_step == 10
+
+
+def test_lookahead_changes_training_and_resumes_exactly(tmp_path):
+    plain, full, part = tmp_path / "plain", tmp_path / "full", tmp_path / "part"
+    assert run_tiny(plain) == 0
+    assert run_tiny(full, hooks=[Lookahead(decay=0.8, every=2)]) == 0
+    assert (full / "model.safetensors").read_bytes() != (plain / "model.safetensors").read_bytes()
+    assert run_tiny(part, "--stop-after-steps", "5", hooks=[Lookahead(decay=0.8, every=2)]) == EXIT_PREEMPTED
+    assert run_tiny(part, "--resume", "auto", hooks=[Lookahead(decay=0.8, every=2)]) == 0
+    assert (part / "model.safetensors").read_bytes() == (full / "model.safetensors").read_bytes()
+    assert (part / "rank0.safetensors").read_bytes() == (full / "rank0.safetensors").read_bytes()
+
+
+def test_lookahead_refuses_deepspeed_with_one_line():
+    run = _fake_run(torch.nn.Linear(1, 1), step=0, total_steps=1, distributed_type=DistributedType.DEEPSPEED)
+    with pytest.raises(ConfigError, match="DeepSpeed's optimizer would overwrite them"):
+        Lookahead().on_fit_start(run)
 
 
 class OnlyLossAndValues:

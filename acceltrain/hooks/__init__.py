@@ -9,12 +9,13 @@ from .ema import EMA
 from .evaluation import Evaluation, TargetMetric
 from .hub import HubReady
 from .logging import Console, MetricsFile, Trackers, TrainingLog
+from .lookahead import Lookahead
 from .plots import Curves
 from .profiling import MemoryReport, Profiler
 from .time_budget import TimeBudget
 
 __all__ = [
-    "EMA", "EVENTS", "CheckpointSchedule", "Console", "Curves", "Evaluation", "Hook", "Hooks", "HubReady", "MemoryReport",
+    "EMA", "EVENTS", "CheckpointSchedule", "Console", "Curves", "Evaluation", "Hook", "Hooks", "HubReady", "Lookahead", "MemoryReport",
     "MetricsFile", "Preemption", "Profiler", "TargetMetric", "TimeBudget", "Trackers", "TrainingLog", "builtin_hooks",
 ]
 

@@ -20,9 +20,9 @@ class EMA(Hook):
 
     def __init__(self, decay: float = 0.999, every: int = 1, evaluate: bool = True, export: bool = True, name: str | None = None):
         if not 0 < decay < 1:
-            raise ConfigError(f"EMA decay {decay!r} is invalid: must be a number in (0, 1)")
+            raise ConfigError(f"{type(self).__name__} decay {decay!r} is invalid: must be a number in (0, 1)")
         if every < 1:
-            raise ConfigError(f"EMA every {every!r} is invalid: must be an integer >= 1")
+            raise ConfigError(f"{type(self).__name__} every {every!r} is invalid: must be an integer >= 1")
         self.decay, self.every, self.evaluate, self.export = decay, every, evaluate, export
         self.name = name
         self.average: dict[str, torch.Tensor] | None = None
@@ -34,11 +34,12 @@ class EMA(Hook):
             accelerator.distributed_type == DistributedType.DEEPSPEED and accelerator.state.deepspeed_plugin.zero_stage == 3
         )
         if sharded:
-            raise ConfigError("EMA needs every process to hold the full weights: FSDP and DeepSpeed ZeRO-3 shard them; use DDP or ZeRO-1/2")
+            raise ConfigError(f"{type(self).__name__} needs every process to hold the full weights: FSDP and DeepSpeed ZeRO-3 "
+                              "shard them; use DDP or ZeRO-1/2")
         self.live = accelerator.unwrap_model(run.model).state_dict(keep_vars=False)
         source = self._restored if self._restored is not None else self.live
         if set(source) != set(self.live):
-            raise ConfigError("the checkpoint's EMA weights do not match this model's parameters: resume with the same model")
+            raise ConfigError(f"the checkpoint's {type(self).__name__} weights do not match this model's parameters: resume with the same model")
         self.average = {k: source[k].detach().to(self.live[k].device, torch.float32 if v.is_floating_point() else v.dtype).clone()
                         for k, v in self.live.items()}
         self._floats = [k for k, v in self.live.items() if v.is_floating_point()]
