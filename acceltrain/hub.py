@@ -155,6 +155,7 @@ def model_card(run, model: nn.Module, summary: dict, pipeline_tag: str | None, r
                 "torch": runtime.get("torch"), "accelerate": runtime.get("accelerate"), "acceltrain": runtime.get("acceltrain")}
     settings = {key: getattr(cfg, key) for key in KEY_SETTINGS} | {"global batch": runtime.get("global_batch_size")}
     script = sys.argv[0] if sys.argv and sys.argv[0] else "RECIPE.py"
+    again = shlex.join(launch_command())
     return "\n".join([
         f"---\n{data.to_yaml()}\n---",
         f"# {where.rsplit('/', 1)[-1]}",
@@ -177,7 +178,7 @@ def model_card(run, model: nn.Module, summary: dict, pipeline_tag: str | None, r
         "",
         _table(settings),
         "",
-        f"Every setting: `{TRAIN_CONFIG_FILE}`; the same run again: `python {script} --config {TRAIN_CONFIG_FILE}`.",
+        f"Every setting: `{TRAIN_CONFIG_FILE}`; the same run again: `{again} --config {TRAIN_CONFIG_FILE}`.",
         "",
         "## Results",
         "",
@@ -191,9 +192,20 @@ def model_card(run, model: nn.Module, summary: dict, pipeline_tag: str | None, r
         "",
         "## Command",
         "",
-        f"```bash\n{shlex.join(['python', *sys.argv])}\n```",
+        f"```bash\n{shlex.join([*launch_command(), *sys.argv[1:]])}\n```",
         "",
     ])
+
+
+def launch_command() -> list[str]:
+    """How this process was started, as a user would type it again: ``python -m package.module``, ``python
+    path.py`` or a console script's name (``sys.argv[0]`` is then a full path into the package or the venv)."""
+    script = sys.argv[0] if sys.argv and sys.argv[0] else "RECIPE.py"
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    if spec is not None and script == getattr(main, "__file__", None):  # python -m
+        return ["python", "-m", spec.name.removesuffix(".__main__")]
+    return ["python", script] if script.endswith(".py") else [Path(script).name]
 
 
 def _is_transformers_model(model: nn.Module) -> bool:

@@ -95,6 +95,24 @@ def test_a_resnet_run_folder_loads_with_one_call_and_describes_itself(tmp_path, 
     assert 'load_model("' in card
 
 
+@pytest.mark.parametrize("argv0,module,command", [
+    ("recipes/resnet_cifar.py", None, ["python", "recipes/resnet_cifar.py"]),
+    ("/venv/lib/acceltrain/recipes/resnet_cifar.py", "acceltrain.recipes.resnet_cifar", ["python", "-m", "acceltrain.recipes.resnet_cifar"]),
+    ("/venv/bin/acceltrain-resnet-cifar", None, ["acceltrain-resnet-cifar"]),
+])
+def test_the_card_s_command_is_the_one_the_user_typed(monkeypatch, argv0, module, command):
+    """Under -m or a console script the card used to say ``python /full/path/...``, which runs nothing useful."""
+    import types
+
+    from acceltrain.hub import launch_command
+
+    main = types.ModuleType("__main__")
+    main.__file__, main.__spec__ = argv0, (types.SimpleNamespace(name=module) if module else None)
+    monkeypatch.setitem(sys.modules, "__main__", main)
+    monkeypatch.setattr(sys, "argv", [argv0, "--lr", "0.1"])
+    assert launch_command() == command
+
+
 def test_the_loaded_model_gives_the_trained_model_s_outputs(tmp_path, hub_hooks, monkeypatch, fixed_images):
     _, recorder = hub_hooks
     out = tmp_path / "run"
