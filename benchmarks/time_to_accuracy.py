@@ -81,15 +81,17 @@ def plot(results: dict, path: Path, budget_minutes: float) -> None:
         epochs = [p["epoch"] for p in result["curve"]]
         seconds = [p["seconds"] for p in result["curve"]]
         accuracy = [100 * p["accuracy"] for p in result["curve"]]
-        by_epoch.plot(epochs, accuracy, marker="o", label=name)
-        by_time.plot(seconds, accuracy, marker="o", label=name)
+        cpu = result.get("machine", {}).get("cpu", "").replace("(R)", "").replace(" Processor", "")
+        label = f"{name} ({cpu})" if cpu else name  # legs may have run on other machines
+        by_epoch.plot(epochs, accuracy, marker="o", label=label)
+        by_time.plot(seconds, accuracy, marker="o", label=label)
     for axis, label in ((by_epoch, "epochs"), (by_time, "wall-clock seconds of training (evaluation included)")):
         axis.axhline(100 * TARGET, color="grey", linestyle="--", linewidth=1)
         axis.set_xlabel(label)
         axis.set_ylabel("CIFAR-10 test accuracy (%)")
         axis.set_xlim(left=0)
         axis.grid(alpha=0.3)
-        axis.legend()
+        axis.legend(fontsize=8, loc="lower right")
     by_time.axvline(budget_minutes * 60, color="red", linestyle=":", linewidth=1)
     figure.suptitle("acceltrain time to accuracy, CIFAR-10 (JPEG copy)")
     figure.tight_layout()
