@@ -71,12 +71,18 @@ class TrainConfig:
     lr: float = option(0.1, "peak learning rate")
     momentum: float = option(0.9, "SGD momentum")
     weight_decay: float = option(5e-4, "weight decay (decoupled for adamw)")
+    decay_all_parameters: bool = option(
+        False, "weight decay on biases and normalisation parameters too, at the weights' decay per step (airbench94); "
+        "default: matrices and conv kernels only",
+    )
     norm_bias_lr_scale: float = option(1.0, "learning-rate multiplier for the normalisation layers' parameters (airbench94: 64)")
     lr_schedule: LRSchedule = option(
         "cosine", "after warm-up: constant, cosine decay to 0, or linear decay to 0 (its old name onecycle is accepted)",
         aliases={"onecycle": "linear"},
     )
     warmup_steps: int = option(0, "optimizer steps of linear learning-rate warm-up")
+    warmup_start_rate: float = option(0.0, "the warm-up starts at this fraction of the peak lr (airbench94: 0.2)")
+    min_lr_rate: float = option(0.0, "the decay ends at this fraction of the peak lr (transformers' min_lr_rate; airbench94: 0.07)")
     max_grad_norm: float | None = option(None, "clip the global gradient norm to this on optimizer steps")
     # -- evaluation and stopping
     eval_every: int | None = option(
@@ -192,6 +198,8 @@ class TrainConfig:
         require(self.norm_bias_lr_scale > 0, "norm_bias_lr_scale", self.norm_bias_lr_scale, "a number > 0")
         require(0 <= self.momentum < 1, "momentum", self.momentum, "a number in [0, 1)")
         require(self.warmup_steps >= 0, "warmup_steps", self.warmup_steps, "an integer >= 0")
+        for name in ("warmup_start_rate", "min_lr_rate"):
+            require(0 <= getattr(self, name) < 1, name, getattr(self, name), "a number in [0, 1)")
         require(self.timing_warmup_steps >= 0, "timing_warmup_steps", self.timing_warmup_steps, "an integer >= 0")
         if self.max_grad_norm is not None:
             require(self.max_grad_norm > 0, "max_grad_norm", self.max_grad_norm, "a number > 0")

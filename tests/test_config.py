@@ -44,6 +44,8 @@ BAD_INPUTS = [
     (["--max-step", "5"], "unrecognized arguments: --max-step (did you mean --max-steps?)"),
     (["--lookahead-decay", "1"], "--lookahead-decay 1.0 is invalid: must be a number in (0, 1)"),
     (["--lookahead-every", "0"], "--lookahead-every 0 is invalid: must be an integer >= 1"),
+    (["--min-lr-rate", "1"], "--min-lr-rate 1.0 is invalid: must be a number in [0, 1)"),
+    (["--warmup-start-rate", "-0.1"], "--warmup-start-rate -0.1 is invalid: must be a number in [0, 1)"),
 ]
 
 

@@ -74,3 +74,24 @@ def test_normalisation_parameters_can_take_a_scaled_lr_that_follows_the_schedule
     optimizer.step()
     scheduler.step()
     assert [group["lr"] for group in optimizer.param_groups] == pytest.approx([0.075, 0.075, 0.075 * 64])
+
+
+def test_decay_all_parameters_decays_every_group_by_the_same_fraction_per_step():
+    """airbench94: weight decay per step is lr x weight_decay; with the BatchNorm group's 64x lr its weight
+    decay is 1/64, so biases and norms shrink as fast as the weights."""
+    from torch import nn
+
+    from acceltrain.optim import build_optimizer
+
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
+    cfg = TrainConfig(lr=0.1, weight_decay=0.01, norm_bias_lr_scale=64.0, decay_all_parameters=True)
+    per_step = [group["lr"] * group["weight_decay"] for group in build_optimizer(model, cfg).param_groups]
+    assert per_step == pytest.approx([0.1 * 0.01] * 3)
+
+
+def test_the_warm_up_can_start_and_the_decay_end_above_zero():
+    """airbench94's triangle: from 0.2 of the peak lr up to it, then down to 0.07."""
+    lr = [lr_multiplier(step, total_steps=100, warmup_steps=20, schedule="linear", warmup_start=0.2, floor=0.07) for step in range(101)]
+    assert lr[0] == pytest.approx(0.2 + 0.8 / 21) and max(lr) == pytest.approx(1.0)
+    assert lr[60] == pytest.approx(0.07 + 0.93 * 0.5) and lr[100] == pytest.approx(0.07)
+    assert lr_multiplier(100, total_steps=100, warmup_steps=20, schedule="cosine", floor=0.07) == pytest.approx(0.07)
