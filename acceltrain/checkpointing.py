@@ -299,9 +299,7 @@ def _allowed_globals() -> list:
     except ImportError:
         pass
     enums = allowed_enums()
-    # some Pythons (3.11.2) pickle an Enum member as getattr(EnumClass, name): that GLOBAL resolves here to a
-    # getattr that returns members of these enums only
-    return [*allowed, *enums, (_enum_member, "builtins.getattr")]
+    return [*allowed, *enums, (enum_member_getter(enums), "builtins.getattr")]
 
 
 def allowed_enums() -> tuple:
@@ -313,12 +311,18 @@ def allowed_enums() -> tuple:
     return (ZeroStageEnum,)
 
 
-def _enum_member(owner, name: str):
+def enum_member_getter(enums: tuple):
+    """What the GLOBAL ``builtins.getattr`` resolves to in a checkpoint's pickles. Some Pythons (3.11.2)
+    pickle an Enum member as ``getattr(EnumClass, name)``; this getattr returns members of ``enums`` only,
+    and refuses any other attribute of anything."""
     import pickle
 
-    if owner in allowed_enums() and name in owner.__members__:
-        return owner[name]
-    raise pickle.UnpicklingError(f"getattr({getattr(owner, '__name__', owner)!r}, {name!r}) is not an allowed enum member")
+    def member(owner, name):
+        if owner in enums and isinstance(name, str) and name in owner.__members__:
+            return owner[name]
+        raise pickle.UnpicklingError(f"getattr({getattr(owner, '__name__', owner)!r}, {name!r}) is not an allowed enum member")
+
+    return member
 
 
 DCP_METADATA = ".metadata"  # torch.distributed.checkpoint's index of a sharded (FSDP) state, next to its .distcp files
@@ -372,6 +376,7 @@ def _check_dcp_folder(metadata_file: Path) -> None:
 def _load_dcp_metadata(file: Path):
     """DCP's ``.metadata`` pickle, allowing only the names it holds: DCP's metadata classes, torch sizes,
     dtypes and layouts, and the checkpoint's path."""
+    import enum
     import pathlib
     import pickle
 
@@ -384,6 +389,8 @@ def _load_dcp_metadata(file: Path):
     allowed |= {"torch.distributed.checkpoint.filesystem._StorageInfo": filesystem._StorageInfo, "torch.Size": torch.Size,
                 "torch.serialization._get_layout": torch.serialization._get_layout, "pathlib.PosixPath": pathlib.PosixPath}
     allowed |= {f"torch.{name}": value for name, value in vars(torch).items() if isinstance(value, torch.dtype)}
+    enums = tuple(value for value in allowed.values() if isinstance(value, type) and issubclass(value, enum.Enum))
+    allowed["builtins.getattr"] = enum_member_getter(enums)  # _MEM_FORMAT_ENCODING's members on Python 3.11.2
 
     class OnlyMetadata(pickle.Unpickler):
         def find_class(self, module: str, name: str):

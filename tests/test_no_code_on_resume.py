@@ -159,3 +159,20 @@ def test_fsdp_sharded_checkpoints_load_and_a_planted_pickle_in_their_metadata_or
     with pytest.raises(CheckpointError, match=r"__0_0\.distcp' cannot be loaded without running code"):
         check_loadable_without_code(_sharded(tmp_path / "item", extra=Payload(marker)))
     assert not marker.exists(), "the checkpoint ran code"
+
+
+def test_dcp_metadata_with_enum_members_pickled_by_name_loads_and_other_attributes_do_not(tmp_path):
+    """Python 3.11.2 pickles DCP's _MEM_FORMAT_ENCODING members as getattr(enum, name): found by CI there."""
+    import pickle
+
+    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
+
+    from acceltrain.checkpointing import _load_dcp_metadata
+
+    member = next(iter(_MEM_FORMAT_ENCODING))
+    (tmp_path / "enum").write_bytes(pickle.dumps(ByName(_MEM_FORMAT_ENCODING, member.name)))
+    assert _load_dcp_metadata(tmp_path / "enum") is member
+    for owner, name in ((type(Path()), "unlink"), (_MEM_FORMAT_ENCODING, "__class__")):  # PosixPath is allowed, its methods are not
+        (tmp_path / "other").write_bytes(pickle.dumps(ByName(owner, name)))
+        with pytest.raises(pickle.UnpicklingError, match="is not an allowed enum member"):
+            _load_dcp_metadata(tmp_path / "other")
