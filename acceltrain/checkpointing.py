@@ -325,7 +325,7 @@ def enum_member_getter(enums: tuple):
     return member
 
 
-DCP_METADATA = ".metadata"  # torch.distributed.checkpoint's index of a sharded (FSDP) state, next to its .distcp files
+DCP_METADATA = ".metadata"  # torch.distributed.checkpoint's index of a sharded (FSDP) state (or __<rank>.metadata)
 
 
 def check_loadable_without_code(path: Path) -> None:
@@ -337,9 +337,12 @@ def check_loadable_without_code(path: Path) -> None:
     files. (The check reads each file once more than the resume does.)"""
     import torch
 
+    links = sorted(str(f.relative_to(path)) for f in path.rglob("*") if f.is_symlink())
+    if links:  # rglob does not walk into linked folders, the loaders would: a place for files this check never sees
+        raise CheckpointError(f"checkpoint {str(path)!r} holds symbolic links ({', '.join(links[:3])}); refusing to resume from it")
     with torch.serialization.safe_globals(_allowed_globals()):
-        for file in sorted(f for f in path.rglob("*") if (f.suffix in PICKLED_SUFFIXES or f.name == DCP_METADATA) and f.is_file()):
-            if file.name == DCP_METADATA:
+        for file in sorted(f for f in path.rglob("*") if (f.suffix in PICKLED_SUFFIXES or f.name.endswith(DCP_METADATA)) and f.is_file()):
+            if file.name.endswith(DCP_METADATA):  # DCP falls back to __<rank>.metadata when .metadata is missing
                 _check_dcp_folder(file)
                 continue
             with _refusing(file):
@@ -375,7 +378,9 @@ def _check_dcp_folder(metadata_file: Path) -> None:
 
 def _load_dcp_metadata(file: Path):
     """DCP's ``.metadata`` pickle, allowing only the names it holds: DCP's metadata classes, torch sizes,
-    dtypes and layouts, and the checkpoint's path."""
+    dtypes and layouts, and the checkpoint's path. Python's own unpickler, since DCP pickles with protocol 4+
+    (framing), which torch's weights-only unpickler does not read; BUILD may only set the state of instances
+    of those classes, never of a class or function itself (that would change it for the whole process)."""
     import enum
     import pathlib
     import pickle
@@ -392,11 +397,22 @@ def _load_dcp_metadata(file: Path):
     enums = tuple(value for value in allowed.values() if isinstance(value, type) and issubclass(value, enum.Enum))
     allowed["builtins.getattr"] = enum_member_getter(enums)  # _MEM_FORMAT_ENCODING's members on Python 3.11.2
 
-    class OnlyMetadata(pickle.Unpickler):
+    instances = tuple(value for value in allowed.values() if isinstance(value, type) and not issubclass(value, enum.Enum))
+
+    class OnlyMetadata(pickle._Unpickler):  # the Python implementation: its opcodes can be screened one by one
+        dispatch = dict(pickle._Unpickler.dispatch)
+
         def find_class(self, module: str, name: str):
             if f"{module}.{name}" not in allowed:
                 raise pickle.UnpicklingError(f"global {module}.{name} is not allowed in DCP metadata")
             return allowed[f"{module}.{name}"]
+
+        def load_build(self):
+            if type(self.stack[-2]) not in instances:  # [-1] is the state, [-2] what it would be set on
+                raise pickle.UnpicklingError(f"BUILD on a {type(self.stack[-2]).__name__} is not allowed in DCP metadata")
+            pickle._Unpickler.load_build(self)
+
+        dispatch[pickle.BUILD[0]] = load_build
 
     with open(file, "rb") as stream:
         return OnlyMetadata(stream).load()

@@ -81,7 +81,7 @@ class TrainConfig:
         aliases={"onecycle": "linear"},
     )
     warmup_steps: int = option(0, "optimizer steps of linear learning-rate warm-up")
-    warmup_start_rate: float = option(0.0, "the warm-up starts at this fraction of the peak lr (airbench94: 0.2)")
+    warmup_start_rate: float = option(0.0, "the warm-up rises linearly from this fraction of the peak lr (airbench94: 0.2)")
     min_lr_rate: float = option(0.0, "the decay ends at this fraction of the peak lr (transformers' min_lr_rate; airbench94: 0.07)")
     max_grad_norm: float | None = option(None, "clip the global gradient norm to this on optimizer steps")
     # -- evaluation and stopping

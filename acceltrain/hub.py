@@ -14,6 +14,7 @@ import inspect
 import json
 import shlex
 import sys
+import sysconfig
 from collections.abc import Callable
 from pathlib import Path
 
@@ -205,7 +206,9 @@ def launch_command() -> list[str]:
     spec = getattr(main, "__spec__", None)
     if spec is not None and script == getattr(main, "__file__", None):  # python -m
         return ["python", "-m", spec.name.removesuffix(".__main__")]
-    return ["python", script] if script.endswith(".py") else [Path(script).name]
+    if Path(script).parent == Path(sysconfig.get_path("scripts")):  # a console script of this environment
+        return [Path(script).name]
+    return ["python", script]
 
 
 def _is_transformers_model(model: nn.Module) -> bool:

@@ -248,12 +248,30 @@ def test_lookahead_moves_the_average_by_the_ramped_decay_and_sets_the_weights_to
     assert lookahead.updated_step == 10
 
 
+def test_lookahead_reevaluates_an_early_finish_already_evaluated_at_its_step():
+    """A time budget ending on an epoch's last step, evaluated there before the final update: the final
+    metrics must be the exported (averaged) weights', so it evaluates again."""
+    model = torch.nn.Linear(3, 2)
+    lookahead = Lookahead(decay=0.9, every=4)
+    evaluated = []
+    run = _fake_run(model, step=0, total_steps=100)
+    run.evaluate = lambda: evaluated.append(run.step)
+    lookahead.on_fit_start(run)
+    run.step = 6
+    lookahead.on_eval_end(run, {})
+    run.stop = SimpleNamespace(finish=True)
+    lookahead.on_train_end(run)
+    assert lookahead.updated_step == 6 and evaluated == [6]
+    lookahead.on_train_end(run)  # updated at this step already: nothing more
+    assert evaluated == [6]
+
+
 def test_lookahead_changes_training_and_resumes_exactly(tmp_path):
     plain, full, part = tmp_path / "plain", tmp_path / "full", tmp_path / "part"
     assert run_tiny(plain) == 0
     assert run_tiny(full, hooks=[Lookahead(decay=0.8, every=2)]) == 0
     assert (full / "model.safetensors").read_bytes() != (plain / "model.safetensors").read_bytes()
-    assert run_tiny(part, "--stop-after-steps", "5", hooks=[Lookahead(decay=0.8, every=2)]) == EXIT_PREEMPTED
+    assert run_tiny(part, "--stop-after-steps", "4", hooks=[Lookahead(decay=0.8, every=2)]) == EXIT_PREEMPTED  # an update step
     assert run_tiny(part, "--resume", "auto", hooks=[Lookahead(decay=0.8, every=2)]) == 0
     assert (part / "model.safetensors").read_bytes() == (full / "model.safetensors").read_bytes()
     assert (part / "rank0.safetensors").read_bytes() == (full / "rank0.safetensors").read_bytes()

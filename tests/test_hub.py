@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import sys
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -98,7 +99,8 @@ def test_a_resnet_run_folder_loads_with_one_call_and_describes_itself(tmp_path, 
 @pytest.mark.parametrize("argv0,module,command", [
     ("recipes/resnet_cifar.py", None, ["python", "recipes/resnet_cifar.py"]),
     ("/venv/lib/acceltrain/recipes/resnet_cifar.py", "acceltrain.recipes.resnet_cifar", ["python", "-m", "acceltrain.recipes.resnet_cifar"]),
-    ("/venv/bin/acceltrain-resnet-cifar", None, ["acceltrain-resnet-cifar"]),
+    (f"{sysconfig.get_path('scripts')}/acceltrain-resnet-cifar", None, ["acceltrain-resnet-cifar"]),
+    ("myrecipe", None, ["python", "myrecipe"]),  # a script without .py, or a folder with __main__.py
 ])
 def test_the_card_s_command_is_the_one_the_user_typed(monkeypatch, argv0, module, command):
     """Under -m or a console script the card used to say ``python /full/path/...``, which runs nothing useful."""

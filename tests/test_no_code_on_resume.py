@@ -176,3 +176,31 @@ def test_dcp_metadata_with_enum_members_pickled_by_name_loads_and_other_attribut
         (tmp_path / "other").write_bytes(pickle.dumps(ByName(owner, name)))
         with pytest.raises(pickle.UnpicklingError, match="is not an allowed enum member"):
             _load_dcp_metadata(tmp_path / "other")
+
+
+def test_dcp_metadata_cannot_rewrite_an_allowed_class_nor_hide_in_a_fallback_file_or_a_linked_folder(tmp_path):
+    """Three ways past the first metadata check (found in review): BUILD on an allowed class (here setting
+    PosixPath.parent for the whole process), DCP's fallback ``__0.metadata`` when ``.metadata`` is missing,
+    and a shard folder behind a symbolic link, which rglob does not walk into."""
+    import pickle
+    import shutil
+
+    from acceltrain.checkpointing import CheckpointError, _load_dcp_metadata, check_loadable_without_code
+
+    (tmp_path / "build").write_bytes(b"cpathlib\nPosixPath\n}X\x06\x00\x00\x00parentX\x06\x00\x00\x00hackedsb.")
+    with pytest.raises(pickle.UnpicklingError, match="BUILD on a type is not allowed"):
+        _load_dcp_metadata(tmp_path / "build")
+    assert Path("/a/b").parent == Path("/a")
+    marker = tmp_path / "payload-ran"
+    fallback = _sharded(tmp_path / "fallback") / "pytorch_model_fsdp_0"
+    (fallback / ".metadata").unlink()
+    (fallback / "__0.metadata").write_bytes(pickle.dumps(Payload(marker)))
+    with pytest.raises(CheckpointError, match=r"__0\.metadata' cannot be loaded without running code"):
+        check_loadable_without_code(fallback.parent)
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    shutil.move(str(fallback), str(tmp_path / "elsewhere"))
+    (linked / "pytorch_model_fsdp_0").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(CheckpointError, match=r"holds symbolic links \(pytorch_model_fsdp_0\)"):
+        check_loadable_without_code(linked)
+    assert not marker.exists(), "the checkpoint ran code"

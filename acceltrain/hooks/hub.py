@@ -44,7 +44,8 @@ class HubReady(Hook):
         try:
             summary["hub_commit"] = push_folder(self.repo_id, run.output_dir, summary)
         except Exception as err:  # noqa: BLE001 - the trained run stays finished and on disk; said in one line
-            summary["hub_push_error"] = f"{type(err).__name__}: {first_line(err)}"
+            reason = first_line(err)
+            summary["hub_push_error"] = reason if reason == type(err).__name__ else f"{type(err).__name__}: {reason}"
             logger.warning(f"--push-to-hub: the upload to {self.repo_id} failed ({summary['hub_push_error']}); the run is complete "
                            f"in {run.output_dir}: upload it with `{upload_command(self.repo_id, run.output_dir)}`")
         else:

@@ -38,11 +38,13 @@ class Lookahead(EMA):
         self.evaluated_step = run.step
 
     def on_train_end(self, run) -> None:
-        """A run finishing early (a time budget, a target) ends on the average too, unless it was already
-        evaluated at this step (a target reached by the weights as they are)."""
+        """A run finishing early (a time budget, a target) ends on the average too; when it was already
+        evaluated at this step, that is evaluated again, so the final metrics are the exported weights'."""
         finishing = run.stop is None or run.stop.finish
-        if finishing and run.step not in (self.updated_step, self.evaluated_step):
+        if finishing and self.updated_step != run.step:
             self._update(run)
+            if self.evaluated_step == run.step:
+                run.evaluate()
 
     @torch.no_grad()
     def _update(self, run) -> None:
