@@ -97,6 +97,7 @@ class Run:
         self.train_seconds_before = 0.0  # training time of earlier launches of this run
         self.last_eval: dict = {}
         self.last_eval_started, self.last_eval_seconds = 0.0, None  # perf_counter and duration of the latest evaluation
+        self.last_eval_step: int | None = None  # the step of this launch's latest evaluation
         self.best_metric: float | None = None
         self.best_checkpoint: str | None = None
         self.tracker_run_id: str | None = None
@@ -155,6 +156,7 @@ class Run:
             metrics, samples = evaluate(self.accelerator, self.model, self.eval_batches, self.task, progress=self.cfg.progress)
             self.model.train()
             self.last_eval_seconds = time.perf_counter() - self.last_eval_started
+            self.last_eval_step = self.step
             key = f"eval_{self.task.primary_metric}"
             if key not in metrics:
                 raise ConfigError(

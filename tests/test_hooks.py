@@ -215,7 +215,7 @@ def test_ema_refuses_a_decay_outside_zero_one(decay):
 
 def _fake_run(model, *, step, total_steps, time_fraction=0.0, distributed_type=DistributedType.NO):
     accelerator = SimpleNamespace(distributed_type=distributed_type, unwrap_model=lambda m: m)
-    return SimpleNamespace(accelerator=accelerator, model=model, step=step, total_steps=total_steps, stop=None,
+    return SimpleNamespace(accelerator=accelerator, model=model, step=step, total_steps=total_steps, stop=None, last_eval_step=None,
                            schedule_progress=SimpleNamespace(time_fraction=time_fraction))
 
 
@@ -257,8 +257,7 @@ def test_lookahead_reevaluates_an_early_finish_already_evaluated_at_its_step():
     run = _fake_run(model, step=0, total_steps=100)
     run.evaluate = lambda: evaluated.append(run.step)
     lookahead.on_fit_start(run)
-    run.step = 6
-    lookahead.on_eval_end(run, {})
+    run.step = run.last_eval_step = 6  # evaluated at this step (Run.evaluate records it)
     run.stop = SimpleNamespace(finish=True)
     lookahead.on_train_end(run)
     assert lookahead.updated_step == 6 and evaluated == [6]

@@ -15,18 +15,14 @@ class Evaluation(Hook):
 
     def __init__(self, every: int | None):
         self.every = every
-        self.evaluated_step: int | None = None
 
     def on_step_end(self, run) -> None:
         due = run.step % self.every == 0 if self.every else run.batch_in_epoch == run.batches_per_epoch
         if due or run.step == run.total_steps:
             run.evaluate()
 
-    def on_eval_end(self, run, metrics: dict) -> None:
-        self.evaluated_step = run.step
-
     def on_train_end(self, run) -> None:
-        if run.stop is not None and run.stop.finish and self.evaluated_step != run.step:
+        if run.stop is not None and run.stop.finish and run.last_eval_step != run.step:
             run.evaluate()
 
 

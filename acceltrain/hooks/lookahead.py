@@ -22,7 +22,7 @@ class Lookahead(EMA):
 
     def __init__(self, decay: float = 0.95, every: int = 5, name: str | None = None):
         super().__init__(decay=decay, every=every, evaluate=False, export=False, name=name)
-        self.updated_step = self.evaluated_step = None
+        self.updated_step = None
 
     def on_fit_start(self, run) -> None:
         if run.accelerator.distributed_type == DistributedType.DEEPSPEED:
@@ -34,16 +34,13 @@ class Lookahead(EMA):
         if run.step % self.every == 0 or run.step == run.total_steps:
             self._update(run)
 
-    def on_eval_end(self, run, metrics: dict) -> None:
-        self.evaluated_step = run.step
-
     def on_train_end(self, run) -> None:
         """A run finishing early (a time budget, a target) ends on the average too; when it was already
         evaluated at this step, that is evaluated again, so the final metrics are the exported weights'."""
         finishing = run.stop is None or run.stop.finish
         if finishing and self.updated_step != run.step:
             self._update(run)
-            if self.evaluated_step == run.step:
+            if run.last_eval_step == run.step:
                 run.evaluate()
 
     @torch.no_grad()
