@@ -70,7 +70,21 @@ def _fail(message: str, code: int) -> typing.NoReturn:
     _report_error(message)
     unlock_output_dir()
     _close_process_group()
+    _give_the_main_process_time_to_print()
     raise SystemExit(code) from None
+
+
+MAIN_PROCESS_GRACE_SECONDS = 5.0
+
+
+def _give_the_main_process_time_to_print() -> None:
+    """A launcher stops every process as soon as one exits. Only the main process prints the line, and it can be a
+    moment behind the others (the same bad flag fails everywhere), so the others wait for it before exiting: the
+    launcher's SIGTERM ends the wait once the main process has printed and left."""
+    if os.environ.get("RANK", "0") != "0":
+        import time
+
+        time.sleep(MAIN_PROCESS_GRACE_SECONDS)
 
 
 def _close_process_group() -> None:

@@ -103,10 +103,12 @@ def test_a_failure_on_main_process_first_stops_every_process_instead_of_hanging(
         assert f"rank {1 - fail_rank}: RuntimeError: another process failed: disk full" in lines
 
 
-def test_under_torchrun_the_launchers_failure_report_names_the_one_line_error():
+@pytest.mark.parametrize("main_process_lag", ["0", "2"])
+def test_under_torchrun_the_launchers_failure_report_names_the_one_line_error(main_process_lag):
     """torchrun's ChildFailedError table shows each worker's error file as the root cause: the one line,
-    not "To enable traceback see ..." (the launcher's own traceback and exit code 1 remain its own)."""
-    result = launch(TINY_RECIPE, ["--lr", "0"], processes=2, launcher="torchrun")
+    not "To enable traceback see ..." (the launcher's own traceback and exit code 1 remain its own).
+    The main process prints the line even when another process failed first (torchrun then SIGTERMs the rest)."""
+    result = launch(TINY_RECIPE, ["--lr", "0"], processes=2, launcher="torchrun", TINY_MAIN_PROCESS_LAG_SECONDS=main_process_lag)
     assert result.returncode != 0
     line = "error: --lr 0.0 is invalid: must be a number > 0"
     before, root_cause = result.stderr.split("Root Cause")

@@ -126,4 +126,6 @@ def main(cfg: TinyConfig, hooks=(), task=None) -> None:
 
 
 if __name__ == "__main__":
+    if os.environ.get("RANK", "0") == "0":  # a main process slower to start than the others (a race torchrun can lose)
+        time.sleep(float(os.environ.get("TINY_MAIN_PROCESS_LAG_SECONDS", "0")))
     run_recipe(main, TinyConfig)
