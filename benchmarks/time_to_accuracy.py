@@ -5,6 +5,13 @@ accuracy against epochs and against wall-clock seconds, for
                 about 10), evaluated every 2 epochs;
   fast-epochs-no-lookahead
                 the same without the lookahead (--lookahead-decay none): what the lookahead adds;
+  fast-epochs-fp32
+                the same in float32 (--mixed-precision no): what bf16 autocast costs;
+  fast-epochs-jpeg-q50
+                the same on the copy JPEG-compressed once more at quality 50 (4:2:0 chroma, train and
+                test): what more compression costs, the measurable side of the copy's own (quality 75,
+                4:2:0): no lossless CIFAR-10 is reachable offline. Re-encoding at the copy's own
+                settings would measure nothing: it changes the images by 51 dB PSNR;
   fast-budget   the fast preset with --time-budget-minutes BUDGET (more epochs allowed: the budget ends it
                 and the LR schedule decays over the budget);
   tiny-budget   today's best CPU configuration before the fast preset (benchmarks/convergence_cpu.py's
@@ -33,8 +40,36 @@ from common import REPO, RESULTS_DIR, cifar10_jpeg, machine, run_recipe_process,
 PRESET = REPO / "recipes" / "configs" / "cifar10_fast.yaml"
 TINY_TUNED = ("--model resnet_tiny --channels-last --data-on-device --batch-size 256 --lr 0.4 --lr-schedule linear "
               "--warmup-steps 100 --label-smoothing 0.1")
-LEGS = ("fast-epochs", "fast-epochs-no-lookahead", "fast-budget", "tiny-budget")
+LEGS = ("fast-epochs", "fast-epochs-no-lookahead", "fast-epochs-fp32", "fast-epochs-jpeg-q50", "fast-budget", "tiny-budget")
 TARGET = 0.94
+AGAIN_QUALITY, SUBSAMPLING_420 = 50, 2  # the archive's quantisation tables are libjpeg's quality 75, its chroma 4:2:0
+
+
+def compressed_again(data_dir: Path, quality: int = AGAIN_QUALITY) -> tuple[Path, float]:
+    """The ImageFolder tree at ``data_dir`` JPEG-encoded once more at ``quality`` (4:2:0, as the archive), next
+    to it, and the PSNR in dB of the new images against the old (mean squared error over every pixel)."""
+    from PIL import Image
+    import numpy as np
+
+    target = data_dir.with_name(f"{data_dir.name}-q{quality}")
+    files = sorted(data_dir.rglob("*.jpg"))
+    squared_error, count = 0.0, 0
+    partial = target.with_name(f".{target.name}.tmp")
+    for file in files:
+        destination = partial / file.relative_to(data_dir)
+        destination.parent.mkdir(parents=True, exist_ok=True)
+        with Image.open(file) as image:
+            image.save(destination, quality=quality, subsampling=SUBSAMPLING_420)
+            before = np.asarray(image.convert("RGB"), dtype=np.float64)
+        with Image.open(destination) as image:
+            squared_error += float(((np.asarray(image.convert("RGB"), dtype=np.float64) - before) ** 2).sum())
+        count += before.size
+    if target.exists():
+        import shutil
+
+        shutil.rmtree(target)
+    partial.replace(target)
+    return target, float(10 * np.log10(255**2 / (squared_error / count)))
 
 
 def run_leg(name: str, flags: list[str], data_dir: Path, tmp: Path) -> dict:
@@ -120,13 +155,20 @@ def main() -> None:
     flags = {
         "fast-epochs": ["--config", str(PRESET), "--eval-every", "96"],
         "fast-epochs-no-lookahead": ["--config", str(PRESET), "--eval-every", "96", "--lookahead-decay", "none"],
+        "fast-epochs-fp32": ["--config", str(PRESET), "--eval-every", "96", "--mixed-precision", "no"],
+        "fast-epochs-jpeg-q50": ["--config", str(PRESET), "--eval-every", "96"],
         "fast-budget": ["--config", str(PRESET), *budget],
         "tiny-budget": [*shlex.split(TINY_TUNED), *budget],
     }
     results = earlier_legs(args.budget_minutes)
     with tempfile.TemporaryDirectory() as tmp:
         for leg in legs:  # written after each leg: a long run stopped early keeps what it measured
-            results[leg] = {**run_leg(leg, flags[leg] + shlex.split(args.extra), data_dir, Path(tmp)), "machine": machine()}
+            leg_data, extra = data_dir, {}
+            if leg == "fast-epochs-jpeg-q50":
+                leg_data, psnr = compressed_again(data_dir)
+                extra = {"psnr_db_against_the_copy": round(psnr, 2)}
+                print(f"{leg}: the copy compressed again at quality {AGAIN_QUALITY}: PSNR {psnr:.2f} dB against it", flush=True)
+            results[leg] = {**run_leg(leg, flags[leg] + shlex.split(args.extra), leg_data, Path(tmp)), **extra, "machine": machine()}
             write(args.budget_minutes, info, results)
     headline = write(args.budget_minutes, info, results)
     if "fast-epochs" in results:

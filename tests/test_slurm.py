@@ -89,8 +89,12 @@ def logged_steps(output_dir: Path) -> int:
 
 def finish_after_requeue(job_id: str, output_dir: Path) -> str:
     """Wait for the requeue and for the requeued job to complete; returns the job's log. (A requeued job
-    starts again after the credential lifetime: 120 s by default, 10 s in .ci/slurm-up's cluster.)"""
+    starts again after the credential lifetime: 120 s by default, 10 s in .ci/slurm-up's cluster.)
+
+    Once requeued, the job gets 10 minutes: a 2-minute limit would signal every attempt again 40-70 s into
+    it, and on a slow machine (start-up of ~25 s an attempt) the run then needs one attempt per ~40 steps."""
     wait_for(lambda: job(job_id).get("Restarts", "0") != "0", "the requeue", 120)
+    subprocess.run(["scontrol", "update", f"JobId={job_id}", "TimeLimit=10"], capture_output=True, timeout=15)  # fails if it already ended
     ended = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL")
     state = wait_for(lambda: job(job_id).get("JobState") in ended and job(job_id)["JobState"], "the requeued job to end", 300)
     log = (output_dir.parent / "job.log").read_text()
