@@ -5,8 +5,6 @@ accuracy against epochs and against wall-clock seconds, for
                 about 10), evaluated every 2 epochs;
   fast-epochs-no-lookahead
                 the same without the lookahead (--lookahead-decay none): what the lookahead adds;
-  fast-epochs-fp32
-                the same in float32 (--mixed-precision no): what bf16 autocast costs;
   fast-epochs-jpeg-q50
                 the same on the copy JPEG-compressed once more at quality 50 (4:2:0 chroma, train and
                 test): what more compression costs, the measurable side of the copy's own (quality 75,
@@ -40,7 +38,7 @@ from common import REPO, RESULTS_DIR, cifar10_jpeg, machine, run_recipe_process,
 PRESET = REPO / "recipes" / "configs" / "cifar10_fast.yaml"
 TINY_TUNED = ("--model resnet_tiny --channels-last --data-on-device --batch-size 256 --lr 0.4 --lr-schedule linear "
               "--warmup-steps 100 --label-smoothing 0.1")
-LEGS = ("fast-epochs", "fast-epochs-no-lookahead", "fast-epochs-fp32", "fast-epochs-jpeg-q50", "fast-budget", "tiny-budget")
+LEGS = ("fast-epochs", "fast-epochs-no-lookahead", "fast-epochs-jpeg-q50", "fast-budget", "tiny-budget")
 TARGET = 0.94
 AGAIN_QUALITY, SUBSAMPLING_420 = 50, 2  # the archive's quantisation tables are libjpeg's quality 75, its chroma 4:2:0
 
@@ -155,7 +153,6 @@ def main() -> None:
     flags = {
         "fast-epochs": ["--config", str(PRESET), "--eval-every", "96"],
         "fast-epochs-no-lookahead": ["--config", str(PRESET), "--eval-every", "96", "--lookahead-decay", "none"],
-        "fast-epochs-fp32": ["--config", str(PRESET), "--eval-every", "96", "--mixed-precision", "no"],
         "fast-epochs-jpeg-q50": ["--config", str(PRESET), "--eval-every", "96"],
         "fast-budget": ["--config", str(PRESET), *budget],
         "tiny-budget": [*shlex.split(TINY_TUNED), *budget],
