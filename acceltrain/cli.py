@@ -5,6 +5,7 @@ measure speed."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import sys
@@ -65,12 +66,13 @@ def run_recipe(main: Callable, config_class: type[TrainConfig], argv: list[str] 
 
 
 def _fail(message: str, code: int) -> typing.NoReturn:
-    from .checkpointing import unlock_output_dir
+    from .checkpointing import EXIT_INTERRUPTED, unlock_output_dir
 
     _report_error(message)
     unlock_output_dir()
     _close_process_group()
-    _give_the_main_process_time_to_print()
+    if code != EXIT_INTERRUPTED:  # a second Ctrl-C stops at once
+        _give_the_main_process_time_to_print()
     raise SystemExit(code) from None
 
 
@@ -80,11 +82,18 @@ MAIN_PROCESS_GRACE_SECONDS = 5.0
 def _give_the_main_process_time_to_print() -> None:
     """A launcher stops every process as soon as one exits. Only the main process prints the line, and it can be a
     moment behind the others (the same bad flag fails everywhere), so the others wait for it before exiting: the
-    launcher's SIGTERM ends the wait once the main process has printed and left."""
+    launcher's SIGTERM ends the wait once the main process has printed and left (the default action again: the
+    loop's preemption handler, still installed after a divergence, would only note it)."""
     if os.environ.get("RANK", "0") != "0":
+        import signal
         import time
 
-        time.sleep(MAIN_PROCESS_GRACE_SECONDS)
+        with contextlib.suppress(ValueError):  # not the main thread: signals are not ours to set
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        try:
+            time.sleep(MAIN_PROCESS_GRACE_SECONDS)
+        except KeyboardInterrupt:  # Ctrl-C in the wait: leave with the one line already given
+            pass
 
 
 def _close_process_group() -> None:

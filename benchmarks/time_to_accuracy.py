@@ -28,7 +28,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -45,14 +47,18 @@ AGAIN_QUALITY, SUBSAMPLING_420 = 50, 2  # the archive's quantisation tables are 
 
 def compressed_again(data_dir: Path, quality: int = AGAIN_QUALITY) -> tuple[Path, float]:
     """The ImageFolder tree at ``data_dir`` JPEG-encoded once more at ``quality`` (4:2:0, as the archive), next
-    to it, and the PSNR in dB of the new images against the old (mean squared error over every pixel)."""
+    to it, and the PSNR in dB of the new images against the old (mean squared error over every pixel). Made
+    once: a complete tree holds its PSNR in ``psnr.json``, written last (and reused, with its decode cache)."""
     from PIL import Image
     import numpy as np
 
     target = data_dir.with_name(f"{data_dir.name}-q{quality}")
+    if (target / "psnr.json").is_file():
+        return target, json.loads((target / "psnr.json").read_text())["psnr_db"]
     files = sorted(data_dir.rglob("*.jpg"))
+    assert files, f"no .jpg files under {data_dir}"
     squared_error, count = 0.0, 0
-    partial = target.with_name(f".{target.name}.tmp")
+    partial = target.with_name(f".{target.name}.{os.getpid()}.tmp")  # a killed run's leftover is never reused
     for file in files:
         destination = partial / file.relative_to(data_dir)
         destination.parent.mkdir(parents=True, exist_ok=True)
@@ -62,12 +68,12 @@ def compressed_again(data_dir: Path, quality: int = AGAIN_QUALITY) -> tuple[Path
         with Image.open(destination) as image:
             squared_error += float(((np.asarray(image.convert("RGB"), dtype=np.float64) - before) ** 2).sum())
         count += before.size
-    if target.exists():
-        import shutil
-
+    psnr = float(10 * np.log10(255**2 / (squared_error / count)))
+    (partial / "psnr.json").write_text(json.dumps({"psnr_db": psnr, "quality": quality, "source": data_dir.name}))
+    if target.exists():  # an incomplete tree of an older version
         shutil.rmtree(target)
     partial.replace(target)
-    return target, float(10 * np.log10(255**2 / (squared_error / count)))
+    return target, psnr
 
 
 def run_leg(name: str, flags: list[str], data_dir: Path, tmp: Path) -> dict:

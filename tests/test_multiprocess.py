@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from acceltrain.optim import lr_multiplier
-from conftest import RECIPE, TINY_RECIPE, check, launch, read_events, read_summary
+from conftest import RECIPE, REPO, TINY_RECIPE, check, launch, read_events, read_summary, subprocess_env
 
 pytestmark = pytest.mark.multiprocess
 
@@ -103,7 +107,7 @@ def test_a_failure_on_main_process_first_stops_every_process_instead_of_hanging(
         assert f"rank {1 - fail_rank}: RuntimeError: another process failed: disk full" in lines
 
 
-@pytest.mark.parametrize("main_process_lag", ["0", "2"])
+@pytest.mark.parametrize("main_process_lag", ["0", "1"])
 def test_under_torchrun_the_launchers_failure_report_names_the_one_line_error(main_process_lag):
     """torchrun's ChildFailedError table shows each worker's error file as the root cause: the one line,
     not "To enable traceback see ..." (the launcher's own traceback and exit code 1 remain its own).
@@ -114,6 +118,24 @@ def test_under_torchrun_the_launchers_failure_report_names_the_one_line_error(ma
     before, root_cause = result.stderr.split("Root Cause")
     assert line + "\n" in before, result.stderr  # printed by rank 0, before the launcher's report
     assert line in root_cause and "To enable traceback" not in root_cause
+
+
+@pytest.mark.parametrize("code,ends", [(2, "by the launcher's SIGTERM"), (130, "at once")])
+def test_a_failing_process_other_than_the_main_one_waits_only_until_the_launcher_stops_it(code, ends):
+    """Its wait for the main process ends with the launcher's SIGTERM even while the loop's preemption handler
+    (which only sets a flag) is still installed, as after a divergence inside fit; a second Ctrl-C does not wait."""
+    probe = ("import os, sys; os.environ['RANK'] = '1'\n"
+             "from acceltrain.checkpointing import PreemptionSignals; PreemptionSignals().install()\n"
+             f"from acceltrain.cli import _fail; print('failing', flush=True); _fail('boom', {code})")
+    process = subprocess.Popen([sys.executable, "-c", probe], cwd=REPO, env=subprocess_env(), stdout=subprocess.PIPE, text=True)
+    assert process.stdout.readline() == "failing\n"
+    started = time.monotonic()
+    if code == 2:
+        time.sleep(0.5)
+        process.send_signal(signal.SIGTERM)
+    returncode = process.wait(timeout=30)
+    assert time.monotonic() - started < 3, f"exit {returncode}: the wait did not end {ends}"
+    assert returncode == (-signal.SIGTERM if code == 2 else code)
 
 
 def test_a_time_budget_stops_every_process_at_the_same_step_with_the_same_learning_rates(tmp_path):

@@ -21,6 +21,7 @@ pytestmark = pytest.mark.slurm
 ARGS = ["--num-train", "8192", "--batch-size", "16", "--grad-accum", "2", "--epochs", "1", "--lr", "0.05", "--batchnorm",
         "--no-progress", "--log-every", "10", "--num-workers", "0", "--report-to", "none"]
 SLOW = ["--sleep-per-step", "0.1"]
+ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL")
 
 
 def _slurm_missing() -> str | None:
@@ -94,9 +95,10 @@ def finish_after_requeue(job_id: str, output_dir: Path) -> str:
     Once requeued, the job gets 10 minutes: a 2-minute limit would signal every attempt again 40-70 s into
     it, and on a slow machine (start-up of ~25 s an attempt) the run then needs one attempt per ~40 steps."""
     wait_for(lambda: job(job_id).get("Restarts", "0") != "0", "the requeue", 120)
-    subprocess.run(["scontrol", "update", f"JobId={job_id}", "TimeLimit=10"], capture_output=True, timeout=15)  # fails if it already ended
-    ended = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL")
-    state = wait_for(lambda: job(job_id).get("JobState") in ended and job(job_id)["JobState"], "the requeued job to end", 300)
+    lifted = subprocess.run(["scontrol", "update", f"JobId={job_id}", "TimeLimit=10"], capture_output=True, text=True, timeout=15)
+    if lifted.returncode != 0:  # only a job that has already ended may refuse it
+        assert job(job_id).get("JobState") in ENDED, f"scontrol update TimeLimit=10: {lifted.stderr.strip()}"
+    state = wait_for(lambda: job(job_id).get("JobState") in ENDED and job(job_id)["JobState"], "the requeued job to end", 300)
     log = (output_dir.parent / "job.log").read_text()
     assert state == "COMPLETED", log[-4000:]
     return log
