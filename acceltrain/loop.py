@@ -99,9 +99,13 @@ def fit(cfg: TrainConfig, model: nn.Module, optimizer: torch.optim.Optimizer, tr
         if cfg.resume and not _resume(run, cfg.resume):
             return _already_finished(run)
         run.hooks.call("on_fit_start", run)
-        run.start_clock()
-        _train(run)
-        return _finish(run)
+        try:
+            run.start_clock()
+            _train(run)
+            return _finish(run)
+        except Exception as error:  # not SystemExit: a stop to be resumed keeps its handlers to the end
+            run.hooks.call("on_exception", run, error)
+            raise
     finally:
         stop_workers(run.train_batches, run.eval_batches)
         unlock_output_dir(output_dir)

@@ -247,6 +247,14 @@ def test_divergence_stops_with_one_line_and_keeps_the_last_good_checkpoint(tmp_p
         assert state["best_metric"] is None or state["best_metric"] == state["best_metric"]  # never NaN
 
 
+def test_a_run_that_raises_gives_the_signal_handlers_back(tmp_path, capsys):
+    """fit() installs its preemption handlers (SIGTERM, SIGUSR1 and SIGINT only set a flag); when it raises (a
+    divergence here) they are put back, so a notebook's next Ctrl-C interrupts again."""
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
+    assert run_tiny(tmp_path / "run", "--lr", "1e30", "--max-grad-norm", "1e9") == EXIT_DIVERGED
+    assert {sig: signal.getsignal(sig) for sig in before} == before
+
+
 def test_a_nan_metric_is_never_the_best():
     from acceltrain.run import _improves
 

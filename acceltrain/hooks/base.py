@@ -17,6 +17,8 @@ Events, in the order a run meets them:
 - ``on_fit_end(run, summary)``: the run finished and its weights are written; entries added to
   ``summary`` go into summary.json and the tracker's summary. Not called when the run stops to be
   resumed later.
+- ``on_exception(run, error)``: ``fit()`` is raising ``error`` (a divergence, a crash) after
+  ``on_fit_start``: give back what ``on_fit_start`` took (signal handlers, files); the error propagates.
 
 At each event your hooks run first, in the order given to ``fit(hooks=[...])``, then the built-in ones
 in the order of :func:`acceltrain.hooks.builtin_hooks`. Every process calls the same hooks at the same
@@ -42,7 +44,7 @@ from ..config import ConfigError
 
 EVENTS = (
     "on_fit_start", "on_epoch_start", "on_step_end", "on_log", "on_eval_start", "on_eval_end",
-    "on_save", "on_train_end", "on_fit_end",
+    "on_save", "on_train_end", "on_fit_end", "on_exception",
 )
 HOOKS_DIR = "hooks"  # inside a checkpoint folder: <name>.json and <name>.safetensors per stateful hook
 
@@ -70,6 +72,8 @@ class Hook:
     def on_train_end(self, run) -> None: ...
 
     def on_fit_end(self, run, summary: dict) -> None: ...
+
+    def on_exception(self, run, error: Exception) -> None: ...
 
     def state_dict(self) -> dict | None:
         """The state to checkpoint, or None for a stateless hook."""

@@ -66,3 +66,6 @@ class Preemption(Hook):
 
     def on_fit_end(self, run, summary: dict) -> None:
         self.signals.restore()
+
+    def on_exception(self, run, error: Exception) -> None:
+        self.signals.restore()
