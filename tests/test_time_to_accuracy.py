@@ -210,7 +210,8 @@ def test_fast_net_has_airbenchs_shape_and_frozen_batchnorm_scales():
     model = build_model("fast_cifar", num_classes=7)
     assert isinstance(model, FastCifarNet) and model.whiten.weight.shape == (24, 3, 2, 2)
     assert 1.9e6 < sum(p.numel() for p in model.parameters()) < 2.0e6
-    assert all(not m.weight.requires_grad and m.bias.requires_grad for m in model.modules() if isinstance(m, nn.BatchNorm2d))
+    norms = [m for m in model.modules() if isinstance(m, nn.BatchNorm2d)]
+    assert all(not m.weight.requires_grad and m.bias.requires_grad and m.eps == 1e-12 for m in norms)
     assert model(torch.randn(2, 3, 32, 32)).shape == (2, 7)
     with pytest.raises(ConfigError, match="--stem 'imagenet' is invalid for --model fast_cifar"):
         build_model("fast_cifar", stem="imagenet")

@@ -32,8 +32,8 @@ class FastCifarNet(nn.Module):
     :class:`ConvGroup` of ``widths`` channels each halving the resolution, a global max-pool and a linear head
     without bias whose logits are multiplied by ``output_scale`` (small logits at the start train faster).
 
-    BatchNorm scales are fixed at 1 (only the shifts learn) and their running statistics move fast
-    (``batchnorm_momentum`` in PyTorch's convention: weight of the new batch), as in airbench. Every
+    BatchNorm scales are fixed at 1 (only the shifts learn), their eps is 1e-12 and their running statistics
+    move fast (``batchnorm_momentum`` in PyTorch's convention: weight of the new batch), as in airbench. Every
     constructor argument is a JSON value, so the config can be saved next to the weights.
     """
 
@@ -65,7 +65,7 @@ class FastCifarNet(nn.Module):
 
 
 def _batchnorm(channels: int, momentum: float) -> nn.BatchNorm2d:
-    norm = nn.BatchNorm2d(channels, momentum=momentum)
+    norm = nn.BatchNorm2d(channels, eps=1e-12, momentum=momentum)
     norm.weight.requires_grad_(False)
     return norm
 
