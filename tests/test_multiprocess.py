@@ -134,7 +134,7 @@ def test_a_failing_process_other_than_the_main_one_waits_only_until_the_launcher
         time.sleep(0.5)
         process.send_signal(signal.SIGTERM)
     returncode = process.wait(timeout=30)
-    assert time.monotonic() - started < 3, f"exit {returncode}: the wait did not end {ends}"
+    assert time.monotonic() - started < 4.5, f"exit {returncode}: the wait did not end {ends}"
     assert returncode == (-signal.SIGTERM if code == 2 else code)
 
 
