@@ -162,7 +162,10 @@ class TrainConfig:
     timing_warmup_steps: int = option(
         5, "optimizer steps excluded from the throughput figure (warm-up, allocator, compile)", free_on_resume=True
     )
-    progress: bool = option(True, "show a tqdm progress bar on the main process", free_on_resume=True)
+    progress: bool | None = option(
+        None, "progress bars on the main process: --progress always, --no-progress never (default: only when stderr is a "
+        "terminal, so a log file gets no bar updates)", free_on_resume=True,
+    )
     log_level: LogLevel = option(
         "info", "the toolkit's messages from this level up (warning: no config, metric rows or 'done:'; the progress bar "
         "follows --progress); debug adds time and logger name and lets the libraries' warnings through", free_on_resume=True,

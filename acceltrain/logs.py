@@ -61,6 +61,14 @@ CONSOLE = ConsoleHandler()
 CONSOLE.setFormatter(PLAIN_FORMAT)
 
 
+def show_progress(asked: bool | None) -> bool:
+    """Whether progress bars draw: ``--progress`` (True) always, ``--no-progress`` (False) never, unset only
+    when stderr is a terminal (in a log file, a bar is thousands of carriage-return updates)."""
+    if asked is not None:
+        return asked
+    return sys.stderr is not None and sys.stderr.isatty()
+
+
 def install_console_handler() -> None:
     """The ``acceltrain`` logger's default set-up, done when ``acceltrain`` is imported: info and up, on the console."""
     toolkit = logging.getLogger(ROOT)

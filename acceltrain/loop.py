@@ -99,6 +99,7 @@ def fit(cfg: TrainConfig, model: nn.Module, optimizer: torch.optim.Optimizer, tr
         if cfg.resume and not _resume(run, cfg.resume):
             return _already_finished(run)
         run.hooks.call("on_fit_start", run)
+        run.hooks.check_states()
         try:
             run.start_clock()
             _train(run)

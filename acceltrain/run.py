@@ -27,6 +27,7 @@ from .checkpointing import (
 )
 from .config import ConfigError, TrainConfig
 from .distributed import init_process_state, main_process_only
+from .logs import show_progress
 from .metrics import Throughput, synchronize
 
 logger = get_logger(__name__)
@@ -324,7 +325,7 @@ def _improves(value: float, best: float | None, higher_is_better: bool) -> bool:
     return value > best if higher_is_better else value < best
 
 
-def evaluate(accelerator, model, batches, task, *, progress: bool = False) -> tuple[dict[str, float], int]:
+def evaluate(accelerator, model, batches, task, *, progress: bool | None = False) -> tuple[dict[str, float], int]:
     """Each per-sample eval value summed over the whole eval set, exact across processes
     (``gather_for_metrics`` drops the samples that even batches padded onto the last one), then turned
     into metrics by ``task.eval_metrics(sums, samples)`` if the task has it, else into means. ``progress``:
@@ -336,7 +337,7 @@ def evaluate(accelerator, model, batches, task, *, progress: bool = False) -> tu
     count = 0
     with torch.no_grad():
         for batch in tqdm(batches, desc="eval", unit="batch", leave=False, dynamic_ncols=True,
-                          disable=not (progress and accelerator.is_main_process)):
+                          disable=not (show_progress(progress) and accelerator.is_main_process)):
             values = accelerator.gather_for_metrics(task.eval_values(model, batch))
             for key, value in values.items():
                 totals[key] = totals.get(key, 0) + value.double().sum()

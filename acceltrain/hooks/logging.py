@@ -9,6 +9,7 @@ from pathlib import Path
 from accelerate.logging import get_logger
 
 from ..checkpointing import METRICS_FILE
+from ..logs import show_progress
 from ..metrics import EventLog, peak_memory_mb, synchronize
 from ..tracking import finish_tracking, start_tracking
 from .base import Hook
@@ -108,8 +109,8 @@ class Console(Hook):
     of its clock, and the evaluations still to come are shown next to it at the duration of the last one
     (``+4 evals ~01:20``), so the two estimates add up to when the run ends."""
 
-    def __init__(self, progress: bool):
-        self.progress = progress
+    def __init__(self, progress: bool | None):
+        self.progress = show_progress(progress)
 
     def on_fit_start(self, run) -> None:
         from tqdm.auto import tqdm

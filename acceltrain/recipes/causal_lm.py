@@ -74,6 +74,7 @@ def main(cfg: CausalLMConfig, task_class: type | None = None) -> dict:
     """``task_class``: a CausalLMTask subclass (the tests count targets with one); default: CausalLMTask."""
     # imported here, not at the top: --help and bad flags answer in a fraction of a second, without torch
     from acceltrain import build_optimizer, fit, on_main_process_first, setup_run
+    from acceltrain.logs import show_progress
     from acceltrain.text import (
         CausalLMTask,
         build_causal_lm,
@@ -92,7 +93,7 @@ def main(cfg: CausalLMConfig, task_class: type | None = None) -> dict:
     # the output folder first: the tokenizer lives there; DeepSpeed is refused before any tokenising
     run = setup_run(cfg, NAME, task=task_class)
     cfg, output_dir = run.cfg, run.output_dir
-    show_progress_bars(cfg.progress and run.is_main_process)
+    show_progress_bars(show_progress(cfg.progress) and run.is_main_process)
     with removed_on_bad_input(output_dir):
         texts = load_text(cfg.text_files, cfg.dataset_name, cfg.dataset_config)
         tokenizer_source, flag = (cfg.tokenizer, "--tokenizer") if cfg.tokenizer else (cfg.model_name_or_path, "--model-name-or-path")
