@@ -101,19 +101,14 @@ def run_row(row: Row, args, out: Path, position: int) -> None:
     if row_dir.exists():
         shutil.rmtree(row_dir)
     total = args.warmup + args.steps
-    recipe_args = [
-        "--dataset", args.dataset, "--model", args.model, "--batch-size", str(args.batch_size), "--max-steps", str(total),
-        "--timing-warmup-steps", str(args.warmup), "--log-every", "1", "--report-to", "none", "--no-progress",
-        "--output-dir", str(row_dir), *row.flags, *args.recipe_args,
-    ]
+    recipe_args = [*recipe_arguments(args, row_dir), *row.flags, *args.recipe_args]
     recipe = [args.recipe] if _is_script(args.recipe) else ["-m", args.recipe]
     if row.processes > 1:
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(row.processes),
                    *recipe, *recipe_args]
     else:
         command = [sys.executable, *recipe, *recipe_args]
-    log_path = out / "rows" / f"{position:02d}-{row.name}.log"
-    log_path.parent.mkdir(parents=True, exist_ok=True)
+    log_path = out / "rows" / f"{position:02d}-{row.name}.log"  # rows/: made by make_output_dir
     bar = tqdm(total=total, desc=f"{row.name} x{row.processes}", leave=False, disable=None)  # None: only on a terminal
     with open(log_path, "w") as log, bar:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "WANDB_MODE": "disabled"})
@@ -134,6 +129,15 @@ def run_row(row: Row, args, out: Path, position: int) -> None:
         "batch_size": summary["config"]["batch_size"],
         "compile_seconds": summary.get("compile_seconds"),
     }
+
+
+def recipe_arguments(args, row_dir: Path) -> list[str]:
+    """The flags bench gives the recipe in every row, before the row's own and the user's extra ones."""
+    return [
+        "--dataset", args.dataset, "--model", args.model, "--batch-size", str(args.batch_size),
+        "--max-steps", str(args.warmup + args.steps), "--timing-warmup-steps", str(args.warmup), "--log-every", "1",
+        "--report-to", "none", "--no-progress", "--output-dir", str(row_dir),
+    ]
 
 
 def _steps_done(metrics: Path) -> int:
@@ -262,8 +266,89 @@ def _module_exists(name: str) -> bool:
         return False
 
 
+RECIPE_MODULE = "acceltrain_bench_recipe"  # a --recipe script imported to read its config class, not run
+
+
+def recipe_config_class(recipe: str) -> type:
+    """The config class of ``--recipe``, to check the rows' command line before any row runs: the class its
+    ``main(cfg)`` is annotated with, else the one TrainConfig subclass the recipe defines or imports. A
+    script is imported under another name than ``__main__``, so its ``cli()`` does not run."""
+    import inspect
+
+    from .config import ConfigError, TrainConfig
+
+    module = _import_recipe(recipe)
+    main = getattr(module, "main", None)
+    if not callable(main):
+        raise ConfigError(f"--recipe {recipe!r} has no main(cfg): a recipe is a config class (a TrainConfig subclass), "
+                          f"main(cfg) and cli(), as {DEFAULT_RECIPE}")
+    parameters = list(inspect.signature(main).parameters.values())
+    annotated = parameters[0].annotation if parameters else None
+    if isinstance(annotated, type) and issubclass(annotated, TrainConfig):
+        return annotated
+    found = {value for value in vars(module).values()
+             if isinstance(value, type) and issubclass(value, TrainConfig) and value is not TrainConfig}
+    if len(found) == 1:
+        return found.pop()
+    raise ConfigError(f"--recipe {recipe!r} has no config class: annotate main(cfg: YourConfig) with a TrainConfig subclass")
+
+
+def _import_recipe(recipe: str):
+    """The recipe module, imported in this process; a file that is not Python, or that fails to import, is a
+    ConfigError (``--recipe /etc/passwd``)."""
+    from importlib.machinery import SourceFileLoader
+
+    from .config import ConfigError, first_line
+
+    try:
+        if not _is_script(recipe):
+            return importlib.import_module(recipe)
+        loader = SourceFileLoader(RECIPE_MODULE, recipe)  # any file name: a script need not end in .py
+        module = importlib.util.module_from_spec(importlib.util.spec_from_loader(RECIPE_MODULE, loader))
+        sys.modules[RECIPE_MODULE] = module  # as importlib's recipe for a source file: dataclasses look it up
+        loader.exec_module(module)
+        return module
+    except Exception as err:  # noqa: BLE001 - SyntaxError, ImportError, or whatever the recipe's own code raises
+        raise ConfigError(f"--recipe {recipe!r} cannot be loaded as a Python recipe: {first_line(err)}") from None
+
+
+def check_recipe_arguments(config_class: type, args, parser: argparse.ArgumentParser, out: Path) -> None:
+    """The rows' command line as the recipe will parse it, checked once here: a flag neither bench nor the
+    recipe knows, a ``--model`` the recipe does not offer, a bad value of a recipe flag."""
+    import dataclasses
+
+    from .config import ConfigError, _with_suggestion, build_parser as recipe_parser, flag_name, parse_config
+
+    recipe_flags = [f"--{flag_name(field.name)}" for field in dataclasses.fields(config_class)]
+    missing = [flag for flag in ("--model", "--dataset") if flag not in recipe_flags]
+    if missing:
+        raise ConfigError(f"--recipe {args.recipe!r} has no {', '.join(missing)}: bench gives every row --model and "
+                          f"--dataset (as {DEFAULT_RECIPE} takes them)")
+    _, unknown = recipe_parser(config_class).parse_known_args(args.recipe_args)
+    if unknown:
+        flags = [flag for action in parser._actions for flag in action.option_strings] + recipe_flags
+        raise ConfigError("unrecognized arguments: " + " ".join(_with_suggestion(token, flags) for token in unknown)
+                          + " (neither a bench flag nor one of the recipe's: acceltrain bench --help, and the recipe's --help)")
+    parse_config(config_class, [*recipe_arguments(args, out / "rows"), *args.recipe_args])
+
+
+def make_output_dir(path: str) -> Path:
+    """``--output-dir`` with its rows folder, made before any row runs: an existing file there, or a place
+    that cannot hold a folder (``/proc``), is one line now rather than a traceback."""
+    from .config import ConfigError, first_line
+
+    out = Path(path)
+    try:
+        (out / "rows").mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ConfigError(f"--output-dir {path!r} cannot be written: {first_line(err)}") from None
+    return out
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="acceltrain bench", description=__doc__)
+    from .config import _OneLineParser
+
+    parser = _OneLineParser(prog="acceltrain bench", description=__doc__, allow_abbrev=False)  # --step is a typo
     parser.add_argument("--recipe", default=DEFAULT_RECIPE,
                         help="recipe to run: an installed module (python -m) or a script path (default: %(default)s)")
     parser.add_argument("--model", default="resnet_tiny", help="the recipe's --model (default: %(default)s)")
@@ -278,6 +363,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _processes(text: str) -> list[int]:
+    """``--processes 1,2`` -> [1, 2]; anything else is a ConfigError."""
+    from .config import ConfigError
+
+    try:
+        processes = [int(part) for part in text.split(",")]
+    except ValueError:
+        processes = [0]
+    if min(processes) < 1:
+        raise ConfigError(f"--processes {text!r} is invalid: a comma list of integers >= 1, e.g. 1,2")
+    return processes
+
+
 # Steady step times vary by about 10% from step to step on a quiet machine (resnet_tiny on 2 CPU cores:
 # 34-45 ms), so a mean over n timed steps is good to about 10%/sqrt(n): 20 steps give ~2%, below the
 # 5-10% effects the ladder compares; 3 steps give ~6%, as large as the effects. A busy machine is worse.
@@ -288,19 +386,21 @@ def main(argv: list[str] | None = None) -> int:
     from .config import ConfigError
 
     parser = build_parser()
-    args, args.recipe_args = parser.parse_known_args(argv)
     try:
+        args, args.recipe_args = parser.parse_known_args(argv)
         args.rows = [r.strip() for r in args.rows.split(",") if r.strip()]
         unknown = [r for r in args.rows if r not in LADDER]
-        processes = [int(p) for p in args.processes.split(",")]
+        processes = _processes(args.processes)
         if unknown:
             raise ConfigError(f"--rows {','.join(unknown)!r} is invalid: choose from {', '.join(LADDER)}")
         if not (Path(args.recipe).is_file() if _is_script(args.recipe) else _module_exists(args.recipe)):
             raise ConfigError(f"--recipe {args.recipe!r} not found: give a recipe script's path or an installed module "
                               f"such as {DEFAULT_RECIPE}")
-        if min(args.steps, args.batch_size) < 1 or args.warmup < 0 or min(processes) < 1:
-            raise ConfigError("--steps, --batch-size and --processes must be >= 1, --warmup >= 0")
-    except (ConfigError, ValueError) as err:
+        if min(args.steps, args.batch_size) < 1 or args.warmup < 0:
+            raise ConfigError("--steps and --batch-size must be >= 1, --warmup >= 0")
+        check_recipe_arguments(recipe_config_class(args.recipe), args, parser, Path(args.output_dir))
+        out = make_output_dir(args.output_dir)
+    except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     if args.steps < MIN_STABLE_STEPS:
@@ -312,8 +412,6 @@ def main(argv: list[str] | None = None) -> int:
     load_before = os.getloadavg()
     args.on_cuda = torch.cuda.is_available()
     mixed_precision = "bf16" if (not args.on_cuda or torch.cuda.is_bf16_supported()) else "fp16"
-    out = Path(args.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
     machine = machine_description(args.on_cuda)
 
     rows = run_ladder(ladder_steps(args, mixed_precision), args, out, mixed_precision)

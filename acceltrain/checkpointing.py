@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -15,7 +17,7 @@ import threading
 import time
 from pathlib import Path
 
-from .config import ConfigError, TrainConfig, first_line
+from .config import ConfigError, TrainConfig, first_line, shorten
 
 SUMMARY_FILE = "summary.json"
 METRICS_FILE = "metrics.jsonl"
@@ -231,14 +233,21 @@ def save_checkpoint(accelerator, state: TrainerState, output_dir: Path, write_ex
                 shutil.rmtree(final)
             os.replace(staging, final)
             _fsync(final.parent)
-    except (OSError, RuntimeError) as err:  # a full disk, a quota: torch reports it from C++ as a RuntimeError
+    except (OSError, RuntimeError, ValueError) as err:  # torch reports a full disk from C++ as a RuntimeError
         shutil.rmtree(staging, ignore_errors=True)
+        way_out = "free space and continue with --resume auto" if _out_of_space(err) else "continue with --resume auto once it is mended"
         raise CheckpointError(
-            f"could not write checkpoint {str(final)!r}: {first_line(err)}; the previous checkpoints are intact (free space and "
-            "continue with --resume auto)"
+            f"could not write checkpoint {str(final)!r}: {first_line(err)}; the previous checkpoints are intact ({way_out})"
         ) from None
     accelerator.wait_for_everyone()
     return final
+
+
+def _out_of_space(err: Exception) -> bool:
+    """A full disk or quota: ENOSPC/EDQUOT, or torch's C++ writer's "file write failed", which carries no errno."""
+    if isinstance(err, OSError):
+        return err.errno in (errno.ENOSPC, errno.EDQUOT)
+    return "file write failed" in str(err) or "No space left" in str(err)
 
 
 def verify_checkpoint(path: Path) -> TrainerState:
@@ -252,7 +261,7 @@ def verify_checkpoint(path: Path) -> TrainerState:
         manifest = json.loads(marker.read_text())
     except (OSError, ValueError):
         raise CheckpointError(f"checkpoint file {str(marker)!r} is unreadable") from None
-    for name, expected in manifest.items():
+    for name, expected in _manifest_entries(manifest, marker):
         file = path / name
         if not file.is_file():
             raise CheckpointError(f"checkpoint file {str(file)!r} is missing")
@@ -260,11 +269,69 @@ def verify_checkpoint(path: Path) -> TrainerState:
             raise CheckpointError(f"checkpoint file {str(file)!r} is truncated ({file.stat().st_size} of {expected['bytes']} bytes)")
         if _sha256(file) != expected["sha256"]:
             raise CheckpointError(f"checkpoint file {str(file)!r} is corrupted (sha256 differs from the manifest)")
+    state_file = path / STATE_FILE
     try:
-        fields = json.loads((path / STATE_FILE).read_text())
-        return TrainerState(**fields)
-    except (OSError, ValueError, TypeError):
-        raise CheckpointError(f"checkpoint file {str(path / STATE_FILE)!r} is unreadable") from None
+        fields = json.loads(state_file.read_text())
+    except (OSError, ValueError):
+        raise CheckpointError(f"checkpoint file {str(state_file)!r} is unreadable") from None
+    return _trainer_state(fields, state_file)
+
+
+def _manifest_entries(manifest, marker: Path) -> list[tuple[str, dict]]:
+    """The manifest's (file, {bytes, sha256}) entries, each checked for shape: a tampered manifest is one line."""
+    def malformed(what: str) -> CheckpointError:
+        return CheckpointError(f"checkpoint file {str(marker)!r} is malformed: {what}; it must map each file to its bytes and sha256")
+
+    if not isinstance(manifest, dict):
+        raise malformed(f"a JSON {type(manifest).__name__}, not an object")
+    for name, entry in manifest.items():
+        if Path(name).is_absolute() or ".." in Path(name).parts:
+            raise malformed(f"entry {shorten(name)} points outside the checkpoint")
+        if not (isinstance(entry, dict) and _is_count(entry.get("bytes")) and isinstance(entry.get("sha256"), str)):
+            raise malformed(f"entry {shorten(name)} is {shorten(entry)}")
+    return list(manifest.items())
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _finite_non_negative(value) -> bool:
+    return _is_number(value) and math.isfinite(value) and value >= 0
+
+
+# What each TrainerState field may hold, as (test, what is allowed): a tampered value (a negative step, a
+# string count) would otherwise train from it, or fail deep inside the loop.
+_FIELD_CHECKS = {
+    **{name: (_is_count, "an integer >= 0") for name in ("step", "epoch", "batches_in_epoch", "samples_seen", "seed",
+                                                         "global_batch_size", "train_samples")},
+    "grad_accum": (lambda v: _is_count(v) and v >= 1, "an integer >= 1"),
+    "train_seconds": (_finite_non_negative, "a finite number >= 0"),
+    "loss_count": (_finite_non_negative, "a finite number >= 0"),
+    "loss_sum": (lambda v: _is_number(v) and math.isfinite(v), "a finite number"),
+    "best_metric": (lambda v: v is None or _is_number(v), "a number or null"),
+    **{name: (lambda v: v is None or isinstance(v, str), "a string or null") for name in ("best_checkpoint", "tracker_run_id")},
+    **{name: (lambda v: isinstance(v, dict), "a JSON object") for name in ("last_eval", "scheduler", "config", "config_changes")},
+    "hooks": (lambda v: isinstance(v, list) and all(isinstance(n, str) for n in v), "a list of hook names"),
+}
+
+
+def _trainer_state(fields, state_file: Path) -> TrainerState:
+    """``trainer_state.json``'s fields as a TrainerState, every field checked for type and range."""
+    if not isinstance(fields, dict):
+        raise CheckpointError(f"checkpoint file {str(state_file)!r} is malformed: a JSON {type(fields).__name__}, not an object")
+    unknown = sorted(set(fields) - set(_FIELD_CHECKS))
+    if unknown:
+        raise CheckpointError(f"checkpoint file {str(state_file)!r} has unknown fields: {', '.join(shorten(name, 40) for name in unknown[:5])}")
+    for name, value in fields.items():
+        valid, allowed = _FIELD_CHECKS[name]
+        if not valid(value):
+            raise CheckpointError(f"checkpoint file {str(state_file)!r}: {name} is {shorten(value)}; it must be {allowed}")
+    return TrainerState(**fields)
 
 
 _CHECKPOINT_NAME = re.compile(r"step_(\d+)")

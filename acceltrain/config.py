@@ -38,6 +38,13 @@ def first_line(err: object, limit: int = 300) -> str:
     return text.splitlines()[0][:limit] if text else type(err).__name__
 
 
+def shorten(value: object, limit: int = 80) -> str:
+    """``repr(value)`` for a one-line message, cut to ``limit`` characters: a bad value may be megabytes
+    (a YAML alias bomb, a pasted file), and echoing it whole is no longer one line."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit - 5]}...{text[-2:]}"
+
+
 def option(default: Any, help: str, **metadata: Any) -> Any:
     """A dataclass field with its CLI help text (and optional ``choices``). ``free_on_resume=True``: a
     setting that does not change the run's maths (speed, logging, outputs) and may differ on ``--resume``;

@@ -4,11 +4,13 @@
 
 Loading never runs code named by the folder: ``config.json`` names a builder, looked up in an allow-list
 of the builders decorated with :func:`loadable` (the very functions the recipes train with), or is a
-Transformers config, loaded by ``AutoModelForCausalLM`` without remote code. Weights load from safetensors.
+Transformers config, loaded by ``AutoModelForCausalLM`` without remote code. Weights load from safetensors,
+once the model, built first on the meta device within the memory available, has exactly the file's tensors.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import json
@@ -16,17 +18,22 @@ import shlex
 import sys
 import sysconfig
 from collections.abc import Callable
+from importlib import import_module
 from pathlib import Path
 
+import torch
 import yaml
 from torch import nn
+from torch.nn.modules.module import register_module_buffer_registration_hook, register_module_parameter_registration_hook
 
 from . import __version__
+from .checkpointing import WEIGHTS_FILE
 from .config import ConfigError, TrainConfig, first_line
 from .network import check_reachable
 
 CONFIG_FILE = "config.json"
 CARD_FILE = "README.md"
+GENERATION_CONFIG_FILE = "generation_config.json"
 TRAIN_CONFIG_FILE = "train_config.yaml"
 BUILD_ATTRIBUTE = "acceltrain_build"  # set on a built model: {"builder": key, "kwargs": {...}}
 # what a repo gets from the run folder: top-level files only (no checkpoints/, wandb/, logs/, .lock)
@@ -40,12 +47,15 @@ RESULT_KEYS = ("train_loss", "steps", "epochs", "samples_seen", "wall_seconds", 
                "mfu", "time_to_target_seconds")
 
 _BUILDERS: dict[str, tuple[Callable[..., nn.Module], str]] = {}  # key -> (builder, Hub pipeline tag)
+# every module that defines a @loadable builder: load_model imports them, so that the allow-list is complete in any
+# process (the packages import their modules lazily: ``import acceltrain.vision`` registers nothing)
+LOADABLE_MODULES = ("acceltrain.vision.models",)
 
 
 def loadable(key: str, pipeline_tag: str) -> Callable:
     """Register a model builder under ``key`` and record, on each model it builds, the key and the
     arguments it was called with: the run folder's ``config.json``, from which :func:`load_model` calls
-    the same builder again."""
+    the same builder again. Its module belongs in ``LOADABLE_MODULES``."""
 
     def register(builder: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
         signature = inspect.signature(builder)
@@ -67,31 +77,163 @@ def loadable(key: str, pipeline_tag: str) -> Callable:
 def load_model(name_or_path: str | Path) -> nn.Module:
     """The trained model of a run folder (or of a Hub repo made by ``--push-to-hub``), in eval mode: the
     registered builder that made it with its recorded arguments, then its ``model.safetensors``; a
-    Transformers folder through ``AutoModelForCausalLM.from_pretrained``."""
-    from safetensors.torch import load_model as load_safetensors
+    Transformers folder through ``AutoModelForCausalLM.from_pretrained``. Before anything is allocated, the
+    model is built on the meta device, within the memory available, and must have exactly the tensors (names
+    and shapes) of ``model.safetensors``: a folder that does not make the trained model is one ConfigError."""
+    folder = _model_folder(str(name_or_path))
+    config = _read_config(folder)
+    if "builder" in config and "model_type" in config:
+        raise ConfigError(f"{folder / CONFIG_FILE} names both an acceltrain builder ({_short(config['builder'])}) and a "
+                          f"Transformers model_type ({_short(config['model_type'])}): a run writes one or the other")
+    build, load = _transformers_model(folder) if "model_type" in config else _acceltrain_model(config, folder)
+    _check_matches(_skeleton(build, folder), folder / WEIGHTS_FILE)
+    return load().eval()
 
-    import acceltrain.vision  # noqa: F401 - registers its builders
 
-    folder = Path(name_or_path)
-    if not folder.is_dir():
-        from huggingface_hub import snapshot_download
+def _model_folder(name_or_path: str) -> Path:
+    """A local folder as it is; a Hub repo name downloaded (its config and weights only)."""
+    if Path(name_or_path).expanduser().is_dir():
+        return Path(name_or_path).expanduser()
+    from huggingface_hub import snapshot_download
 
-        folder = Path(snapshot_download(str(name_or_path), allow_patterns=[CONFIG_FILE, "generation_config.json", "model.safetensors"]))
+    from .text.corpus import load_local_or_hub
+
+    download = functools.partial(snapshot_download, allow_patterns=[CONFIG_FILE, GENERATION_CONFIG_FILE, WEIGHTS_FILE])
+    return Path(load_local_or_hub(download, name_or_path, "load_model", "a run folder"))
+
+
+def _read_config(folder: Path) -> dict:
     try:
         config = json.loads((folder / CONFIG_FILE).read_text())
     except (OSError, ValueError) as err:
-        raise ConfigError(f"{str(name_or_path)!r} has no readable {CONFIG_FILE} ({err}): not a run folder of a finished run") from None
-    if "model_type" in config:
-        from transformers import AutoModelForCausalLM
+        raise ConfigError(f"{str(folder)!r} has no readable {CONFIG_FILE} ({first_line(err)}): not a run folder of a finished run") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"{folder / CONFIG_FILE} is a JSON {_json_type(config)}, not an object: not a config.json that a run writes")
+    return config
 
-        return AutoModelForCausalLM.from_pretrained(folder).eval()
-    if config.get("builder") not in _BUILDERS:
-        raise ConfigError(
-            f"{str(name_or_path)!r}: {CONFIG_FILE} names builder {config.get('builder')!r}; known: {', '.join(sorted(_BUILDERS))}"
-        )
-    model = _BUILDERS[config["builder"]][0](**config["kwargs"])
-    load_safetensors(model, str(folder / "model.safetensors"))
-    return model.eval()
+
+def _acceltrain_model(config: dict, folder: Path) -> tuple[Callable[[], nn.Module], Callable[[], nn.Module]]:
+    """(build, load): the allow-listed builder that ``config.json`` names, with its recorded arguments; then
+    its weights, from model.safetensors."""
+    from safetensors.torch import load_model as load_safetensors
+
+    for module in LOADABLE_MODULES:
+        import_module(module)
+    key, kwargs = config.get("builder"), config.get("kwargs")
+    if not isinstance(key, str) or key not in _BUILDERS:
+        if "builder" not in config:
+            raise ConfigError(f"{folder / CONFIG_FILE} names neither an acceltrain builder nor a Transformers model_type: "
+                              "not a config.json that a run writes")
+        raise ConfigError(f"{folder / CONFIG_FILE} names builder {_short(key)}; known: {', '.join(sorted(_BUILDERS))}")
+    if not isinstance(kwargs, dict):
+        found = "missing" if kwargs is None else f"a {_json_type(kwargs)}"
+        raise ConfigError(f"{folder / CONFIG_FILE} 'kwargs' must be a JSON object of the builder's arguments, not {found}")
+    build = functools.partial(_BUILDERS[key][0], **kwargs)
+
+    def load() -> nn.Module:
+        model = build()
+        load_safetensors(model, str(folder / WEIGHTS_FILE))
+        return model
+
+    return build, load
+
+
+def _transformers_model(folder: Path) -> tuple[Callable[[], nn.Module], Callable[[], nn.Module]]:
+    """(build, load) of the folder's Transformers causal LM, of a model type that Transformers itself defines
+    (no remote code); ``load`` reads model.safetensors and generation_config.json as ``from_pretrained`` does."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(folder, trust_remote_code=False)
+    except Exception as err:  # noqa: BLE001 - whatever the library makes of a malformed file, the file is at fault
+        raise ConfigError(f"{folder / CONFIG_FILE} does not build a model: {type(err).__name__}: {first_line(err)}") from None
+    return (functools.partial(AutoModelForCausalLM.from_config, config, trust_remote_code=False),
+            functools.partial(AutoModelForCausalLM.from_pretrained, folder, config=config, use_safetensors=True, trust_remote_code=False))
+
+
+class _TooLarge(Exception):
+    """A model being built grew past the memory available; its argument: the bytes counted so far."""
+
+
+def _skeleton(build: Callable[[], nn.Module], folder: Path) -> nn.Module:
+    """``build()`` on the meta device (no memory, no compute), stopped as soon as its parameters and buffers
+    outgrow the memory available: a config.json of absurd sizes is refused in moments, not allocated."""
+    import psutil
+    from accelerate.utils import convert_bytes
+
+    limit = psutil.virtual_memory().available
+    try:
+        with torch.device("meta"), _stopped_past(limit):
+            return build()
+    except _TooLarge as err:
+        raise ConfigError(f"{folder / CONFIG_FILE} describes a model of more than {convert_bytes(err.args[0])} (parameters and "
+                          f"buffers) but {convert_bytes(limit)} of memory is available") from None
+    except Exception as err:  # noqa: BLE001 - the arguments come from the file: whatever they break, the file is at fault
+        raise ConfigError(f"{folder / CONFIG_FILE} does not build a model: {type(err).__name__}: {first_line(err)}") from None
+
+
+@contextlib.contextmanager
+def _stopped_past(limit: int):
+    """Raise _TooLarge from the module that registers a parameter or buffer taking the total past ``limit`` bytes."""
+    counted: dict[int, torch.Tensor] = {}  # id -> tensor, kept so that no id is reused for another
+    total = 0
+
+    def count(module: nn.Module, name: str, tensor: torch.Tensor | None) -> None:
+        nonlocal total
+        if tensor is None or id(tensor) in counted:  # a tied weight counts once
+            return
+        counted[id(tensor)] = tensor
+        total += tensor.nbytes
+        if total > limit:
+            raise _TooLarge(total)
+
+    handles = [register_module_parameter_registration_hook(count), register_module_buffer_registration_hook(count)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _check_matches(skeleton: nn.Module, weights: Path) -> None:
+    """The model's tensors are exactly the file's, by name and shape (read from its header): a missing one
+    would stay random."""
+    saved = _saved_shapes(weights)
+    expected = {name: tuple(tensor.shape) for name, tensor in skeleton.state_dict().items()}
+    differences = {
+        "missing": [repr(name) for name in sorted(expected.keys() - saved.keys())],
+        "unexpected": [repr(name) for name in sorted(saved.keys() - expected.keys())],
+        "of another shape": [f"{name!r} {saved[name]} instead of {expected[name]}"
+                             for name in sorted(expected.keys() & saved.keys()) if saved[name] != expected[name]],
+    }
+    found = [f"{what} {_few(names)}" for what, names in differences.items() if names]
+    if found:
+        raise ConfigError(f"{weights} does not match {CONFIG_FILE}: {'; '.join(found)}")
+
+
+def _saved_shapes(weights: Path) -> dict[str, tuple[int, ...]]:
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(weights), framework="pt") as file:
+            return {name: tuple(file.get_slice(name).get_shape()) for name in file.keys()}
+    except (OSError, SafetensorError) as err:
+        raise ConfigError(f"{weights} is not a readable safetensors file ({first_line(err)}): not a run folder of a finished run") from None
+
+
+def _few(entries: list[str], shown: int = 3) -> str:
+    more = f" and {len(entries) - shown} more" if len(entries) > shown else ""
+    return ", ".join(first_line(entry, 120) for entry in entries[:shown]) + more
+
+
+def _short(value) -> str:
+    """A value from the file, quoted within bounds."""
+    return first_line(repr(value), 80)
+
+
+def _json_type(value) -> str:
+    """What a parsed JSON value is, in JSON's words."""
+    return {list: "list", str: "string", int: "number", float: "number", bool: "boolean", type(None): "null"}[type(value)]
 
 
 # --------------------------------------------------------------------------- writing the folder

@@ -56,7 +56,7 @@ from .hooks import Hooks, builtin_hooks
 from .logs import set_log_level
 from .metrics import peak_memory_mb
 from .optim import ScheduleProgress, build_scheduler
-from .run import TOKEN_NORMALISATION_UNDER_DEEPSPEED, Run, compatibility, setup_run
+from .run import TOKEN_NORMALISATION_UNDER_DEEPSPEED, Run, compatibility, left_as_found_unless_trained, setup_run
 from .speed import apply_batch_size, enable_activation_checkpointing, find_batch_size, peak_flops_per_device
 from .speed import to_channels_last, training_flops_per_sample
 from .tasks import ClassificationTask, check_task
@@ -79,37 +79,37 @@ def fit(cfg: TrainConfig, model: nn.Module, optimizer: torch.optim.Optimizer, tr
     check_task(task, evaluates=eval_set is not None)
     cfg = _resolve_target(cfg, task)
     trackers = active_trackers(cfg)
-    cfg = setup_run(cfg, name, task).cfg
-    output_dir = Path(cfg.output_dir)
-    accelerator = Accelerator(
-        cpu=use_cpu(cfg.cpu), mixed_precision=cfg.mixed_precision, gradient_accumulation_steps=cfg.grad_accum,
-        deepspeed_plugin=deepspeed_plugin(cfg), log_with=trackers or None,
-        project_config=ProjectConfiguration(project_dir=str(output_dir), logging_dir=str(output_dir / "logs")),
-    )
-    check_backend_honoured(accelerator.distributed_type)
-    run, notes = _prepare(cfg, accelerator, model, optimizer, train_set, eval_set, task)
-    run_config = {**run.cfg.to_dict(), "runtime": run.runtime}
-    run.hooks = Hooks([*hooks, *builtin_hooks(run.cfg, evaluates=eval_set is not None, trackers=trackers, run_config=run_config)])
-    # created only now: bad input found above leaves nothing behind; one live run per folder
-    main_process_only(lambda: lock_output_dir(output_dir))
-    logger.info(yaml.safe_dump({"config": run.cfg.to_dict(), "runtime": run.runtime}, sort_keys=False).rstrip())
-    for note in notes:
-        logger.info(note)
-    try:
-        if cfg.resume and not _resume(run, cfg.resume):
-            return _already_finished(run)
-        run.hooks.call("on_fit_start", run)
-        run.hooks.check_states()
+    setup = setup_run(cfg, name, task)
+    cfg, output_dir, run = setup.cfg, setup.output_dir, None
+    with left_as_found_unless_trained(setup, lambda: run is not None and run.throughput is not None):
+        accelerator = Accelerator(
+            cpu=use_cpu(cfg.cpu), mixed_precision=cfg.mixed_precision, gradient_accumulation_steps=cfg.grad_accum,
+            deepspeed_plugin=deepspeed_plugin(cfg), log_with=trackers or None,
+            project_config=ProjectConfiguration(project_dir=str(output_dir), logging_dir=str(output_dir / "logs")),
+        )
+        check_backend_honoured(accelerator.distributed_type)
+        run, notes = _prepare(cfg, accelerator, model, optimizer, train_set, eval_set, task)
+        run_config = {**run.cfg.to_dict(), "runtime": run.runtime}
+        run.hooks = Hooks(hooks, builtin_hooks(run.cfg, evaluates=eval_set is not None, trackers=trackers, run_config=run_config))
+        main_process_only(lambda: lock_output_dir(output_dir))  # one live run per folder
+        logger.info(yaml.safe_dump({"config": run.cfg.to_dict(), "runtime": run.runtime}, sort_keys=False).rstrip())
+        for note in notes:
+            logger.info(note)
         try:
-            run.start_clock()
-            _train(run)
-            return _finish(run)
-        except Exception as error:  # not SystemExit: a stop to be resumed keeps its handlers to the end
-            run.hooks.call("on_exception", run, error)
-            raise
-    finally:
-        stop_workers(run.train_batches, run.eval_batches)
-        unlock_output_dir(output_dir)
+            if cfg.resume and not _resume(run, cfg.resume):
+                return _already_finished(run)
+            run.hooks.call("on_fit_start", run)
+            try:
+                run.hooks.check_states()
+                run.start_clock()
+                _train(run)
+                return _finish(run)
+            except Exception as error:  # not SystemExit: a stop to be resumed keeps its handlers to the end
+                run.hooks.call("on_exception", run, error)
+                raise
+        finally:
+            stop_workers(run.train_batches, run.eval_batches)
+            unlock_output_dir(output_dir)
 
 
 def _train(run: Run) -> None:

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
+import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -18,15 +21,23 @@ from accelerate.utils import DistributedType
 
 from .checkpointing import (
     EXIT_PREEMPTED,
+    LOCK_FILE,
+    METRICS_FILE,
+    SUMMARY_FILE,
+    WEIGHTS_FILE,
     TrainerState,
     TrainingDiverged,
     lock_output_dir,
     move_previous_run_aside,
     resolve_output_dir,
     save_checkpoint,
+    unlock_output_dir,
 )
 from .config import ConfigError, TrainConfig
 from .distributed import init_process_state, main_process_only
+from .hooks.plots import CURVES_FILE
+from .hooks.profiling import MEMORY_FILE
+from .hub import CARD_FILE, CONFIG_FILE, GENERATION_CONFIG_FILE, TRAIN_CONFIG_FILE
 from .logs import show_progress
 from .metrics import Throughput, synchronize
 
@@ -37,6 +48,12 @@ TOKEN_NORMALISATION_UNDER_DEEPSPEED = (
 )
 
 
+# The files a run writes at the top of its folder: in a folder that no acceltrain run has used (no .lock)
+# they would replace the user's own (--output-dir . in a checkout: its README.md)
+RUN_FILES = (WEIGHTS_FILE, SUMMARY_FILE, METRICS_FILE, CONFIG_FILE, GENERATION_CONFIG_FILE, CARD_FILE, TRAIN_CONFIG_FILE,
+             CURVES_FILE, MEMORY_FILE)
+
+
 @dataclasses.dataclass(frozen=True)
 class RunSetup:
     cfg: TrainConfig  # with output_dir resolved
@@ -44,30 +61,76 @@ class RunSetup:
     is_main_process: bool
     distributed_type: DistributedType
     num_processes: int
+    found: frozenset[str] | None  # the folder's entries before this launch claimed it (main process); None: it did not exist
 
 
 def setup_run(cfg: TrainConfig, name: str, task=None) -> RunSetup:
     """What every run does before it loads data: join the process group (refusing silent fallbacks),
-    agree on the output folder (refusing to replace a finished run), and refuse a ``task`` that cannot work
-    on this backend. ``fit()`` calls it; a recipe that writes into the output folder before training (a
-    tokenizer) calls it first. Calling it twice is harmless."""
+    agree on the output folder (refusing to replace a finished run or files it did not write), and refuse a
+    ``task`` that cannot work on this backend. ``fit()`` calls it; a recipe that writes into the output folder
+    before training (a tokenizer) calls it first. Calling it twice is harmless."""
     state = init_process_state(cfg)
     if getattr(task, "sums_losses", False) and state.distributed_type == DistributedType.DEEPSPEED:
         raise ConfigError(TOKEN_NORMALISATION_UNDER_DEEPSPEED)
     output_dir = resolve_output_dir(cfg, name)
+    found = frozenset(os.listdir(output_dir)) if state.is_main_process and output_dir.is_dir() else None
     main_process_only(lambda: _claim_output_dir(output_dir, cfg.overwrite))
     cfg = dataclasses.replace(cfg, output_dir=str(output_dir))
-    return RunSetup(cfg, output_dir, state.is_main_process, state.distributed_type, state.num_processes)
+    return RunSetup(cfg, output_dir, state.is_main_process, state.distributed_type, state.num_processes, found)
 
 
 def _claim_output_dir(output_dir: Path, overwrite: bool) -> None:
-    """Refuse a folder that a live run holds; with ``--overwrite``, move the previous run aside."""
+    """Refuse a folder that a live run holds, or one whose files the run would replace though no run wrote
+    them; with ``--overwrite``, move the previous run aside."""
+    if output_dir.is_dir() and not (output_dir / LOCK_FILE).exists():
+        foreign = [name for name in RUN_FILES if (output_dir / name).exists()]
+        if foreign:
+            raise ConfigError(
+                f"--output-dir {str(output_dir)!r} holds {', '.join(foreign)}, not written by an acceltrain run, which "
+                "this run would replace: choose a new or empty --output-dir"
+            )
     if overwrite:
         aside = move_previous_run_aside(output_dir)
         if aside is not None:
             logger.info(f"--overwrite: moved the previous run in {output_dir} to {aside}")
     if output_dir.is_dir():
         lock_output_dir(output_dir)
+
+
+@contextlib.contextmanager
+def left_as_found_unless_trained(setup: RunSetup, trained: Callable[[], bool]):
+    """Bad input found after the folder was claimed (a Hub refusal in ``on_fit_start``, a checkpoint that
+    does not fit, a hook that cannot be checkpointed) leaves nothing behind: when the body raises before
+    training started, the main process removes what this launch added to the folder (``.lock``, an empty
+    metrics.jsonl), and the folder itself if this launch made it. Nothing the folder held before is touched."""
+    try:
+        yield
+    except Exception:
+        if setup.is_main_process and not trained():
+            _remove_added(setup.output_dir, setup.found)
+        raise
+
+
+def _remove_added(output_dir: Path, found: frozenset[str] | None) -> None:
+    """Under the folder's lock, so that a run that has claimed the folder since is left alone."""
+    if not output_dir.is_dir():
+        return
+    try:
+        lock_output_dir(output_dir)
+    except ConfigError:  # another live run holds it now
+        return
+    try:
+        if found is None:
+            shutil.rmtree(output_dir, ignore_errors=True)
+            return
+        for name in set(os.listdir(output_dir)) - found:
+            path = output_dir / name
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+    finally:
+        unlock_output_dir(output_dir)
 
 
 @dataclasses.dataclass
@@ -141,7 +204,11 @@ class Run:
 
     @contextlib.contextmanager
     def paused(self):
-        """Time inside is left out of the throughput figures (evaluation, checkpointing)."""
+        """Time inside is left out of the throughput figures (evaluation, checkpointing). Before the clock
+        starts (an evaluation in ``on_fit_start``) there is nothing to pause."""
+        if self.throughput is None:
+            yield
+            return
         self.throughput.pause()
         try:
             yield
@@ -180,7 +247,10 @@ class Run:
         return round(self.epoch + self.batch_in_epoch / self.batches_per_epoch, 4)
 
     def elapsed(self) -> float:
-        """Wall-clock seconds since the run's first step, earlier launches included."""
+        """Wall-clock seconds since the run's first step, earlier launches included (before this launch's
+        first step: those of the earlier launches)."""
+        if self.throughput is None:
+            return self.train_seconds_before
         return time.perf_counter() - self.started
 
     def take_train_loss(self) -> float:

@@ -216,7 +216,7 @@ def test_help_states_each_default_once_and_unset_ones_as_unset():
     assert helps["num_workers"].endswith("(default: the CPUs per process less one, at most 8)")
     assert helps["mixed_precision"].endswith("default: what the accelerate config says")
     assert helps["max_steps"].endswith("(default: unset)") and helps["batch_size"].endswith("(default: 128)")
-    assert helps["cpu"].endswith("(default: off)") and helps["progress"].endswith("(default: on)")
+    assert helps["cpu"].endswith("(default: off)") and helps["progress"].endswith("(default: only when stderr is a terminal, so a log file gets no bar updates)")
     assert all(text.count("default:") == 1 and "None" not in text for dest, text in helps.items() if dest != "help")
 
 

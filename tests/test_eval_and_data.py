@@ -91,7 +91,7 @@ def test_eval_samples_are_the_same_samples_on_two_processes(tmp_path):
 
 
 def test_evaluation_shows_a_bar_and_the_training_bar_counts_the_evaluations_left(tmp_path, capsys):
-    assert run_tiny_in_process(tmp_path / "on", *TINY) == 0
+    assert run_tiny_in_process(tmp_path / "on", *TINY, "--progress") == 0  # stderr is not a terminal here
     shown = capsys.readouterr().err
     assert "eval: " in shown and "+1 eval ~" in shown  # after the first epoch's evaluation: the final one left
     assert run_tiny_in_process(tmp_path / "off", *TINY, "--no-progress") == 0
@@ -126,7 +126,7 @@ def test_evaluations_left_follows_the_evaluation_schedule(eval_every, step, left
 def test_decode_cache_goes_to_acceltrain_cache_says_where_and_shows_a_bar(image_folder, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("ACCELTRAIN_CACHE", str(tmp_path / "cache"))
     train, _ = image_datasets("imagefolder", str(image_folder), seed=0)
-    images = decoded_images(train.images, 32)
+    images = decoded_images(train.images, 32, progress=True)
     (cache_file,) = (tmp_path / "cache").glob("decoded-*.safetensors")
     out, err = capsys.readouterr()
     assert out == f"decoding 36 image files once into {cache_file} (0.1 MB; ACCELTRAIN_CACHE sets the folder)\n"

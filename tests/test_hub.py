@@ -320,8 +320,17 @@ def test_push_that_cannot_work_is_one_line_before_training(tmp_path, hub_hooks, 
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and message in err and "\n" not in err, err
     assert "upload it later with `hf upload REPO RUN_DIR --exclude '*/*'`" in err
-    assert "step" not in events and not (out / "model.safetensors").exists(), "refused before training"
+    assert "step" not in events and not out.exists(), "refused before training, nothing left behind (no .lock, no metrics.jsonl)"
     assert TOKEN not in err
+
+
+def test_a_push_refused_in_an_existing_folder_leaves_it_as_it_was(tmp_path, hub_hooks, monkeypatch, hub_stand_in, capsys):
+    offline_hub(monkeypatch)
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    assert run_cifar(out, "--push-to-hub", monkeypatch=monkeypatch) == 2
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
 
 
 @pytest.mark.parametrize("flag", [["--hub-model-id", "someone/x"], ["--hub-private"]])

@@ -21,26 +21,34 @@ Events, in the order a run meets them:
   ``on_fit_start``: give back what ``on_fit_start`` took (signal handlers, files); the error propagates.
 
 At each event your hooks run first, in the order given to ``fit(hooks=[...])``, then the built-in ones
-in the order of :func:`acceltrain.hooks.builtin_hooks`. Every process calls the same hooks at the same
+in the order of :func:`acceltrain.hooks.builtin_hooks`; ``on_fit_start`` alone runs the built-in ones
+first, so that yours may log and call ``run.evaluate()`` there (a baseline before step 1). Every process calls the same hooks at the same
 points, so a hook may use collectives. A hook asks for a checkpoint with ``run.request_save()`` and
 for an early end with ``run.request_stop(reason, finish=...)``; the loop agrees on the requests across
 processes once per optimizer step.
 
-A stateful hook returns its state from ``state_dict()`` (tensors and JSON values, nested in dicts) and
-takes it back in ``load_state_dict(state)``; it travels in every checkpoint (tensors as safetensors,
-the rest as JSON: nothing is unpickled on resume), and resuming with another set of stateful hooks
-is refused. Its ``name`` keys that state (default: the class name).
+A stateful hook returns its state from ``state_dict()``: a dict (or None) of tensors, str, int, float
+(NaN and infinities too), bool and None, nested in lists, tuples and dicts whose keys are such scalars
+or tuples of them. ``load_state_dict(state)`` gets it back exactly: the same types and keys, one tensor
+met twice as one tensor (tensors detached, on the CPU; an OrderedDict as a dict). Anything else (numpy
+values, sets, bytes, other objects, sparse tensors, views that share memory) is refused in one line
+naming the hook and the key, right after ``on_fit_start``. The state travels in every checkpoint
+(tensors as safetensors, the rest as JSON: nothing is unpickled on resume), and resuming with another
+set of stateful hooks is refused. Its ``name`` keys that state and names its files (default: the class
+name): 1 to 100 ASCII letters, digits, '_', '-' and '.', not starting with '.', distinct ignoring case.
 """
 
 from __future__ import annotations
 
 import json
+import re
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..config import ConfigError
+from ..config import ConfigError, first_line
 
 EVENTS = (
     "on_fit_start", "on_epoch_start", "on_step_end", "on_log", "on_eval_start", "on_eval_end",
@@ -92,21 +100,43 @@ def hook_name(hook) -> str:
     return getattr(hook, "name", None) or type(hook).__name__
 
 
-class Hooks:
-    """The run's hooks in calling order; ``call(event, ...)`` runs the ones that implement ``event``."""
+_FILE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,99}")  # portable: no separators, no '..', no hidden file
 
-    def __init__(self, hooks):
-        self.hooks = list(hooks)
+
+def _state_name(hook) -> str:
+    """A stateful hook's name, which keys its state and names its files hooks/<name>.json and .safetensors."""
+    name = hook_name(hook)
+    if not (isinstance(name, str) and _FILE_NAME.fullmatch(name)):
+        raise ConfigError(
+            f"hook name {first_line(repr(name), 120)} is not usable as a file name (its state is saved as hooks/<name>.json): "
+            "use 1 to 100 letters, digits, '_', '-' and '.', not starting with '.'"
+        )
+    return name
+
+
+class Hooks:
+    """The run's hooks in calling order; ``call(event, ...)`` runs the ones that implement ``event``. At
+    ``on_fit_start`` the ``builtin`` ones run first (they open the files, trackers and bar that a user's
+    ``on_fit_start`` may log to or evaluate into); at every other event the user's ``hooks`` do."""
+
+    def __init__(self, hooks, builtin=()):
+        hooks, builtin = list(hooks), list(builtin)
+        self.hooks = [*hooks, *builtin]
         for hook in self.hooks:
+            if isinstance(hook, type):
+                raise ConfigError(f"hook {hook.__name__} is a class: pass an instance, {hook.__name__}()")
             if not any(_implements(hook, event) for event in EVENTS):
                 raise ConfigError(f"hook {hook!r} implements none of the hook methods ({', '.join(EVENTS)})")
         self._methods = {event: [getattr(h, event) for h in self.hooks if _implements(h, event)] for event in EVENTS}
+        self._methods["on_fit_start"] = [getattr(h, "on_fit_start") for h in [*builtin, *hooks] if _implements(h, "on_fit_start")]
         self.stateful = {}
         for hook in self.hooks:
             if _implements(hook, "state_dict"):
-                name = hook_name(hook)
-                if name in self.stateful:
-                    raise ConfigError(f"two stateful hooks are named {name!r}: give each a distinct name (its checkpoint key)")
+                name = _state_name(hook)
+                same = [other for other in self.stateful if other.lower() == name.lower()]  # one file on macOS, Windows
+                if same:
+                    raise ConfigError(f"two stateful hooks are named {' and '.join(map(repr, [*same, name]))}: give each a distinct "
+                                      "name (its checkpoint key; case does not count)")
                 self.stateful[name] = hook
 
     def call(self, event: str, *args) -> None:
@@ -116,21 +146,20 @@ class Hooks:
     def check_states(self) -> None:
         """Called by ``fit()`` right after ``on_fit_start``: a state that could not be saved (or not read back
         as it was) is a one-line ConfigError now, not at the first checkpoint."""
+        for name, hook in self.stateful.items():
+            _encoded_state(name, hook)
 
     def save_states(self, folder: Path) -> list[str]:
-        """Write each stateful hook's state into ``folder/hooks/``; returns their names (for TrainerState)."""
+        """Write each stateful hook's state into ``folder/hooks/``; returns their names (for TrainerState).
+        Every state is encoded (and so checked) before the first file is written."""
         from safetensors.torch import save_file
 
-        names = []
-        for name, hook in self.stateful.items():
-            state = hook.state_dict() or {}
-            tensors: dict[str, torch.Tensor] = {}
-            plain = _split_tensors(state, tensors, prefix="")
+        encoded = {name: _encoded_state(name, hook) for name, hook in self.stateful.items()}
+        for name, (plain, tensors) in encoded.items():
             (folder / HOOKS_DIR).mkdir(exist_ok=True)
             (folder / HOOKS_DIR / f"{name}.json").write_text(json.dumps(plain, indent=1, allow_nan=True))
             save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, str(folder / HOOKS_DIR / f"{name}.safetensors"))
-            names.append(name)
-        return names
+        return list(encoded)
 
     def load_states(self, folder: Path, saved: list[str]) -> None:
         """Give each stateful hook its state from ``folder``; a different set of hooks is a ConfigError."""
@@ -144,32 +173,133 @@ class Hooks:
         for name in saved:
             try:
                 plain = json.loads((folder / HOOKS_DIR / f"{name}.json").read_text())
-                tensors = load_file(str(folder / HOOKS_DIR / f"{name}.safetensors"))
-            except Exception as err:  # noqa: BLE001 - OSError, JSONDecodeError, SafetensorError
-                raise ConfigError(f"checkpoint {str(folder)!r}: the state of hook {name!r} is unreadable ({str(err)[:200]})") from None
-            self.stateful[name].load_state_dict(_join_tensors(plain, tensors))
+                state = _decoded(plain, load_file(str(folder / HOOKS_DIR / f"{name}.safetensors")))
+            except Exception as err:  # noqa: BLE001 - OSError, JSONDecodeError, SafetensorError, a tampered encoding
+                raise ConfigError(
+                    f"checkpoint {str(folder)!r}: the state of hook {name!r} is unreadable ({first_line(err, 200)})"
+                ) from None
+            self.stateful[name].load_state_dict(state)
 
 
-_TENSOR = "__tensor__"
+# A hook's state on disk: JSON, with what JSON lacks as a dict of one marker key. A user dict that has a
+# non-str key, or looks like a marker, goes in the items form, so every allowed state comes back as it was.
+# Checkpoints written before tensors were keyed by a counter (by dotted path) read the same way.
+_TENSOR, _TUPLE, _ITEMS = "__tensor__", "__tuple__", "__items__"
+_SCALARS = (str, int, float, bool, type(None))  # exact types: a numpy float64 (a float) would come back as a float
+_DICTS = (dict, OrderedDict)  # an OrderedDict (a module's state_dict()) comes back as a dict, in order
+_ALLOWED = "tensors, str, int, float, bool, None, and lists, tuples and dicts of them"
 
 
-def _split_tensors(value: Any, tensors: dict, prefix: str) -> Any:
-    """``value`` with every tensor replaced by a reference into ``tensors`` (filled here)."""
-    if isinstance(value, torch.Tensor):
-        tensors[prefix] = value
-        return {_TENSOR: prefix}
-    if isinstance(value, dict):
-        return {str(k): _split_tensors(v, tensors, f"{prefix}.{k}" if prefix else str(k)) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_split_tensors(v, tensors, f"{prefix}.{i}") for i, v in enumerate(value)]
-    return value
+def _encoded_state(name: str, hook) -> tuple[Any, dict[str, torch.Tensor]]:
+    """``hook``'s state as (JSON value, tensors by key); anything that would not come back as it was is a
+    ConfigError naming the hook and the key path."""
+    state = hook.state_dict()
+    if state is None:
+        state = {}
+    if type(state) not in _DICTS:
+        raise ConfigError(f"hook {name!r}: state_dict() returned a {_type_name(state)}: return a dict (or None for no state)")
+    encoder = _StateEncoder(name)
+    try:
+        return encoder.encode(state, ()), encoder.tensors
+    except RecursionError:
+        raise ConfigError(f"hook {name!r}: its state is nested too deeply (or holds itself)") from None
 
 
-def _join_tensors(value: Any, tensors: dict) -> Any:
-    if isinstance(value, dict):
-        if set(value) == {_TENSOR}:
-            return tensors[value[_TENSOR]]
-        return {k: _join_tensors(v, tensors) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_join_tensors(v, tensors) for v in value]
-    return value
+class _StateEncoder:
+    """Tensors are keyed by a counter ("0", "1", ...): dotted paths collide ({"a.b": x, "a": {"b": y}}). One
+    tensor met twice is stored once and comes back as one; distinct tensors sharing memory are refused
+    (safetensors cannot hold views)."""
+
+    def __init__(self, hook: str):
+        self.hook, self.tensors = hook, {}
+        self._keys: dict[int, str] = {}  # id(tensor) -> its key; self.tensors keeps the ids alive
+        self._memory: dict[tuple, tuple] = {}  # (device, storage address) -> the path of the tensor there
+        self._dtypes: set[torch.dtype] = set()
+
+    def refuse(self, path: tuple, why: str) -> ConfigError:
+        return ConfigError(f"hook {self.hook!r}: its state at {_shown(path)} {why}")
+
+    def encode(self, value: Any, path: tuple) -> Any:
+        """``path``: the keys from the top, formatted only for a refusal (a long list stays cheap)."""
+        if type(value) in _SCALARS:  # first: the most common
+            return value
+        if isinstance(value, torch.Tensor):
+            return {_TENSOR: self._tensor_key(value, path)}
+        if type(value) in _DICTS:
+            return self._dict(value, path)
+        if type(value) is list:
+            return [self.encode(v, (*path, i)) for i, v in enumerate(value)]
+        if type(value) is tuple:
+            return {_TUPLE: [self.encode(v, (*path, i)) for i, v in enumerate(value)]}
+        raise self.refuse(path, f"is a {_type_name(value)}, which a checkpoint cannot hold: use {_ALLOWED}")
+
+    def _dict(self, value: dict, path: tuple) -> Any:
+        if all(type(k) is str for k in value) and not _is_marker(value):
+            return {k: self.encode(v, (*path, k)) for k, v in value.items()}
+        for key in value:
+            if not _is_key(key):
+                raise self.refuse(path, f"has a key of type {_type_name(key)}: keys must be str, int, float, bool, None or tuples of them")
+        return {_ITEMS: [[self.encode(k, path), self.encode(v, (*path, k))] for k, v in value.items()]}
+
+    def _tensor_key(self, tensor: torch.Tensor, path: tuple) -> str:
+        if id(tensor) in self._keys:
+            return self._keys[id(tensor)]
+        if tensor.layout != torch.strided:
+            raise self.refuse(path, f"is a sparse tensor ({tensor.layout}): a checkpoint holds dense tensors; save .to_dense()")
+        if tensor.is_meta:
+            raise self.refuse(path, "is on the meta device (it holds no values): save a materialised tensor")
+        self._check_dtype(tensor, path)
+        address = tensor.untyped_storage().data_ptr()
+        if address and (tensor.device, address) in self._memory:
+            raise self.refuse(path, f"shares memory with {_shown(self._memory[tensor.device, address])} (views of one tensor): save the "
+                                    "tensor they view, or .clone() each")
+        self._memory[tensor.device, address] = path
+        key = self._keys[id(tensor)] = str(len(self.tensors))
+        self.tensors[key] = tensor
+        return key
+
+    def _check_dtype(self, tensor: torch.Tensor, path: tuple) -> None:
+        """Asks safetensors itself, once per dtype, with an empty view of ``tensor`` (no copy; a 0-dim tensor
+        is one value)."""
+        from safetensors.torch import save
+
+        if tensor.dtype not in self._dtypes:
+            try:
+                save({"probe": tensor.detach()[(slice(0, 0),) * tensor.dim()]})
+            except Exception:  # noqa: BLE001 - safetensors raises KeyError (or TypeError) for a dtype it lacks
+                raise self.refuse(path, f"has dtype {tensor.dtype}, which safetensors cannot store: convert it (e.g. .float())") from None
+            self._dtypes.add(tensor.dtype)
+
+
+def _shown(path: tuple) -> str:
+    """A key path as Python subscripts (['a'][0]), which do not collide as dotted paths do; bounded."""
+    return "".join(f"[{key!r}]" for key in path)[:200] or "the top level"
+
+
+def _is_marker(value: dict) -> bool:
+    return len(value) == 1 and next(iter(value)) in (_TENSOR, _TUPLE, _ITEMS)
+
+
+def _is_key(key: Any) -> bool:
+    return type(key) in _SCALARS or (type(key) is tuple and all(map(_is_key, key)))
+
+
+def _type_name(value: Any) -> str:
+    kind = type(value)
+    return kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+
+
+def _decoded(value: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    """The state ``_StateEncoder`` encoded; a reference to one tensor key gives the one loaded tensor."""
+    if type(value) is list:
+        return [_decoded(v, tensors) for v in value]
+    if type(value) is not dict:
+        return value
+    if not _is_marker(value):
+        return {k: _decoded(v, tensors) for k, v in value.items()}
+    ((marker, inner),) = value.items()
+    if marker == _TENSOR:
+        return tensors[inner]
+    if marker == _TUPLE:
+        return tuple(_decoded(v, tensors) for v in inner)
+    return {_decoded(k, tensors): _decoded(v, tensors) for k, v in inner}

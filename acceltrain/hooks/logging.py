@@ -77,6 +77,13 @@ class MetricsFile(Hook):
         self.events.write(metrics)
 
     def on_train_end(self, run) -> None:
+        if run.stop is not None and not run.stop.finish:  # stopped to be resumed: no on_fit_end follows
+            self.events.close()
+
+    def on_fit_end(self, run, summary: dict) -> None:  # after the hooks before it, which may still log (an evaluation)
+        self.events.close()
+
+    def on_exception(self, run, error: Exception) -> None:
         self.events.close()
 
 

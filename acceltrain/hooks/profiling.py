@@ -9,8 +9,10 @@ from pathlib import Path
 import torch
 from accelerate.logging import get_logger
 
-from ..config import parse_step_range
+from ..config import ConfigError, parse_step_range
 from .base import Hook
+
+MEMORY_FILE = "memory.json"  # --memory-report's rows, at the top of the output folder
 
 logger = get_logger(__name__)
 
@@ -19,20 +21,32 @@ class Profiler(Hook):
     """Runs ``torch.profiler`` on the main process from the start of optimizer step A to the end of step B
     (CPU and CUDA activities, shapes and memory recorded), then writes ``profile/trace.json`` (open it in
     Perfetto or chrome://tracing) and ``profile/top_ops.txt`` (top operators by time and by memory),
-    both attached to the tracker run."""
+    both attached to the tracker run. A run that ends inside the range (it has fewer steps, it stops to
+    be resumed, it crashes) writes the steps that ran: a profiler still running at interpreter exit
+    segfaults, and its trace is lost."""
 
     def __init__(self, steps: str, with_stack: bool):
+        self.steps = steps
         self.range = parse_step_range(steps)
         self.with_stack = with_stack
         self._profiler = None
 
     def on_fit_start(self, run) -> None:
+        if self.range[0] > run.total_steps:
+            raise ConfigError(f"--profile-steps {self.steps!r} starts after the run's last step ({run.total_steps}): "
+                              f"nothing would be profiled; give A:B with A <= {run.total_steps}")
         self.folder = run.output_dir / "profile"
         self.enabled = run.accelerator.is_main_process  # the others train
         self._step_ended(run, run.step)
 
     def on_step_end(self, run) -> None:
         self._step_ended(run, run.step)
+
+    def on_train_end(self, run) -> None:
+        self._stop(run)
+
+    def on_exception(self, run, error: Exception) -> None:
+        self._stop(run)
 
     def _step_ended(self, run, step: int) -> None:
         if not self.enabled:
@@ -44,12 +58,18 @@ class Profiler(Hook):
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
             self._profiler = profile(activities=activities, record_shapes=True, profile_memory=True, with_stack=self.with_stack)
             self._profiler.__enter__()
-        elif step == last and self._profiler is not None:
-            self._profiler.__exit__(None, None, None)
-            run.files_to_attach += self._write()
-            self._profiler = None
+        elif step == last:
+            self._stop(run)
 
-    def _write(self) -> list[Path]:
+    def _stop(self, run) -> None:
+        """Stop a running profiler and write what it recorded, up to the step the run has reached."""
+        if self._profiler is None:
+            return
+        self._profiler.__exit__(None, None, None)
+        run.files_to_attach += self._write(run.step)
+        self._profiler = None
+
+    def _write(self, last_step: int) -> list[Path]:
         self.folder.mkdir(parents=True, exist_ok=True)
         trace = self.folder / "trace.json"
         self._profiler.export_chrome_trace(str(trace))
@@ -57,8 +77,9 @@ class Profiler(Hook):
         time_key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
         memory_key = "self_cuda_memory_usage" if torch.cuda.is_available() else "self_cpu_memory_usage"
         first, last = self.range
+        cut = "" if last_step == last else f" (asked for {first}..{last}: the run ended at step {last_step})"
         table = (
-            f"optimizer steps {first}..{last}\n\n== top operators by time ({time_key})\n"
+            f"optimizer steps {first}..{last_step}{cut}\n\n== top operators by time ({time_key})\n"
             + averages.table(sort_by=time_key, row_limit=25)
             + f"\n\n== top operators by memory ({memory_key})\n"
             + averages.table(sort_by=memory_key, row_limit=25)
@@ -110,7 +131,7 @@ class MemoryReport(Hook):
         self.rows.append({"stage": stage, **row})
 
     def _write(self, output_dir: Path) -> None:
-        (output_dir / "memory.json").write_text(json.dumps(self.rows, indent=2))
+        (output_dir / MEMORY_FILE).write_text(json.dumps(self.rows, indent=2))
         columns = [key for key in self.rows[0] if key != "stage"]
         lines = [f"{'memory':<24}" + "".join(f"{c:>18}" for c in columns)]
         previous = None

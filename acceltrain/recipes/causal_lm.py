@@ -73,8 +73,7 @@ class CausalLMConfig(TrainConfig):
 def main(cfg: CausalLMConfig, task_class: type | None = None) -> dict:
     """``task_class``: a CausalLMTask subclass (the tests count targets with one); default: CausalLMTask."""
     # imported here, not at the top: --help and bad flags answer in a fraction of a second, without torch
-    from acceltrain import build_optimizer, fit, on_main_process_first, setup_run
-    from acceltrain.logs import show_progress
+    from acceltrain import build_optimizer, fit, on_main_process_first, setup_run, show_progress
     from acceltrain.text import (
         CausalLMTask,
         build_causal_lm,

@@ -74,7 +74,9 @@ def main(cfg: CifarConfig) -> dict:
     from acceltrain.vision import CropFlip, build_model, image_datasets, whiten_first_conv, whitening_images
 
     augment = CropFlip(cfg.crop_padding, cfg.flip, cfg.crop_padding_mode)
-    train_set, eval_set = image_datasets(cfg.dataset, cfg.data_dir, seed=cfg.seed, augment=augment, skip_bad_images=cfg.skip_bad_images)
+    train_set, eval_set = image_datasets(
+        cfg.dataset, cfg.data_dir, seed=cfg.seed, augment=augment, skip_bad_images=cfg.skip_bad_images, progress=cfg.progress
+    )
     augment.check_image_size(train_set.image_size, train_set.image_size)
     model = build_model(cfg.model, num_classes=len(train_set.classes), stem=cfg.stem)
     if cfg.whiten_first_conv:  # before the optimizer is built, which leaves the frozen weights out

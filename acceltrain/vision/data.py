@@ -15,6 +15,7 @@ from torch.utils.data import Dataset
 from ..config import ConfigError, first_line
 from ..data import mix_seed
 from ..distributed import on_main_process_first
+from ..logs import show_progress
 from .names import FLIPS, IMAGE_DATASETS, PADDING_MODES, is_hub_dataset
 
 # the plain logger: a recipe reads its data before Accelerate's state exists, which accelerate's logger needs
@@ -23,6 +24,7 @@ logger = logging.getLogger(__name__)
 CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR10_STD = (0.2470, 0.2435, 0.2616)
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp")
+CHECK_BAR_MIN_FILES = 10_000  # the image-file check of a smaller tree is over before a bar would tell anything
 
 
 # --------------------------------------------------------------------------- images
@@ -149,7 +151,7 @@ class ImageClassification(Dataset):
 
     ``images`` is either a uint8 tensor (N, C, H, W) held in memory, or a list of file paths decoded on
     access (and resized to ``image_size`` when they differ); ``cache_dir`` is where the on-device loader
-    may keep them decoded.
+    may keep them decoded; ``progress`` (``--progress``: True, False or None) whether decoding them shows a bar.
     """
 
     def __init__(
@@ -164,6 +166,7 @@ class ImageClassification(Dataset):
         mean: tuple[float, ...] = CIFAR10_MEAN,
         std: tuple[float, ...] = CIFAR10_STD,
         cache_dir: str | None = None,
+        progress: bool | None = None,
     ):
         self.images = images
         self.labels = torch.as_tensor(labels, dtype=torch.long)
@@ -174,6 +177,7 @@ class ImageClassification(Dataset):
         self.mean = torch.tensor(mean).view(-1, 1, 1) * 255
         self.std = torch.tensor(std).view(-1, 1, 1) * 255
         self.cache_dir = cache_dir  # where --data-on-device caches decoded files; None: $ACCELTRAIN_CACHE, else ~/.cache/acceltrain
+        self.progress = progress
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -202,7 +206,7 @@ class ImageClassification(Dataset):
 
         return DeviceImageLoader.from_dataset(
             self, batch_size=batch_size, seed=seed, device=device, process_index=process_index,
-            num_processes=num_processes, channels_last=channels_last, cache_dir=self.cache_dir,
+            num_processes=num_processes, channels_last=channels_last, cache_dir=self.cache_dir, progress=self.progress,
         )
 
     def decoded(self) -> "ImageClassification":
@@ -215,7 +219,7 @@ class ImageClassification(Dataset):
         from .device_loader import decoded_images
 
         decoded = copy.copy(self)
-        decoded.images = decoded_images(self.images, self.image_size, self.cache_dir)
+        decoded.images = decoded_images(self.images, self.image_size, self.cache_dir, self.progress)
         return decoded
 
 
@@ -242,10 +246,13 @@ def decode_image_file(path: str, image_size: int) -> torch.Tensor:
 
 def rgb_chw(image, image_size: int):
     """A PIL image as a uint8 RGB (3, S, S) numpy array, resized (bilinear) when its size is not S x S: the
-    one conversion of image files and Hub datasets' images alike."""
+    one conversion of image files and Hub datasets' images alike. 16-bit grayscale (PIL's ``I;16`` and ``I``
+    modes) is scaled to 8 bits first: ``convert`` would clip it, nearly every pixel white."""
     import numpy as np
     from PIL import Image
 
+    if image.mode.startswith("I"):
+        image = Image.fromarray((np.asarray(image).clip(0, 65535) >> 8).astype(np.uint8))
     image = image.convert("RGB")
     if image.size != (image_size, image_size):
         image = image.resize((image_size, image_size), Image.Resampling.BILINEAR)
@@ -317,11 +324,14 @@ def cifar10_arrays(data_dir: str, train: bool) -> tuple[torch.Tensor, list[int],
     return images, list(dataset.targets), list(dataset.classes)
 
 
-def scan_image_folder(data_dir: str, skip_bad_images: bool = False) -> dict[str, tuple[list[str], list[int], list[str]]]:
+def scan_image_folder(
+    data_dir: str, skip_bad_images: bool = False, progress: bool | None = None
+) -> dict[str, tuple[list[str], list[int], list[str]]]:
     """Check a ``train/<class>/*`` + ``test/<class>/*`` tree and list its files, or raise ConfigError.
 
     Every file is checked (:func:`unreadable_reason`) before any training, so a bad one stops the run at
-    once with one line, not after an epoch; ``skip_bad_images`` leaves them out and says how many."""
+    once with one line, not after an epoch; ``skip_bad_images`` leaves them out and says how many; ``progress``
+    as ``--progress`` (see :func:`acceltrain.show_progress`)."""
     root = Path(data_dir)
     if not root.is_dir():
         raise ConfigError(f"--data-dir {data_dir!r} is not a directory (expected train/<class>/* and test/<class>/*)")
@@ -351,18 +361,18 @@ def scan_image_folder(data_dir: str, skip_bad_images: bool = False) -> dict[str,
             f"--data-dir {data_dir!r}: train/ and test/ have different class folders "
             f"({len(splits['train'][2])} vs {len(splits['test'][2])})"
         )
-    return _without_bad_images(splits, root, skip_bad_images)
+    return _without_bad_images(splits, root, skip_bad_images, progress)
 
 
-def _without_bad_images(splits: dict, root: Path, skip: bool) -> dict:
+def _without_bad_images(splits: dict, root: Path, skip: bool, progress: bool | None) -> dict:
     """``splits`` after checking every file, with a progress bar on big trees (CIFAR-10's 60,000 JPEGs: a
     few seconds); bad files are one ConfigError naming them, or left out when ``skip``."""
     from tqdm.auto import tqdm
 
     everything = [path for paths, _, _ in splits.values() for path in paths]
-    progress = tqdm(everything, desc="checking image files", unit="file", leave=False,
-                    disable=len(everything) < 10_000 or os.environ.get("RANK", "0") != "0")
-    bad = {path: reason for path in progress if (reason := unreadable_reason(path)) is not None}
+    quiet = not show_progress(progress) or len(everything) < CHECK_BAR_MIN_FILES or os.environ.get("RANK", "0") != "0"
+    checked = tqdm(everything, desc="checking image files", unit="file", leave=False, disable=quiet)
+    bad = {path: reason for path in checked if (reason := unreadable_reason(path)) is not None}
     if not bad:
         return splits
     named = ", ".join(f"{os.path.relpath(path, root)} ({reason})" for path, reason in list(bad.items())[:3])
@@ -388,11 +398,13 @@ def image_datasets(
     synthetic_sizes: tuple[int, int] = (2048, 512),
     skip_bad_images: bool = False,
     augment: CropFlip | None = None,
+    progress: bool | None = None,
 ) -> tuple[ImageClassification, ImageClassification]:
     """(train, eval) image datasets: ``cifar10`` (torchvision, downloaded once by the main process),
     ``imagefolder`` (``data_dir/{train,test}/<class>/*``), ``synthetic``, or a Hub dataset ``namespace/name``
     with an image and a ClassLabel column (``uoft-cs/cifar10``; see :mod:`.hub_datasets`). Training samples get
-    ``augment`` (default: crop with zero padding 4 + random flip); both are normalised with CIFAR-10 statistics."""
+    ``augment`` (default: crop with zero padding 4 + random flip); both are normalised with CIFAR-10 statistics.
+    ``progress`` (``--progress``) decides the image-file check's and decode's bars."""
     from .hub_datasets import hub_image_arrays
 
     augment = CropFlip() if augment is None else augment
@@ -408,7 +420,7 @@ def image_datasets(
     elif name == "imagefolder":
         if not data_dir:
             raise ConfigError("--dataset imagefolder needs --data-dir DIR holding train/<class>/* and test/<class>/*")
-        splits = scan_image_folder(data_dir, skip_bad_images)
+        splits = scan_image_folder(data_dir, skip_bad_images, progress)
         (train_images, train_labels, classes), (eval_images, eval_labels, _) = splits["train"], splits["test"]
     elif name == "synthetic":
         (train_images, train_labels), (eval_images, eval_labels) = synthetic_images(
@@ -420,7 +432,7 @@ def image_datasets(
             f"--dataset {name!r} is invalid: choose one of {', '.join(IMAGE_DATASETS)}, or a Hub dataset as namespace/name "
             "(e.g. uoft-cs/cifar10)"
         )
-    common = {"image_size": image_size, "seed": seed}
+    common = {"image_size": image_size, "seed": seed, "progress": progress}
     return (
         ImageClassification(train_images, train_labels, classes, augment=augment, **common),
         ImageClassification(eval_images, eval_labels, classes, **common),
