@@ -4,12 +4,26 @@ The public names are imported on first use (PEP 562), so that ``--help``, ``acce
 the config parser answer without importing torch and Accelerate (seconds on a small machine).
 """
 
-from importlib.metadata import version
+from importlib.metadata import PackageNotFoundError, version
 
 from .lazy_exports import lazy_exports
 from .logs import install_console_handler
 
-__version__ = version("acceltrain")  # the one version, pyproject.toml's
+
+def _checkout_version() -> str:
+    """pyproject.toml's version, read from the checkout when it runs from ``PYTHONPATH`` uninstalled."""
+    import re
+    from pathlib import Path
+
+    pyproject = Path(__file__).resolve().parent.parent / "pyproject.toml"
+    found = re.search(r'^version = "([^"]+)"', pyproject.read_text(), re.M) if pyproject.is_file() else None
+    return f"{found[1]}+checkout" if found else "unknown"
+
+
+try:
+    __version__ = version("acceltrain")  # the one version, pyproject.toml's
+except PackageNotFoundError:
+    __version__ = _checkout_version()
 install_console_handler()  # the toolkit's lines show at info by default, as transformers' do (see acceltrain.logs)
 
 _HOME = {  # public name -> the submodule that defines it
