@@ -19,22 +19,27 @@ EXIT_BAD_INPUT = 2
 
 
 def _report_error(message: str) -> None:
-    """One line on stderr, from one process only when several run the same recipe; under torchrun (and
-    ``accelerate launch`` on several processes) also in the worker's error file, which the launcher's
-    failure report shows as the root cause instead of "To enable traceback see ..."."""
+    """One line on stderr, from one process only when several run the same recipe, and in the launcher's report."""
     if os.environ.get("RANK", "0") == "0":
         print(f"error: {message}", file=sys.stderr, flush=True)
+    _write_error_file(f"error: {message}")
+
+
+def _write_error_file(message: str) -> None:
+    """Under torchrun (and ``accelerate launch`` on several processes, or with DeepSpeed) ``message`` goes into the
+    worker's error file, which the launcher's failure report shows as the root cause instead of "To enable
+    traceback see ...". Written by hand in the format of torch's ``ErrorHandler.record_exception``, which takes
+    an exception and prints its type's name: no torch import for a config error (~3 s), no "SystemExit: 75"."""
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if error_file:
         import json
         import time
 
-        # the format torch.distributed.elastic's ErrorHandler.record_exception writes
-        report = {"message": f"error: {message}", "extraInfo": {"py_callstack": f"error: {message}", "timestamp": str(int(time.time()))}}
+        report = {"message": message, "extraInfo": {"py_callstack": message, "timestamp": str(int(time.time()))}}
         try:
             Path(error_file).write_text(json.dumps({"message": report}))
         except OSError:
-            pass  # the line above is already on stderr
+            pass  # the launcher reports the exit code alone
 
 
 def run_recipe(main: Callable, config_class: type[TrainConfig], argv: list[str] | None = None, description: str | None = None):
@@ -42,7 +47,8 @@ def run_recipe(main: Callable, config_class: type[TrainConfig], argv: list[str] 
 
     Bad input anywhere before training (flags, preset file, data folder, hardware) raises
     :class:`ConfigError`; it is printed as one line and the process exits with code 2, nothing written.
-    A diverged run exits 3, a second Ctrl-C 130, each with one line.
+    A diverged run exits 3, a second Ctrl-C 130, each with one line. A stop to be resumed (exit 75, or 130 after
+    a first Ctrl-C) says so in torchelastic's error file too, since a launcher reports any exit but 0 as a failure.
     """
     from .checkpointing import EXIT_DIVERGED, EXIT_INTERRUPTED, TrainingDiverged
     from .logs import set_log_level
@@ -52,6 +58,10 @@ def run_recipe(main: Callable, config_class: type[TrainConfig], argv: list[str] 
         cfg = parse_config(config_class, argv, description=description)
         set_log_level(cfg.log_level)  # before anything logs, or imports a library that does
         active_trackers(cfg)  # a tracker that cannot work (W&B key rejected, unreachable) stops here, before any data
+        if os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":  # else no torch import here
+            from .distributed import deepspeed_config
+
+            deepspeed_config(cfg)  # a broken DeepSpeed JSON stops here, before DeepSpeed sets up the process group
         from accelerate.utils import set_seed
 
         set_seed(cfg.seed)
@@ -63,6 +73,24 @@ def run_recipe(main: Callable, config_class: type[TrainConfig], argv: list[str] 
     except KeyboardInterrupt:
         _fail("interrupted by a second Ctrl-C: stopped at once, without saving; the last checkpoint is kept "
               "(continue with --resume auto)", EXIT_INTERRUPTED)
+    except SystemExit as stop:
+        run = _stopped_run(stop)
+        if run is not None:
+            _write_error_file(f"stopped at step {run.step} to be resumed ({run.stop.reason}); continue with --resume auto")
+        raise
+
+
+def _stopped_run(stop: SystemExit):
+    """The Run whose stop to be resumed raised ``stop``, else None: the loop's ``_finish(run)`` raises a plain
+    ``SystemExit(code)``, so the step and the reason are read from the ``run`` of the frame that raised it."""
+    run_module = sys.modules.get(f"{__package__}.run")  # not imported (--help, a config error): no run, and no torch import
+    frame = stop.__traceback__
+    while frame.tb_next is not None:
+        frame = frame.tb_next
+    run = frame.tb_frame.f_locals.get("run")
+    if run_module is None or not isinstance(run, run_module.Run):
+        return None
+    return run if run.stop is not None and not run.stop.finish else None
 
 
 def _fail(message: str, code: int) -> typing.NoReturn:

@@ -12,6 +12,8 @@ import argparse
 import dataclasses
 import difflib
 import math
+import os
+import stat
 import sys
 import types
 import typing
@@ -56,7 +58,7 @@ def option(default: Any, help: str, **metadata: Any) -> Any:
 MixedPrecision = Literal["no", "fp16", "bf16"]
 ReportTo = Literal["wandb", "tensorboard", "all", "none"]
 LRSchedule = Literal["constant", "cosine", "linear"]
-Optimizer = Literal["sgd", "adamw"]
+Optimizer = Literal["sgd", "adamw", "muon"]
 WandbMode = Literal["online", "offline", "disabled"]
 CompileMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
 ScaleLR = Literal["none", "linear"]
@@ -74,10 +76,16 @@ class TrainConfig:
     epochs: float = option(1.0, "epochs to train when --max-steps is not given")
     max_steps: int | None = option(None, "optimizer steps to train; overrides --epochs")
     # -- optimizer and schedule
-    optimizer: Optimizer = option("sgd", "sgd (Nesterov momentum) or adamw")
+    optimizer: Optimizer = option(
+        "sgd", "sgd (Nesterov momentum), adamw, or muon: torch.optim.Muon on the hidden weight matrices and conv kernels, "
+        "SGD on embeddings, the head, biases and normalisation (airbench94_muon)",
+    )
     lr: float = option(0.1, "peak learning rate")
     momentum: float = option(0.9, "SGD momentum")
     weight_decay: float = option(5e-4, "weight decay (decoupled for adamw)")
+    muon_lr: float = option(0.02, "--optimizer muon: Muon's peak learning rate (the schedule scales it as it scales --lr)")
+    muon_momentum: float = option(0.95, "--optimizer muon: Muon's (Nesterov) momentum")
+    muon_weight_decay: float = option(0.0, "--optimizer muon: Muon's decoupled weight decay")
     decay_all_parameters: bool = option(
         False, "weight decay on biases and normalisation parameters too, at the weights' decay per step (airbench94); "
         "default: matrices and conv kernels only",
@@ -207,6 +215,9 @@ class TrainConfig:
         require(self.weight_decay >= 0, "weight_decay", self.weight_decay, "a number >= 0")
         require(self.norm_bias_lr_scale > 0, "norm_bias_lr_scale", self.norm_bias_lr_scale, "a number > 0")
         require(0 <= self.momentum < 1, "momentum", self.momentum, "a number in [0, 1)")
+        require(self.muon_lr > 0, "muon_lr", self.muon_lr, "a number > 0")
+        require(0 <= self.muon_momentum < 1, "muon_momentum", self.muon_momentum, "a number in [0, 1)")
+        require(self.muon_weight_decay >= 0, "muon_weight_decay", self.muon_weight_decay, "a number >= 0")
         require(self.warmup_steps >= 0, "warmup_steps", self.warmup_steps, "an integer >= 0")
         for name in ("warmup_start_rate", "min_lr_rate"):
             require(0 <= getattr(self, name) < 1, name, getattr(self, name), "a number in [0, 1)")
@@ -268,7 +279,7 @@ def run_changes(saved: dict[str, Any], cfg: TrainConfig) -> dict[str, list]:
 def require(ok: bool, name: str, value: Any, allowed: str) -> None:
     """Raise the standard one-line error for field ``name`` unless ``ok``."""
     if not ok:
-        raise ConfigError(f"--{flag_name(name)} {value!r} is invalid: must be {allowed}")
+        raise ConfigError(f"--{flag_name(name)} {shorten(value)} is invalid: must be {allowed}")
 
 
 def parse_step_range(text: str) -> tuple[int, int]:
@@ -323,7 +334,7 @@ def _convert(name: str, raw: Any, base: Any, choices: tuple | None, optional: bo
             raw = ",".join(str(item) for item in raw)
         else:
             kind = {bool: "true or false", int: "integer", float: "number"}.get(base, "string")
-            raise ConfigError(f"--{flag_name(name)} {raw!r} is invalid: must be one {kind}, not a {type(raw).__name__}")
+            raise ConfigError(f"--{flag_name(name)} {shorten(raw)} is invalid: must be one {kind}, not a {type(raw).__name__}")
     try:
         if base is bool:
             if isinstance(raw, bool):
@@ -348,11 +359,11 @@ def _convert(name: str, raw: Any, base: Any, choices: tuple | None, optional: bo
             value = str(raw)
     except (TypeError, ValueError):
         kind = {bool: "true or false", int: "an integer", float: "a finite number"}.get(base, "a string")
-        raise ConfigError(f"--{flag_name(name)} {raw!r} is invalid: must be {kind}") from None
+        raise ConfigError(f"--{flag_name(name)} {shorten(raw)} is invalid: must be {kind}") from None
     value = (aliases or {}).get(value, value)
     if choices is not None and value not in choices:
         allowed = ", ".join(str(c) for c in choices)
-        raise ConfigError(f"--{flag_name(name)} {value!r} is invalid: choose one of {allowed}")
+        raise ConfigError(f"--{flag_name(name)} {shorten(value)} is invalid: choose one of {allowed}")
     return value
 
 
@@ -398,7 +409,7 @@ def build_parser(cls: type[TrainConfig], description: str | None = None) -> argp
 
 def _with_suggestion(token: str, known: list[str], quote: bool = False) -> str:
     """``token``, followed by the closest known name when there is one (a typo's likely meaning)."""
-    shown = repr(token) if quote else token
+    shown = shorten(token) if quote else token
     if not quote and not token.startswith("--"):
         return shown
     close = difflib.get_close_matches(token, known, n=1)
@@ -413,9 +424,54 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)
             if key in seen:
-                raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
+                raise yaml.constructor.ConstructorError(None, None, f"duplicate key {shorten(key)}", key_node.start_mark)
             seen.add(key)
         return super().construct_mapping(node, deep)
+
+
+MAX_FILE_BYTES = 1_000_000  # a preset or a DeepSpeed JSON is a few kilobytes at most
+MAX_PRESET_VALUES = 10_000  # a preset is a flat mapping of option: value, with a few short lists
+
+_FILE_KINDS = {stat.S_IFDIR: "a directory", stat.S_IFIFO: "a named pipe (FIFO)", stat.S_IFCHR: "a character device",
+               stat.S_IFBLK: "a block device", stat.S_IFSOCK: "a socket"}
+
+
+def read_small_file(path: str, what: str, limit: int = MAX_FILE_BYTES) -> str:
+    """The UTF-8 text of the regular file ``path`` of at most ``limit`` bytes, else a ConfigError that starts with
+    ``what`` and the path. Opened without blocking and checked on the open descriptor: a FIFO would block the
+    read for good, and /dev/zero never ends."""
+    shown = f"{what} {shorten(path, 200)}"
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except OSError as err:
+        raise ConfigError(f"{shown} cannot be read: {first_line(err)}") from None
+    kind = stat.S_IFMT(os.fstat(fd).st_mode)
+    if kind != stat.S_IFREG:
+        os.close(fd)
+        raise ConfigError(f"{shown} is {_FILE_KINDS.get(kind, 'a special file')}, not a regular file")
+    with os.fdopen(fd, "rb") as file:
+        data = file.read(limit + 1)
+    if len(data) > limit:
+        raise ConfigError(f"{shown} is larger than {limit // 1_000_000} MB: not a config file")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{shown} is not UTF-8 text (byte 0x{data[err.start]:02x} at offset {err.start})") from None
+
+
+def _fits(data: Any, limit: int) -> bool:
+    """Whether ``data`` holds at most ``limit`` values, each alias counted at every place it is used. YAML aliases
+    share one object per anchor, so a 400-byte file loads small but its repr (or a full walk) is exponential:
+    this walk stops at the limit, and ends on a list that holds itself."""
+    pending, counted = [data], 1
+    while pending:
+        item = pending.pop()
+        children = [*item.keys(), *item.values()] if isinstance(item, dict) else item if isinstance(item, (list, tuple)) else ()
+        counted += len(children)
+        if counted > limit:
+            return False
+        pending.extend(children)
+    return True
 
 
 def load_yaml_preset(path: str) -> dict[str, Any]:
@@ -427,22 +483,28 @@ def load_yaml_preset(path: str) -> dict[str, Any]:
         shipped = PRESETS / f"{path.removesuffix('.yaml')}.yaml"
         if not shipped.is_file():
             names = ", ".join(sorted(p.stem for p in PRESETS.glob("*.yaml")))
-            raise ConfigError(f"--config {path!r} is neither a file nor a shipped preset: give a YAML file or one of {names}")
+            raise ConfigError(f"--config {shorten(path)} is neither a file nor a shipped preset: give a YAML file or one of {names}")
         path = str(shipped)
-    try:
-        text = Path(path).read_text()
-    except OSError as err:
-        raise ConfigError(f"--config {path!r} cannot be read: {err.strerror or err}") from None
+    text = read_small_file(path, "--config")
+    shown = f"--config {shorten(path, 200)}"
     try:
         data = yaml.load(text, Loader=_UniqueKeyLoader)
     except yaml.YAMLError as err:
         first = " ".join(line.strip() for line in str(err).splitlines()[:2] if line.strip())
-        raise ConfigError(f"--config {path!r} is not valid YAML: {first}") from None
+        raise ConfigError(f"{shown} is not valid YAML: {first[:300]}") from None
+    except RecursionError:  # PyYAML composes nested lists recursively
+        raise ConfigError(f"{shown} is nested too deeply: a preset is a mapping of option: value") from None
+    if not _fits(data, MAX_PRESET_VALUES):
+        raise ConfigError(f"{shown} holds more than {MAX_PRESET_VALUES:,} keys and values (an alias counts each time it is "
+                          "used): a preset is a mapping of option: value")
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise ConfigError(f"--config {path!r} must be a mapping of option: value, got {type(data).__name__}")
+        raise ConfigError(f"{shown} must be a mapping of option: value, got {type(data).__name__}")
     return {str(k).replace("-", "_"): v for k, v in data.items()}
+
+
+SHOWN_KEYS = 10  # unknown preset keys named in the one line
 
 
 def parse_config(cls: type[TrainConfig], argv: list[str] | None = None, description: str | None = None):
@@ -460,8 +522,9 @@ def parse_config(cls: type[TrainConfig], argv: list[str] | None = None, descript
         preset = load_yaml_preset(preset_path)
         unknown_keys = [key for key in preset if key not in fields or key == "config"]
         if unknown_keys:
-            names = ", ".join(_with_suggestion(key, [f for f in fields if f != "config"], quote=True) for key in unknown_keys)
-            raise ConfigError(f"--config {preset_path!r}: unknown key{'s' if len(unknown_keys) > 1 else ''} {names}")
+            shown = ", ".join(_with_suggestion(key, [f for f in fields if f != "config"], quote=True) for key in unknown_keys[:SHOWN_KEYS])
+            more = f" and {len(unknown_keys) - SHOWN_KEYS} more" if len(unknown_keys) > SHOWN_KEYS else ""
+            raise ConfigError(f"--config {shorten(preset_path, 200)}: unknown key{'s' if len(unknown_keys) > 1 else ''} {shown}{more}")
         for key, raw in preset.items():
             values[key] = _convert(key, raw, *_field_kind(cls, fields[key]))
     for key, raw in given.items():

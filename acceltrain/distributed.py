@@ -18,7 +18,7 @@ import torch.distributed as dist
 from accelerate.utils import DistributedType
 from torch import nn
 
-from .config import ConfigError, TrainConfig
+from .config import ConfigError, TrainConfig, read_small_file, shorten
 
 T = TypeVar("T")
 
@@ -54,6 +54,10 @@ def init_process_state(cfg: TrainConfig):
             f"(distributed_type={state.distributed_type.value}): this would be {launched} independent runs; "
             "check the accelerate config (FSDP and DeepSpeed need a GPU for more than one process)"
         )
+    sharding = {DistributedType.DEEPSPEED: "DeepSpeed", DistributedType.FSDP: "FSDP"}.get(state.distributed_type)
+    if cfg.optimizer == "muon" and sharding:
+        raise ConfigError(f"--optimizer muon needs every weight matrix whole on each process, and {sharding} flattens or "
+                          "shards them: use DDP (multi_gpu.yaml, multi_cpu.yaml) or one process, or --optimizer sgd / adamw")
     return state
 
 
@@ -199,23 +203,43 @@ _DEEPSPEED_OWNED = {
 
 
 def deepspeed_plugin(cfg: TrainConfig):
-    """The DeepSpeed plugin with its JSON resolved from the toolkit config: every ``"auto"`` the toolkit
+    """The DeepSpeed plugin on :func:`deepspeed_config`'s JSON; None when the launch is not a DeepSpeed one."""
+    config = deepspeed_config(cfg)
+    if config is None:
+        return None
+    from accelerate.utils import DeepSpeedPlugin
+
+    return DeepSpeedPlugin(
+        hf_ds_config=config,
+        gradient_accumulation_steps=cfg.grad_accum,
+        gradient_clipping=cfg.max_grad_norm or 0.0,
+        zero3_init_flag=os.environ.get("ACCELERATE_DEEPSPEED_ZERO3_INIT", "false").lower() == "true",
+    )
+
+
+def deepspeed_config(cfg: TrainConfig) -> dict | None:
+    """The DeepSpeed JSON of a DeepSpeed launch, resolved from the toolkit config: every ``"auto"`` the toolkit
     owns is filled (micro batch, accumulation, global batch, clipping, bf16/fp16), and a JSON value that
     contradicts the toolkit config is a one-line error naming both, before Accelerate resolves anything
-    its own way (accelerate#2210, #2298). None when the launch is not a DeepSpeed one."""
+    its own way (accelerate#2210, #2298). A JSON that is not an object, a section that is not one or a ZeRO stage
+    outside 0-3 is one line too, where DeepSpeed would raise an AttributeError or ValidationError on rank 0 only.
+    None when the launch is not a DeepSpeed one."""
     if os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() != "true":
         return None
     import json
-
-    from accelerate.utils import DeepSpeedPlugin
 
     path = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")
     if path == "none":
         raise ConfigError("the accelerate config asks for DeepSpeed without deepspeed_config_file: use accelerate_configs/deepspeed_zero{2,3}.yaml")
     try:
-        config = json.loads(open(path).read())
-    except (OSError, ValueError) as err:
-        raise ConfigError(f"DeepSpeed config {path!r} cannot be read: {err}") from None
+        config = json.loads(read_small_file(path, "DeepSpeed config"))
+    except ValueError as err:
+        raise ConfigError(f"DeepSpeed config {path!r} is not valid JSON: {err}") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"DeepSpeed config {path!r} must be a JSON object of setting: value, not a {type(config).__name__}")
+    stage = _section(config, "zero_optimization", path).get("stage", "auto")
+    if stage != "auto" and (type(stage) is not int or not 0 <= stage <= 3):
+        raise ConfigError(f"DeepSpeed config {path!r}: zero_optimization.stage {shorten(stage)} is invalid: must be 0, 1, 2 or 3 (the ZeRO stage) or \"auto\"")
     for section in ("optimizer", "scheduler"):
         if section in config:
             raise ConfigError(f"DeepSpeed config {path!r} defines an {section}: acceltrain builds it from the flags; remove that section")
@@ -228,18 +252,29 @@ def deepspeed_plugin(cfg: TrainConfig):
     }
     for key, value in wanted.items():
         current = config.get(key, "auto")
-        if current != "auto" and float(current) != float(value):
-            raise ConfigError(f"DeepSpeed config {path!r} sets {key}={current} but {_DEEPSPEED_OWNED[key]} gives {value}: set it to \"auto\" or make them agree")
+        if current != "auto" and not _same_number(current, value):
+            raise ConfigError(f"DeepSpeed config {path!r} sets {key}={shorten(current)} but {_DEEPSPEED_OWNED[key]} gives {value}: set it to \"auto\" or make them agree")
         config[key] = value
     precision = cfg.mixed_precision or os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
     for name in ("bf16", "fp16"):
-        enabled = config.get(name, {}).get("enabled", "auto")
+        enabled = _section(config, name, path).get("enabled", "auto")
         if enabled != "auto" and bool(enabled) != (precision == name):
-            raise ConfigError(f"DeepSpeed config {path!r} sets {name}.enabled={enabled} but --mixed-precision is {precision}: set it to \"auto\" or make them agree")
+            raise ConfigError(f"DeepSpeed config {path!r} sets {name}.enabled={shorten(enabled)} but --mixed-precision is {precision}: set it to \"auto\" or make them agree")
         config.setdefault(name, {})["enabled"] = precision == name
-    return DeepSpeedPlugin(
-        hf_ds_config=config,
-        gradient_accumulation_steps=cfg.grad_accum,
-        gradient_clipping=cfg.max_grad_norm or 0.0,
-        zero3_init_flag=os.environ.get("ACCELERATE_DEEPSPEED_ZERO3_INIT", "false").lower() == "true",
-    )
+    return config
+
+
+def _section(config: dict, name: str, path: str) -> dict:
+    """``config[name]``, a JSON object ({} when absent): DeepSpeed's pydantic models and our ``.get`` take no other."""
+    value = config.get(name, {})
+    if not isinstance(value, dict):
+        raise ConfigError(f"DeepSpeed config {path!r}: {name} {shorten(value)} is invalid: must be a JSON object {{...}}")
+    return value
+
+
+def _same_number(given, wanted) -> bool:
+    """Whether a JSON value equals the toolkit's number; a word or a list never does."""
+    try:
+        return float(given) == float(wanted)
+    except (TypeError, ValueError):
+        return False

@@ -8,14 +8,15 @@ from functools import partial
 import torch
 from torch import nn
 
-from .config import TrainConfig, require
+from .config import ConfigError, TrainConfig, require
 
 
 NORMALISATIONS = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
-    """SGD (Nesterov) or AdamW at ``cfg.lr``. Weight decay applies to weight matrices and conv kernels
+    """SGD (Nesterov) or AdamW at ``cfg.lr``; or Muon on the hidden matrices (:class:`MuonWithSGD`) with
+    SGD on the rest. Weight decay applies to weight matrices and conv kernels
     only, not to biases and normalisation scales (the usual choice), unless ``cfg.decay_all_parameters``:
     then every parameter decays by the same fraction per step (airbench94), so the group with the scaled
     lr gets the weight decay divided by that scale. The normalisation layers' parameters take
@@ -29,10 +30,80 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer
     other_decay = cfg.weight_decay if cfg.decay_all_parameters else 0.0
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": other, "weight_decay": other_decay},
               {"params": scaled, "weight_decay": other_decay / cfg.norm_bias_lr_scale, "lr": cfg.lr * cfg.norm_bias_lr_scale}]
+    matrices = []
+    if cfg.optimizer == "muon":
+        muon = muon_parameters(model)
+        matrices = [param for param in decay if id(param) in muon]
+        if not matrices:
+            raise ConfigError(f"--optimizer muon found no hidden weight matrices in {type(model).__name__} (it leaves "
+                              "embeddings, the last Linear and vectors to SGD): use --optimizer sgd or adamw")
+        groups[0]["params"] = [param for param in decay if id(param) not in muon]
     groups = [group for group in groups if group["params"]]  # a model without norms or biases: no empty group
+    if cfg.optimizer == "adamw":
+        return torch.optim.AdamW(groups, lr=cfg.lr)
+    sgd = torch.optim.SGD(groups or [{"params": []}], lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.momentum > 0)
     if cfg.optimizer == "sgd":
-        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.momentum > 0)
-    return torch.optim.AdamW(groups, lr=cfg.lr)
+        return sgd
+    return MuonWithSGD(matrices, sgd, lr=cfg.muon_lr, momentum=cfg.muon_momentum, weight_decay=cfg.muon_weight_decay)
+
+
+def muon_parameters(model: nn.Module) -> set[int]:
+    """The ids of the parameters Muon updates: the hidden weights of two or more dimensions (conv kernels,
+    linear and Transformers ``Conv1D`` matrices), not embeddings and not the last ``nn.Linear`` (the head),
+    which Muon's authors leave to the other optimizer."""
+    linears = [module for module in model.modules() if isinstance(module, nn.Linear)]
+    kept_out = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters(recurse=False)}
+    kept_out |= {id(p) for p in linears[-1].parameters(recurse=False)} if linears else set()
+    return {id(p) for p in model.parameters() if p.requires_grad and p.ndim >= 2 and id(p) not in kept_out}
+
+
+def _as_matrix(tensor: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as the (rows, rest) matrix of ``like``'s memory order: for a parameter, a view sharing its
+    memory (contiguous or channels_last alike), so that an update of the matrix updates the kernel."""
+    dims = sorted(range(like.ndim), key=lambda dim: (dim != 0, -like.stride(dim)))
+    return tensor.detach().permute(dims).reshape(len(like), -1)
+
+
+class MuonWithSGD(torch.optim.Optimizer):
+    """``torch.optim.Muon`` (Nesterov) on the hidden matrices and ``sgd`` on every other parameter, as one
+    optimizer: one object for Accelerate to prepare and checkpoint and for the schedule to drive (the
+    first param group is Muon's, the others are ``sgd``'s own dicts). airbench94_muon trains its conv
+    filters so. torch's Muon takes 2-D parameters only: a kernel is given to it as a matrix view of its
+    memory, re-made when the kernel moved (to the device, to channels_last) after the optimizer was built."""
+
+    def __init__(self, matrices: list[nn.Parameter], sgd: torch.optim.SGD, *, lr: float, momentum: float, weight_decay: float):
+        super().__init__([{"params": matrices}], {"lr": lr, "momentum": momentum, "weight_decay": weight_decay})
+        self.sgd = sgd
+        self.param_groups += [group for group in sgd.param_groups if group["params"]]
+        self.muon = torch.optim.Muon([_as_matrix(p, p) for p in matrices], lr=lr, momentum=momentum,
+                                     weight_decay=weight_decay, nesterov=True)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        group, inner = self.param_groups[0], self.muon.param_groups[0]
+        inner.update({key: group[key] for key in ("lr", "momentum", "weight_decay")})  # the schedule sets group's lr
+        for index, param in enumerate(group["params"]):
+            view = inner["params"][index]
+            if view.data_ptr() != param.data_ptr() or view.device != param.device:
+                inner["params"][index] = fresh = _as_matrix(param, param)
+                if view in self.muon.state:
+                    self.muon.state[fresh] = self.muon.state.pop(view)
+                view = fresh
+            view.grad = None if param.grad is None else _as_matrix(param.grad, param)
+        self.muon.step()
+        self.sgd.step()
+        for view in inner["params"]:
+            view.grad = None
+
+    def state_dict(self) -> dict:
+        return {"muon": self.muon.state_dict(), "sgd": self.sgd.state_dict(),
+                "muon_group": {key: value for key, value in self.param_groups[0].items() if key != "params"}}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.muon.load_state_dict(state_dict["muon"])
+        self.sgd.load_state_dict(state_dict["sgd"])  # new group dicts: point ours at them
+        self.param_groups[0].update(state_dict["muon_group"])
+        self.param_groups[1:] = [group for group in self.sgd.param_groups if group["params"]]
 
 
 # The shape after warm-up, at ``progress`` in [0, 1] of the decay: of its steps, or of any other budget

@@ -12,11 +12,12 @@ import importlib.util
 import netrc
 import os
 import struct
+import typing
 from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlparse
 
-from .config import ConfigError, TrainConfig, first_line
+from .config import ConfigError, TrainConfig, WandbMode, first_line, shorten
 from .network import PROBE_SECONDS, check_reachable
 
 TRACKER_PACKAGES = {"wandb": "wandb", "tensorboard": "tensorboard"}
@@ -37,6 +38,8 @@ def active_trackers(cfg: TrainConfig) -> list[str]:
     for name in names:
         if importlib.util.find_spec(TRACKER_PACKAGES[name]) is None:
             raise ConfigError(f"--report-to {cfg.report_to} needs the {TRACKER_PACKAGES[name]!r} package: pip install {TRACKER_PACKAGES[name]}")
+    if "wandb" in names:
+        check_wandb_dir()
     # the main process alone talks to W&B; the others learn of its failure from the launcher
     if "wandb" in names and wandb_mode(cfg) == "online" and os.environ.get("RANK", "0") == "0":
         check_wandb_online()
@@ -94,11 +97,36 @@ def wandb_credentials_present() -> bool:
 
 
 def wandb_mode(cfg: TrainConfig) -> str:
-    """``--wandb-mode``, else ``$WANDB_MODE``, else online with credentials and offline without."""
-    mode = cfg.wandb_mode or os.environ.get("WANDB_MODE")
-    if mode in ("dryrun",):
+    """``--wandb-mode``, else ``$WANDB_MODE``, else online with credentials and offline without. wandb.init reads
+    ``$WANDB_MODE`` even when given a mode, and a value it does not know is a ValidationError at the first step:
+    here an empty one counts as unset (a shell's ``WANDB_MODE=``; removed, as wandb would refuse it), and a value
+    other than --wandb-mode's choices and wandb's older ``dryrun`` is refused, before training."""
+    if cfg.wandb_mode == "disabled":
+        return "disabled"  # wandb is not started: its variables do not matter
+    env = os.environ.get("WANDB_MODE")
+    allowed = typing.get_args(WandbMode)
+    if env == "":
+        del os.environ["WANDB_MODE"]
+    elif env is not None and env not in (*allowed, "dryrun"):
+        raise ConfigError(f"WANDB_MODE={shorten(env)} is invalid: must be one of {', '.join(allowed)} (as --wandb-mode), or empty for unset")
+    mode = cfg.wandb_mode or env
+    if mode == "dryrun":
         return "offline"
     return mode or ("online" if wandb_credentials_present() else "offline")
+
+
+def check_wandb_dir() -> None:
+    """``$WANDB_DIR`` (where wandb writes its ``wandb/`` folder) must be a folder there is or can be: wandb.init
+    puts the run into /tmp/wandb without a word when it cannot (a file on the path, no write permission)."""
+    folder = os.environ.get("WANDB_DIR")
+    if not folder:
+        return
+    path = Path(folder).absolute()
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"WANDB_DIR={shorten(folder, 200)} cannot be a folder: {shorten(str(existing), 200)} is "
+                          f"{'not writable' if existing.is_dir() else 'not a folder'}; point it at a writable folder, or "
+                          "unset it for <output-dir>/wandb")
 
 
 def start_tracking(accelerator, cfg: TrainConfig, names: list[str], *, run_name: str, output_dir: Path,
@@ -107,7 +135,8 @@ def start_tracking(accelerator, cfg: TrainConfig, names: list[str], *, run_name:
     if not names:
         return None
     project = cfg.wandb_project or os.environ.get("WANDB_PROJECT") or "acceltrain"
-    wandb_kwargs = {"name": run_name, "dir": str(output_dir), "mode": wandb_mode(cfg)}
+    wandb_dir = os.environ.get("WANDB_DIR") or str(output_dir)  # W&B users point $WANDB_DIR at scratch space
+    wandb_kwargs = {"name": run_name, "dir": wandb_dir, "mode": wandb_mode(cfg)}
     if cfg.wandb_group:
         wandb_kwargs["group"] = cfg.wandb_group
     if cfg.wandb_tags:
