@@ -10,6 +10,11 @@ accuracy against epochs and against wall-clock seconds, for
                 test): what more compression costs, the measurable side of the copy's own (quality 75,
                 4:2:0): no lossless CIFAR-10 is reachable offline. Re-encoding at the copy's own
                 settings would measure nothing: it changes the images by 51 dB PSNR;
+  fast-epochs-freeze-whitening-bias
+                the same with airbench94's whitening-bias freeze after 3 epochs
+                (--freeze-whitening-bias-after-epochs 3): what it adds;
+  muon-epochs   the Muon preset (recipes/configs/cifar10_muon.yaml, airbench94_muon's recipe on the same
+                net) for its 8 epochs, evaluated every 2 epochs: against fast-epochs' 10;
   fast-budget   the fast preset with --time-budget-minutes BUDGET (more epochs allowed: the budget ends it
                 and the LR schedule decays over the budget);
   tiny-budget   today's best CPU configuration before the fast preset (benchmarks/convergence_cpu.py's
@@ -38,9 +43,10 @@ from pathlib import Path
 from common import REPO, RESULTS_DIR, cifar10_jpeg, machine, run_recipe_process, start, write_result
 
 PRESET = REPO / "recipes" / "configs" / "cifar10_fast.yaml"
+MUON_PRESET = REPO / "recipes" / "configs" / "cifar10_muon.yaml"
 TINY_TUNED = ("--model resnet_tiny --channels-last --data-on-device --batch-size 256 --lr 0.4 --lr-schedule linear "
               "--warmup-steps 100 --label-smoothing 0.1")
-LEGS = ("fast-epochs", "fast-epochs-no-lookahead", "fast-epochs-jpeg-q50", "fast-budget", "tiny-budget")
+LEGS = ("fast-epochs", "fast-epochs-no-lookahead", "fast-epochs-jpeg-q50", "fast-epochs-freeze-whitening-bias", "muon-epochs", "fast-budget", "tiny-budget")
 TARGET = 0.94
 AGAIN_QUALITY, SUBSAMPLING_420 = 50, 2  # the archive's quantisation tables are libjpeg's quality 75, its chroma 4:2:0
 
@@ -160,6 +166,8 @@ def main() -> None:
         "fast-epochs": ["--config", str(PRESET), "--eval-every", "96"],
         "fast-epochs-no-lookahead": ["--config", str(PRESET), "--eval-every", "96", "--lookahead-decay", "none"],
         "fast-epochs-jpeg-q50": ["--config", str(PRESET), "--eval-every", "96"],
+        "fast-epochs-freeze-whitening-bias": ["--config", str(PRESET), "--eval-every", "96", "--freeze-whitening-bias-after-epochs", "3"],
+        "muon-epochs": ["--config", str(MUON_PRESET), "--eval-every", "50"],  # 25 steps an epoch at batch 2000
         "fast-budget": ["--config", str(PRESET), *budget],
         "tiny-budget": [*shlex.split(TINY_TUNED), *budget],
     }

@@ -45,6 +45,9 @@ class CifarConfig(TrainConfig):
         False, f"set the first conv's filters from the patch covariance of {WHITENING_IMAGES} training images "
         "(whitened principal directions and their negations) and freeze them",
     )
+    freeze_whitening_bias_after_epochs: int | None = option(
+        None, "--whiten-first-conv: stop training the whitening conv's bias after this many epochs (airbench94: 3)",
+    )
     tta: str = option(
         "none", "test-time augmentation in evaluations: flip (mean logits of the image and its mirror), flip-translate "
         "(also 1-pixel shifts) or none", choices=TTA_MODES,
@@ -66,12 +69,17 @@ class CifarConfig(TrainConfig):
             if getattr(self, name) is not None:
                 require(0 < getattr(self, name) < 1, name, getattr(self, name), "a number in (0, 1)")
         require(self.lookahead_every >= 1, "lookahead_every", self.lookahead_every, "an integer >= 1")
+        if self.freeze_whitening_bias_after_epochs is not None:
+            require(self.freeze_whitening_bias_after_epochs >= 0, "freeze_whitening_bias_after_epochs",
+                    self.freeze_whitening_bias_after_epochs, "an integer >= 0")
+            require(self.whiten_first_conv, "freeze_whitening_bias_after_epochs", self.freeze_whitening_bias_after_epochs,
+                    "unset without --whiten-first-conv (there is no whitening conv)")
 
 
 def main(cfg: CifarConfig) -> dict:
     # imported here, not at the top: --help and bad flags answer in a fraction of a second, without torch
-    from acceltrain import EMA, ClassificationTask, Lookahead, build_optimizer, fit
-    from acceltrain.vision import CropFlip, build_model, image_datasets, whiten_first_conv, whitening_images
+    from acceltrain import EMA, ClassificationTask, ConfigError, Lookahead, build_optimizer, fit
+    from acceltrain.vision import CropFlip, FreezeAfterEpochs, build_model, image_datasets, whiten_first_conv, whitening_images
 
     augment = CropFlip(cfg.crop_padding, cfg.flip, cfg.crop_padding_mode)
     train_set, eval_set = image_datasets(
@@ -79,13 +87,19 @@ def main(cfg: CifarConfig) -> dict:
     )
     augment.check_image_size(train_set.image_size, train_set.image_size)
     model = build_model(cfg.model, num_classes=len(train_set.classes), stem=cfg.stem)
+    whitening = None
     if cfg.whiten_first_conv:  # before the optimizer is built, which leaves the frozen weights out
-        whiten_first_conv(model, whitening_images(train_set, WHITENING_IMAGES, seed=cfg.seed))
+        whitening = whiten_first_conv(model, whitening_images(train_set, WHITENING_IMAGES, seed=cfg.seed))
     optimizer = build_optimizer(model, cfg)
     task = ClassificationTask(label_smoothing=cfg.label_smoothing, tta=cfg.tta)
     hooks = [EMA(decay=cfg.ema_decay)] if cfg.ema_decay is not None else []
     if cfg.lookahead_decay is not None:
         hooks.append(Lookahead(decay=cfg.lookahead_decay, every=cfg.lookahead_every))
+    if cfg.freeze_whitening_bias_after_epochs is not None:  # after the lookahead, whose updates it undoes
+        if whitening.bias is None:
+            raise ConfigError(f"--freeze-whitening-bias-after-epochs {cfg.freeze_whitening_bias_after_epochs}: {cfg.model}'s "
+                              "first conv has no bias to freeze (fast_cifar's has one)")
+        hooks.append(FreezeAfterEpochs(whitening.bias, cfg.freeze_whitening_bias_after_epochs))
     return fit(cfg, model, optimizer, train_set, eval_set, task=task, hooks=hooks, name="resnet_cifar")
 
 

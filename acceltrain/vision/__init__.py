@@ -11,5 +11,5 @@ __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     "DeviceImageLoader": "device_loader",
     "FastCifarNet": "fast_net",
     "TinyResNet": "models", "build_model": "models", "build_resnet": "models",
-    "whiten_first_conv": "whitening", "whitening_images": "whitening",
+    "FreezeAfterEpochs": "whitening", "whiten_first_conv": "whitening", "whitening_images": "whitening",
 })

@@ -76,3 +76,25 @@ def whiten_first_conv(model: nn.Module, images: torch.Tensor, *, eps: float = 5e
         return whiten_conv_(conv, images, eps=eps, freeze=freeze)
     except ConfigError as err:
         raise ConfigError(f"{type(model).__name__}'s first conv: {err}") from None
+
+
+class FreezeAfterEpochs:
+    """A hook that holds ``param`` at its value from the start of epoch ``epochs`` on: airbench94 trains its
+    whitening conv's bias for the first 3 epochs only. The optimizer still steps it (its momentum and weight
+    decay would move it on), so after every step, and after the last hook's end-of-training update (a
+    lookahead's), it is put back: exact for any optimizer, the same on every process, and a resumed run
+    captures the frozen value from the checkpointed weights. Pass it after the hooks that change weights."""
+
+    def __init__(self, param: torch.Tensor, epochs: int):
+        self.param, self.epochs, self.frozen = param, epochs, None
+
+    def on_epoch_start(self, run) -> None:
+        if run.epoch >= self.epochs and self.frozen is None:
+            self.frozen = self.param.detach().clone()
+
+    def on_step_end(self, run) -> None:
+        if self.frozen is not None:
+            with torch.no_grad():
+                self.param.copy_(self.frozen)
+
+    on_train_end = on_step_end
