@@ -141,6 +141,15 @@ EXIT_INTERRUPTED = 130  # Ctrl-C, as shells report death by SIGINT: saved on the
 EXIT_DIVERGED = 3  # a non-finite loss or gradient norm: nothing saved from that step on
 
 
+class StoppedToResume(SystemExit):
+    """The exit of a run that checkpointed to be resumed (75, or 130 after a first Ctrl-C); ``message`` says
+    where and why, for the launcher's report (torchelastic's error file)."""
+
+    def __init__(self, code: int, step: int, reason: str):
+        super().__init__(code)
+        self.message = f"stopped at step {step} to be resumed ({reason}); continue with --resume auto"
+
+
 class TrainingDiverged(Exception):
     """A non-finite loss or gradient norm: the run stops without saving anything from that step on."""
 
@@ -150,32 +159,35 @@ class CheckpointError(ConfigError):
 
 
 @dataclasses.dataclass
-class TrainerState:
-    """What Accelerate's ``save_state`` does not keep: where the run stands and what it has seen.
-    The data order and the augmentation need nothing more: both derive from (seed, epoch, index)."""
+class RunState:
+    """Where a run stands: with Accelerate's state (model, optimizer, grad scaler, RNG) and the hooks'
+    ``state_dict()``, all that survives a resume. The :class:`~acceltrain.run.Run` keeps one current as it
+    trains, and a checkpoint's ``trainer_state.json`` is it, taken at a step boundary: one set of names in
+    memory and on disk. The data order and the augmentation need nothing more: both derive from (seed,
+    epoch, index)."""
 
+    # kept current as the run trains
     step: int = 0
     epoch: int = 0
-    batches_in_epoch: int = 0  # per-process batches of ``epoch`` already trained on
+    batch_in_epoch: int = 0  # per-process batches of ``epoch`` already trained on
     samples_seen: int = 0
-    train_seconds: float = 0.0
     best_metric: float | None = None
-    best_checkpoint: str | None = None
     last_eval: dict = dataclasses.field(default_factory=dict)
-    tracker_run_id: str | None = None
-    scheduler: dict = dataclasses.field(default_factory=dict)  # the LR scheduler's state_dict
-    hooks: list = dataclasses.field(default_factory=list)  # names of the stateful hooks saved in hooks/
+    config_changes: dict = dataclasses.field(default_factory=dict)  # applied with --allow-config-change: field -> [old, new]
+    # filled in when a checkpoint is taken (restored on resume)
+    train_seconds: float = 0.0  # the run's training wall clock, earlier launches included
     loss_sum: float = 0.0  # the open training-log window, summed over processes: the next row covers the same steps
     loss_count: float = 0.0
+    scheduler: dict = dataclasses.field(default_factory=dict)  # the LR scheduler's state_dict
+    hooks: list = dataclasses.field(default_factory=list)  # names of the stateful hooks saved in hooks/
     config: dict = dataclasses.field(default_factory=dict)  # the resolved config, to compare on resume
-    config_changes: dict = dataclasses.field(default_factory=dict)  # applied with --allow-config-change: field -> [old, new]
     # what must not change across a resume for it to be exact
     seed: int = 0
     global_batch_size: int = 0
     grad_accum: int = 1
     train_samples: int = 0
 
-    def check_compatible(self, current: "TrainerState", path: Path) -> None:
+    def check_compatible(self, current: "RunState", path: Path) -> None:
         for name in ("seed", "global_batch_size", "grad_accum", "train_samples"):
             saved, now = getattr(self, name), getattr(current, name)
             if saved != now:
@@ -206,7 +218,7 @@ def _fsync(path: Path) -> None:
         os.close(descriptor)
 
 
-def save_checkpoint(accelerator, state: TrainerState, output_dir: Path, write_extra=None) -> Path:
+def save_checkpoint(accelerator, state: RunState, output_dir: Path, write_extra=None) -> Path:
     """``Accelerator.save_state`` into a temporary folder, then ``write_extra(folder)`` (the hooks' states),
     the trainer state and a manifest (size and sha256 of every file), fsync, and one atomic rename. A crash
     at any point leaves either no new checkpoint or a complete one; never a half-written ``step_*``."""
@@ -250,8 +262,9 @@ def _out_of_space(err: Exception) -> bool:
     return "file write failed" in str(err) or "No space left" in str(err)
 
 
-def verify_checkpoint(path: Path) -> TrainerState:
-    """The checkpoint's trainer state, after checking every file against the manifest; else CheckpointError."""
+def verify_checkpoint(path: Path) -> tuple[RunState, dict[str, dict]]:
+    """The checkpoint's run state and the hook states it keeps in it (:data:`MOVED_TO_HOOKS`), after checking
+    every file against the manifest; else CheckpointError."""
     if not path.is_dir():
         raise CheckpointError(f"--resume {str(path)!r}: no such checkpoint folder")
     marker = path / COMPLETE_FILE
@@ -274,7 +287,7 @@ def verify_checkpoint(path: Path) -> TrainerState:
         fields = json.loads(state_file.read_text())
     except (OSError, ValueError):
         raise CheckpointError(f"checkpoint file {str(state_file)!r} is unreadable") from None
-    return _trainer_state(fields, state_file)
+    return _run_state(fields, state_file)
 
 
 def _manifest_entries(manifest, marker: Path) -> list[tuple[str, dict]]:
@@ -304,24 +317,30 @@ def _finite_non_negative(value) -> bool:
     return _is_number(value) and math.isfinite(value) and value >= 0
 
 
-# What each TrainerState field may hold, as (test, what is allowed): a tampered value (a negative step, a
-# string count) would otherwise train from it, or fail deep inside the loop.
+# Checkpoints written before RunState (acceltrain 0.1) name one field otherwise, and keep two built-in
+# hooks' states among the run's: they load as the hooks' states.
+RENAMED_FIELDS = {"batches_in_epoch": "batch_in_epoch"}
+MOVED_TO_HOOKS = {"best_checkpoint": ("CheckpointSchedule", "best_checkpoint"), "tracker_run_id": ("Trackers", "run_id")}
+
+# What each trainer_state.json field may hold, as (test, what is allowed): a tampered value (a negative step,
+# a string count) would otherwise train from it, or fail deep inside the loop.
 _FIELD_CHECKS = {
-    **{name: (_is_count, "an integer >= 0") for name in ("step", "epoch", "batches_in_epoch", "samples_seen", "seed",
-                                                         "global_batch_size", "train_samples")},
+    **{name: (_is_count, "an integer >= 0") for name in ("step", "epoch", "batch_in_epoch", "samples_seen", "seed",
+                                                         "global_batch_size", "train_samples", *RENAMED_FIELDS)},
     "grad_accum": (lambda v: _is_count(v) and v >= 1, "an integer >= 1"),
     "train_seconds": (_finite_non_negative, "a finite number >= 0"),
     "loss_count": (_finite_non_negative, "a finite number >= 0"),
     "loss_sum": (lambda v: _is_number(v) and math.isfinite(v), "a finite number"),
     "best_metric": (lambda v: v is None or _is_number(v), "a number or null"),
-    **{name: (lambda v: v is None or isinstance(v, str), "a string or null") for name in ("best_checkpoint", "tracker_run_id")},
+    **{name: (lambda v: v is None or isinstance(v, str), "a string or null") for name in MOVED_TO_HOOKS},
     **{name: (lambda v: isinstance(v, dict), "a JSON object") for name in ("last_eval", "scheduler", "config", "config_changes")},
     "hooks": (lambda v: isinstance(v, list) and all(isinstance(n, str) for n in v), "a list of hook names"),
 }
 
 
-def _trainer_state(fields, state_file: Path) -> TrainerState:
-    """``trainer_state.json``'s fields as a TrainerState, every field checked for type and range."""
+def _run_state(fields, state_file: Path) -> tuple[RunState, dict[str, dict]]:
+    """``trainer_state.json``'s fields, every one checked for type and range, as a RunState and the hook
+    states an older checkpoint keeps among them (by hook name)."""
     if not isinstance(fields, dict):
         raise CheckpointError(f"checkpoint file {str(state_file)!r} is malformed: a JSON {type(fields).__name__}, not an object")
     unknown = sorted(set(fields) - set(_FIELD_CHECKS))
@@ -331,7 +350,14 @@ def _trainer_state(fields, state_file: Path) -> TrainerState:
         valid, allowed = _FIELD_CHECKS[name]
         if not valid(value):
             raise CheckpointError(f"checkpoint file {str(state_file)!r}: {name} is {shorten(value)}; it must be {allowed}")
-    return TrainerState(**fields)
+    for old, new in RENAMED_FIELDS.items():
+        if old in fields and new in fields:
+            raise CheckpointError(f"checkpoint file {str(state_file)!r} has both {new} and {old}, its older name: keep one")
+    hook_states: dict[str, dict] = {}
+    for field, (hook, key) in MOVED_TO_HOOKS.items():
+        if field in fields:
+            hook_states.setdefault(hook, {})[key] = fields.pop(field)
+    return RunState(**{RENAMED_FIELDS.get(name, name): value for name, value in fields.items()}), hook_states
 
 
 _CHECKPOINT_NAME = re.compile(r"step_(\d+)")
@@ -505,16 +531,17 @@ def loading_without_code():
             torch.load = original
 
 
-def find_resume_checkpoint(resume: str, output_dir: Path, warn) -> tuple[Path, TrainerState] | None:
+def find_resume_checkpoint(resume: str, output_dir: Path, warn) -> tuple[Path, RunState, dict[str, dict]] | None:
     """``--resume PATH``: that checkpoint or a one-line error. ``--resume auto``: the newest checkpoint
-    that verifies, warning about (and skipping) newer broken ones; None when there is none."""
+    that verifies, warning about (and skipping) newer broken ones; None when there is none. With the
+    checkpoint: its run state and the hook states kept in it (see :func:`verify_checkpoint`)."""
     if resume != "auto":
         path = Path(resume)
-        return path, verify_checkpoint(path)
+        return path, *verify_checkpoint(path)
     candidates = list(reversed(complete_checkpoints(output_dir)))
     for path in candidates:
         try:
-            return path, verify_checkpoint(path)
+            return path, *verify_checkpoint(path)
         except CheckpointError as err:
             warn(f"skipping checkpoint: {err}")
     return None

@@ -74,23 +74,9 @@ def run_recipe(main: Callable, config_class: type[TrainConfig], argv: list[str] 
         _fail("interrupted by a second Ctrl-C: stopped at once, without saving; the last checkpoint is kept "
               "(continue with --resume auto)", EXIT_INTERRUPTED)
     except SystemExit as stop:
-        run = _stopped_run(stop)
-        if run is not None:
-            _write_error_file(f"stopped at step {run.step} to be resumed ({run.stop.reason}); continue with --resume auto")
+        if hasattr(stop, "message"):  # checkpointing.StoppedToResume (not imported: --help imports no torch)
+            _write_error_file(stop.message)
         raise
-
-
-def _stopped_run(stop: SystemExit):
-    """The Run whose stop to be resumed raised ``stop``, else None: the loop's ``_finish(run)`` raises a plain
-    ``SystemExit(code)``, so the step and the reason are read from the ``run`` of the frame that raised it."""
-    run_module = sys.modules.get(f"{__package__}.run")  # not imported (--help, a config error): no run, and no torch import
-    frame = stop.__traceback__
-    while frame.tb_next is not None:
-        frame = frame.tb_next
-    run = frame.tb_frame.f_locals.get("run")
-    if run_module is None or not isinstance(run, run_module.Run):
-        return None
-    return run if run.stop is not None and not run.stop.finish else None
 
 
 def _fail(message: str, code: int) -> typing.NoReturn:

@@ -38,7 +38,8 @@ from .checkpointing import (
     CHECKPOINTS_DIR,
     SUMMARY_FILE,
     CheckpointError,
-    TrainerState,
+    RunState,
+    StoppedToResume,
     check_loadable_without_code,
     export_weights,
     find_resume_checkpoint,
@@ -90,7 +91,7 @@ def fit(cfg: TrainConfig, model: nn.Module, optimizer: torch.optim.Optimizer, tr
         check_backend_honoured(accelerator.distributed_type)
         run, notes = _prepare(cfg, accelerator, model, optimizer, train_set, eval_set, task)
         run_config = {**run.cfg.to_dict(), "runtime": run.runtime}
-        run.hooks = Hooks(hooks, builtin_hooks(run.cfg, evaluates=eval_set is not None, trackers=trackers, run_config=run_config))
+        run._hooks = Hooks(hooks, builtin_hooks(run.cfg, evaluates=eval_set is not None, trackers=trackers, run_config=run_config))
         main_process_only(lambda: lock_output_dir(output_dir))  # one live run per folder
         logger.info(yaml.safe_dump({"config": run.cfg.to_dict(), "runtime": run.runtime}, sort_keys=False).rstrip())
         for note in notes:
@@ -98,33 +99,35 @@ def fit(cfg: TrainConfig, model: nn.Module, optimizer: torch.optim.Optimizer, tr
         try:
             if cfg.resume and not _resume(run, cfg.resume):
                 return _already_finished(run)
-            run.hooks.call("on_fit_start", run)
+            run._hooks.call("on_fit_start", run)
             try:
-                run.hooks.check_states()
-                run.start_clock()
+                run._hooks.check_states()
+                run._start_clock()
                 _train(run)
                 return _finish(run)
             except Exception as error:  # not SystemExit: a stop to be resumed keeps its handlers to the end
-                run.hooks.call("on_exception", run, error)
+                run._hooks.call("on_exception", run, error)
                 raise
         finally:
-            stop_workers(run.train_batches, run.eval_batches)
+            stop_workers(run._train_batches, run.eval_batches)
             unlock_output_dir(output_dir)
 
 
 def _train(run: Run) -> None:
     """The hot path: micro-batches, accumulation and the optimizer step; after each optimizer step the hooks,
     then one agreement on whether to save or stop."""
-    cfg, accelerator, model, task, hooks = run.cfg, run.accelerator, run.model, run.task, run.hooks
+    cfg, accelerator, model, task, hooks = run.cfg, run.accelerator, run.model, run.task, run._hooks
     deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
     window_targets = 0
     while run.step < run.total_steps:
         hooks.call("on_epoch_start", run)
         model.train()
-        for batch in run.epoch_batches():
+        for batch in run._epoch_batches():
             if cfg.channels_last:
                 batch = to_channels_last(batch)
             window_start = (run.batch_in_epoch - 1) // cfg.grad_accum * cfg.grad_accum
+            if window_start == run.batch_in_epoch - 1:
+                hooks.call("on_step_start", run)
             window = min(cfg.grad_accum, run.batches_per_epoch - window_start)
             with accelerator.accumulate(model):
                 loss = task.train_loss(model, batch)
@@ -141,29 +144,40 @@ def _train(run: Run) -> None:
                     if isinstance(window_targets, torch.Tensor):
                         _divide_gradients(model, accelerator.reduce(window_targets, "sum") / (cfg.grad_accum * accelerator.num_processes))
                         window_targets = 0
-                    if cfg.max_grad_norm is not None:
-                        run.grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-                    run.lr = run.scheduler.get_last_lr()[0]
+                    _unscale_and_clip(run)
+                    run._lr = run.scheduler.get_last_lr()[0]
+                    hooks.call("on_before_optimizer_step", run)
                     run.optimizer.step()
                     if accelerator.optimizer_step_was_skipped:
-                        run.skipped_steps += 1
+                        run._skipped_steps += 1
                     else:
                         run.scheduler.step()
                     run.optimizer.zero_grad(set_to_none=True)
-            run.loss_sum += loss.detach().float()
-            run.loss_count += count
+            run._loss_sum += loss.detach().float()
+            run._loss_count += count
             if not accelerator.sync_gradients:
                 continue
-            run.step_done(window)
+            run._step_done(window)
             hooks.call("on_step_end", run)
-            save, stop = run.agree()
+            if run.batch_in_epoch == run.batches_per_epoch:
+                hooks.call("on_epoch_end", run)
+            save, stop = run._agree()
             if run.step == run.total_steps:
                 return  # a stop asked for on the last step simply finishes the run
             if save or (stop and not stop.finish):
-                run.save()
+                run._save()
             if stop:
-                run.stop = stop
+                run._stop = stop
                 return
+
+
+def _unscale_and_clip(run: Run) -> None:
+    """What ``on_before_optimizer_step`` sees are the true gradients: unscaled under fp16 (clip_grad_norm_
+    unscales first) and clipped by ``--max-grad-norm``, with their norm before clipping in ``run.grad_norm``."""
+    if run.cfg.max_grad_norm is None:
+        run.accelerator.unscale_gradients()  # a no-op but under fp16
+    else:
+        run._grad_norm = run.accelerator.clip_grad_norm_(run.model.parameters(), run.cfg.max_grad_norm)
 
 
 def _finish(run: Run) -> dict:
@@ -171,22 +185,24 @@ def _finish(run: Run) -> dict:
     accelerator = run.accelerator
     run.throughput.pause()
     wall_seconds = run.elapsed()
-    run.hooks.call("on_train_end", run)
+    run._hooks.call("on_train_end", run)
     if run.stop is not None and not run.stop.finish:
         logger.info(f"stopped at step {run.step} ({run.stop.reason}); checkpoint saved; continue with --resume auto")
         accelerator.wait_for_everyone()
         accelerator.end_training()
-        raise SystemExit(run.stop.exit_code)
-    save, _ = run.agree()
-    if save and run.last_saved_step != run.step:
-        run.save()
-    weights = export_weights(accelerator, run.model, run.output_dir, run.weights_to_export)
+        raise StoppedToResume(run.stop.exit_code, run.step, run.stop.reason)
+    save, _ = run._agree()
+    if save and run._last_saved_step != run.step:
+        run._save()
+    weights = export_weights(accelerator, run.model, run.output_dir, run._export)
     summary = _summary(run, weights, wall_seconds)
-    run.hooks.call("on_fit_end", run, summary)
+    run._hooks.call("on_fit_end", run, summary)
     if accelerator.is_main_process:
         write_summary(run.output_dir, summary)
         metric = f"eval_{getattr(run.task, 'primary_metric', 'loss')}"
-        logger.info(f"done: {run.step} steps, train loss {run.train_loss}, {metric} {summary.get(metric)}, outputs in {run.output_dir}")
+        stopped = f" (stopped: {summary['stop_reason']})" if summary["stop_reason"] else ""
+        logger.info(f"done: {run.step} steps{stopped}, train loss {summary['train_loss']}, {metric} {summary.get(metric)}, "
+                    f"outputs in {run.output_dir}")
     accelerator.wait_for_everyone()
     accelerator.end_training()  # trackers, then the process group
     return summary
@@ -205,22 +221,23 @@ def _summary(run: Run, weights: Path, wall_seconds: float) -> dict:
     eval_metrics = run.last_eval
     return {
         "steps": run.step,
+        "stop_reason": run.stop.reason if run.stop is not None else None,  # None: it ran to its last step
         "samples_seen": run.samples_seen,
-        "epochs": round(run.samples_seen / (run.batches_per_epoch * run.global_batch_size), 4),
-        "train_loss": run.train_loss,
+        "epochs": round(run.samples_seen / (run.batches_per_epoch * run._global_batch_size), 4),
+        "train_loss": run._final_train_loss(),
         "eval_accuracy": eval_metrics.get("eval_accuracy"),
         "eval_loss": eval_metrics.get("eval_loss"),
         **eval_metrics,  # a task's own metrics too (eval_perplexity)
         "skipped_steps": run.skipped_steps,
         "wall_seconds": wall_seconds,
-        "resumed_from_step": run.resumed_from_step,
+        "resumed_from_step": run._resumed_from_step,
         "num_processes": run.accelerator.num_processes,
         "distributed_type": run.accelerator.distributed_type.value,
         "mixed_precision": run.accelerator.mixed_precision,
         "final_lr": run.scheduler.get_last_lr()[0],
         **peak_memory_mb(run.accelerator.device),
         "weights": str(weights),
-        **({"config_changes": run.config_changes} if run.config_changes else {}),
+        **({"config_changes": run._state.config_changes} if run._state.config_changes else {}),
         "runtime": run.runtime,
         "config": run.cfg.to_dict(),
     }
@@ -296,7 +313,7 @@ def _prepare(cfg: TrainConfig, accelerator, model: nn.Module, optimizer, train_s
     steps_per_epoch = math.ceil(batches_per_epoch / cfg.grad_accum)
     total_steps = cfg.max_steps or max(1, math.ceil(cfg.epochs * steps_per_epoch))
     # Not prepared: Accelerate would step it once per process (#1382) and, under DeepSpeed, leave it out
-    # of checkpoints; its state travels in TrainerState instead. It drives the torch optimizer's param groups.
+    # of checkpoints; its state travels in the RunState instead. It drives the torch optimizer's param groups.
     schedule_progress = ScheduleProgress()
     scheduler = build_scheduler(optimizer, cfg, total_steps, schedule_progress)
     peak_flops = peak_flops_per_device(accelerator.device, accelerator.mixed_precision, cfg.peak_tflops)
@@ -337,21 +354,21 @@ def _backend_settings(accelerator) -> dict:
 
 def _resume(run: Run, resume: str) -> bool:
     """Find and verify the checkpoint on the main process, agree on it everywhere, check it continues this run,
-    load it: Accelerate restores model, optimizer, grad scaler and RNG; the run its TrainerState; the hooks
+    load it: Accelerate restores model, optimizer, grad scaler and RNG; the run its RunState; the hooks
     their states. False when the run in the folder finished at that checkpoint: nothing to do."""
     from accelerate.utils import broadcast_object_list
 
     accelerator = run.accelerator
-    found = [None, None, None]  # path, state fields, error
+    found = [None, None, None, None]  # path, state fields, hook states kept in them, error
     if accelerator.is_main_process:
         try:
             hit = find_resume_checkpoint(resume, run.output_dir, warn=logger.warning)
             if hit is not None:
-                found[:2] = [str(hit[0]), dataclasses.asdict(hit[1])]
+                found[:3] = [str(hit[0]), dataclasses.asdict(hit[1]), hit[2]]
         except ConfigError as err:
-            found[2] = str(err)
+            found[3] = str(err)
     broadcast_object_list(found, from_process=0)
-    path, fields, error = found
+    path, fields, kept_in_state, error = found
     if error:
         raise ConfigError(error)
     finished = finished_steps(run.output_dir)
@@ -360,8 +377,8 @@ def _resume(run: Run, resume: str) -> bool:
             raise ConfigError(f"--output-dir {str(run.output_dir)!r} holds a finished run but no checkpoint to resume: use --overwrite to replace it")
         logger.info(f"--resume auto: no complete checkpoint in {run.output_dir / CHECKPOINTS_DIR}; starting fresh")
         return True
-    saved = TrainerState(**fields)
-    saved.check_compatible(TrainerState(**compatibility(run.cfg, accelerator.num_processes, run.train_samples)), Path(path))
+    saved = RunState(**fields)
+    saved.check_compatible(RunState(**compatibility(run.cfg, accelerator.num_processes, run.train_samples)), Path(path))
     changes = run_changes(saved.config, run.cfg)
     if finished is not None:
         if saved.step >= finished and not changes:
@@ -377,25 +394,25 @@ def _resume(run: Run, resume: str) -> bool:
             "or pass --allow-config-change to apply the new ones"
         )
     check_loadable_without_code(Path(path))
-    run.hooks.load_states(Path(path), saved.hooks)
+    run._hooks.load_states(Path(path), saved.hooks, kept_in_state)
     fresh = [{key: value for key, value in group.items() if key != "params"} for group in run.optimizer.param_groups]
     try:
         with loading_without_code():
             accelerator.load_state(path)
     except (RuntimeError, KeyError, ValueError, IndexError, SafetensorError) as err:  # SafetensorError: not a safetensors file
         raise CheckpointError(f"checkpoint {path!r} does not fit this model or optimizer: {first_line(err)}") from None
-    run.restore(saved)
+    run._restore(saved)
     if changes:
         _apply_changes(run, fresh, changes)
         logger.info(f"--allow-config-change: applying {described}")
-    logger.info(f"resumed from {path} at step {saved.step} (epoch {saved.epoch}, {saved.batches_in_epoch} batches into it)")
+    logger.info(f"resumed from {path} at step {saved.step} (epoch {saved.epoch}, {saved.batch_in_epoch} batches into it)")
     return True
 
 
 def _apply_changes(run: Run, fresh_groups: list[dict], changes: dict) -> None:
     """After ``load_state`` put the checkpoint's optimizer hyperparameters back: the new settings' (lr,
     momentum, weight decay) replace them, and the schedule continues from the new peak at the same step."""
-    run.config_changes.update(changes)
+    run._state.config_changes.update(changes)
     for group, fresh in zip(run.optimizer.param_groups, fresh_groups):
         group.update(fresh)
     run.scheduler.base_lrs = [group["initial_lr"] for group in run.optimizer.param_groups]

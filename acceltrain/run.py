@@ -1,17 +1,20 @@
-"""The run: one object that holds where training stands and what it is made of, handed to every hook.
+"""The run: one object that holds what training is made of and where it stands, handed to every hook.
 
 Hooks read it (``run.step``, ``run.epoch``, ``run.model``, ``run.last_eval``, ``run.cfg``, ...) and ask
-it for things (``request_save``, ``request_stop``, ``log``, ``evaluate``, ``paused``). Exactly one
-function, :meth:`Run.trainer_state`, turns it into the :class:`TrainerState` a checkpoint records.
+it for things (``request_save``, ``request_stop``, ``request_export``, ``log``, ``evaluate``, ``paused``);
+they never write it. One rule says what survives a resume: the run's :class:`RunState` (which is a
+checkpoint's trainer_state.json) and each hook's own ``state_dict()``. Everything else is this launch's.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import operator
 import os
 import shutil
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -25,7 +28,7 @@ from .checkpointing import (
     METRICS_FILE,
     SUMMARY_FILE,
     WEIGHTS_FILE,
-    TrainerState,
+    RunState,
     TrainingDiverged,
     lock_output_dir,
     move_previous_run_aside,
@@ -143,44 +146,81 @@ class Stop:
     exit_code: int = EXIT_PREEMPTED
 
 
+def _view(path: str, doc: str) -> property:
+    """A read-only attribute: hooks read it, the loop alone changes it."""
+    return property(operator.attrgetter(path), doc=doc)
+
+
 class Run:
+    """What every hook gets. Its public attributes are :data:`RUN_PUBLIC`, all read-only: what the run is
+    made of, where it stands (its :class:`RunState`, which is a checkpoint's trainer_state.json), what
+    this launch measured, and what a hook may ask for. The underscored rest is the loop's."""
+
+    # what the run is made of, fixed before the first step
+    cfg = _view("_cfg", "the resolved TrainConfig")
+    accelerator = _view("_accelerator", "Accelerate's Accelerator")
+    model = _view("_model", "the prepared model as Accelerate wrapped it (DDP, FSDP, DeepSpeed, compiled); its own "
+                            "modules and parameter names: ``run.accelerator.unwrap_model(run.model)``")
+    optimizer = _view("_optimizer", "the prepared optimizer (Accelerate's wrapper; the torch optimizer is its ``.optimizer``)")
+    scheduler = _view("_scheduler", "the LR scheduler, stepped once per optimizer step on every process")
+    schedule_progress = _view("_schedule_progress", "the LR schedule's progress by another measure than steps (a time budget)")
+    task = _view("_task", "the task: batches into losses and eval values")
+    eval_batches = _view("_eval_batches", "the prepared eval loader, or None")
+    output_dir = _view("_output_dir", "the run folder (a Path)")
+    runtime = _view("_runtime", "versions, device, process count and sizes, as in summary.json")
+    total_steps = _view("_total_steps", "the optimizer steps the run trains for")
+    batches_per_epoch = _view("_batches_per_epoch", "the per-process batches of one epoch")
+    train_samples = _view("_train_samples", "the training set's size")
+    flops_per_sample = _view("_flops_per_sample", "model FLOPs of one training sample (forward and backward), or None")
+    peak_flops = _view("_peak_flops", "the peak FLOP/s of one device, or None")
+    # where it stands: its RunState
+    step = _view("_state.step", "optimizer steps done")
+    epoch = _view("_state.epoch", "the epoch being trained, counted from 0")
+    batch_in_epoch = _view("_state.batch_in_epoch", "per-process batches of this epoch trained on (in a step: the current one's, from 1)")
+    samples_seen = _view("_state.samples_seen", "training samples seen by all processes")
+    best_metric = _view("_state.best_metric", "the best primary eval metric so far, or None")
+    last_eval = _view("_state.last_eval", "the latest evaluation's metrics ({} before the first)")
+    # what this launch measured
+    lr = _view("_lr", "the learning rate of the latest optimizer step (in on_before_optimizer_step: of the coming one)")
+    grad_norm = _view("_grad_norm", "with --max-grad-norm: that step's gradient norm before clipping (a tensor); else None")
+    skipped_steps = _view("_skipped_steps", "optimizer steps the fp16 grad scaler skipped (an overflow)")
+    train_loss = _view("_train_loss", "the mean training loss of the latest closed window (see take_train_loss), or None")
+    eval_improved = _view("_eval_improved", "whether the latest evaluation's primary metric is strictly better than any before")
+    last_eval_step = _view("_last_eval_step", "the step of this launch's latest evaluation, or None")
+    last_eval_started = _view("_last_eval_started", "time.perf_counter() when it started (0.0 before the first)")
+    last_eval_seconds = _view("_last_eval_seconds", "how long it took, or None")
+    launch_started = _view("_launch_started", "time.perf_counter() when this launch's first step started")
+    throughput = _view("_throughput", "this launch's speed meter (window(), totals()); None before the first step")
+    stop = _view("_stop", "why training ended early (a Stop: reason, finish), else None")
+
     def __init__(self, *, cfg, accelerator, model, optimizer, scheduler, schedule_progress, task, train_batches, eval_batches,
                  output_dir: Path, total_steps: int, train_samples: int, flops_per_sample, peak_flops, runtime: dict):
-        self.cfg, self.accelerator, self.task = cfg, accelerator, task
-        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
-        self.schedule_progress = schedule_progress  # the LR schedule's progress by another measure than steps (time)
-        self.train_batches, self.eval_batches = train_batches, eval_batches
-        self.output_dir, self.runtime = output_dir, runtime
-        self.batches_per_epoch = len(train_batches)
-        self.global_batch_size = cfg.batch_size * accelerator.num_processes  # of one micro-step
-        self.total_steps, self.train_samples = total_steps, train_samples
-        self.flops_per_sample, self.peak_flops = flops_per_sample, peak_flops
-        self.hooks = None  # acceltrain.hooks.Hooks, set by fit()
-        # where the run stands: saved in checkpoints
-        self.step = self.epoch = self.batch_in_epoch = self.samples_seen = 0
-        self.train_seconds_before = 0.0  # training time of earlier launches of this run
-        self.last_eval: dict = {}
-        self.last_eval_started, self.last_eval_seconds = 0.0, None  # perf_counter and duration of the latest evaluation
-        self.last_eval_step: int | None = None  # the step of this launch's latest evaluation
-        self.best_metric: float | None = None
-        self.best_checkpoint: str | None = None
-        self.tracker_run_id: str | None = None
-        # this launch
-        self.resumed_from_step: int | None = None
-        self.launch_start_step = 0
-        self.throughput: Throughput | None = None
-        self.started = self.launch_started = 0.0
-        self.loss_sum = torch.zeros((), device=accelerator.device)
-        self.loss_count = 0  # micro-batches, or loss targets (tokens) for a task that returns (sum, count)
-        self.train_loss: float | None = None  # the last logged one
-        self.lr = self.grad_norm = None  # of the last optimizer step
-        self.skipped_steps = 0  # fp16 overflow: the grad scaler skipped the optimizer step
-        self.eval_improved = False
-        self.last_saved_step: int | None = None
-        self.weights_to_export: dict | None = None  # a hook's replacement for the model's weights (EMA)
-        self.files_to_attach: list[Path] = []  # attached to the tracker run at the end (profiles)
-        self.config_changes: dict = {}  # applied on resume with --allow-config-change: field -> [old, new]
-        self.stop: Stop | None = None
+        self._cfg, self._accelerator, self._task = cfg, accelerator, task
+        self._model, self._optimizer, self._scheduler = model, optimizer, scheduler
+        self._schedule_progress = schedule_progress
+        self._train_batches, self._eval_batches = train_batches, eval_batches
+        self._output_dir, self._runtime = output_dir, runtime
+        self._batches_per_epoch = len(train_batches)
+        self._global_batch_size = cfg.batch_size * accelerator.num_processes  # of one micro-step
+        self._total_steps, self._train_samples = total_steps, train_samples
+        self._flops_per_sample, self._peak_flops = flops_per_sample, peak_flops
+        self._hooks = None  # acceltrain.hooks.Hooks, set by fit()
+        self._state = RunState()
+        self._eval_improved, self._last_eval_step = False, None
+        self._last_eval_started, self._last_eval_seconds = 0.0, None
+        self._resumed_from_step = self._last_saved_step = None
+        self._launch_start_step = 0
+        self._throughput: Throughput | None = None
+        self._started = self._launch_started = 0.0
+        self._loss_sum = torch.zeros((), device=accelerator.device)
+        self._loss_count = 0  # micro-batches, or loss targets (tokens) for a task that returns (sum, count)
+        self._train_loss: float | None = None
+        self._train_loss_step = 0  # the step at which the loss window was last closed
+        self._lr = self._grad_norm = None
+        self._skipped_steps = 0
+        self._export: dict | None = None
+        self._attached: list[Path] = []
+        self._stop: Stop | None = None
         self._diverged = torch.zeros((), dtype=torch.bool, device=accelerator.device)
         self._save_requested = False
         self._stop_requested: Stop | None = None
@@ -192,97 +232,132 @@ class Run:
         self._save_requested = True
 
     def request_stop(self, reason: str, *, finish: bool = False, exit_code: int = EXIT_PREEMPTED) -> None:
-        """End training after this optimizer step: as a finished run (``finish=True``) or checkpointed to be
-        resumed (the process then exits with ``exit_code``). A stop asked for on the last step simply
-        finishes the run."""
+        """End training after this optimizer step: as a finished run (``finish=True``; ``reason`` becomes
+        summary.json's ``stop_reason``) or checkpointed to be resumed (the process then exits with
+        ``exit_code``). A stop asked for on the last step simply finishes the run."""
         if self._stop_requested is None or (finish and not self._stop_requested.finish):
             self._stop_requested = Stop(reason, finish, exit_code)
 
+    def request_export(self, weights: dict) -> None:
+        """Write ``weights`` (a state dict of the unwrapped model's names) as model.safetensors instead of the
+        model's own, e.g. an average (EMA); ask in ``on_train_end``."""
+        self._export = weights
+
+    def attach(self, path: Path) -> None:
+        """Attach the file at ``path`` to the tracker run when the run finishes (W&B; a profile's trace)."""
+        self._attached.append(Path(path))
+
+    @property
+    def attached_files(self) -> tuple[Path, ...]:
+        """The files :meth:`attach` was given, in order."""
+        return tuple(self._attached)
+
     def log(self, metrics: dict) -> None:
         """Write one row (it needs ``"step"``): hooks may add to it, then metrics.jsonl, trackers, progress bar."""
-        self.hooks.call("on_log", self, metrics)
+        self._hooks.call("on_log", self, metrics)
 
     @contextlib.contextmanager
     def paused(self):
         """Time inside is left out of the throughput figures (evaluation, checkpointing). Before the clock
         starts (an evaluation in ``on_fit_start``) there is nothing to pause."""
-        if self.throughput is None:
+        if self._throughput is None:
             yield
             return
-        self.throughput.pause()
+        self._throughput.pause()
         try:
             yield
         finally:
-            if self.stop is None and self.step < self.total_steps:  # still training: not after the run's end
-                self.throughput.resume(self.step - self.launch_start_step)
+            if self._stop is None and self.step < self._total_steps:  # still training: not after the run's end
+                self._throughput.resume(self.step - self._launch_start_step)
 
     def evaluate(self) -> dict:
         """Evaluate now (every process), keep the result and the best primary metric, log it."""
         with self.paused():
-            self.last_eval_started = time.perf_counter()
-            self.hooks.call("on_eval_start", self)
-            metrics, samples = evaluate(self.accelerator, self.model, self.eval_batches, self.task, progress=self.cfg.progress)
-            self.model.train()
-            self.last_eval_seconds = time.perf_counter() - self.last_eval_started
-            self.last_eval_step = self.step
-            key = f"eval_{self.task.primary_metric}"
+            self._last_eval_started = time.perf_counter()
+            self._hooks.call("on_eval_start", self)
+            metrics, samples = evaluate(self._accelerator, self._model, self._eval_batches, self._task, progress=self._cfg.progress)
+            self._model.train()
+            self._last_eval_seconds = time.perf_counter() - self._last_eval_started
+            self._last_eval_step = self.step
+            key = f"eval_{self._task.primary_metric}"
             if key not in metrics:
                 raise ConfigError(
-                    f"the task's primary_metric {self.task.primary_metric!r} is not among its eval metrics "
+                    f"the task's primary_metric {self._task.primary_metric!r} is not among its eval metrics "
                     f"({', '.join(m.removeprefix('eval_') for m in metrics)}): set primary_metric to one of them"
                 )
-            self.last_eval = metrics
-            self.eval_improved = _improves(metrics[key], self.best_metric, self.task.higher_is_better)
-            if self.eval_improved:
-                self.best_metric = metrics[key]
-            self.hooks.call("on_eval_end", self, metrics)
+            self._state.last_eval = metrics
+            self._eval_improved = _improves(metrics[key], self.best_metric, self._task.higher_is_better)
+            if self._eval_improved:
+                self._state.best_metric = metrics[key]
+            self._hooks.call("on_eval_end", self, metrics)
             self.log({"step": self.step, **metrics, "eval_samples": samples, "wall_seconds": round(self.elapsed(), 3)})
         return metrics
+
+    def take_train_loss(self) -> float:
+        """The mean training loss since the window was last closed, over all processes (a collective); it
+        becomes ``train_loss``. The training log closes it at each row; the run closes the rest at its end."""
+        totals = self._loss_window()
+        self._loss_sum.zero_()
+        self._loss_count = 0
+        self._train_loss, self._train_loss_step = (totals[0] / totals[1]).item(), self.step
+        return self._train_loss
 
     # ---- read by hooks
 
     @property
     def epoch_progress(self) -> float:
         """Epochs done, fractional: 1.5 is the middle of the second epoch."""
-        return round(self.epoch + self.batch_in_epoch / self.batches_per_epoch, 4)
+        return round(self.epoch + self.batch_in_epoch / self._batches_per_epoch, 4)
 
     def elapsed(self) -> float:
         """Wall-clock seconds since the run's first step, earlier launches included (before this launch's
         first step: those of the earlier launches)."""
-        if self.throughput is None:
-            return self.train_seconds_before
-        return time.perf_counter() - self.started
+        if self._throughput is None:
+            return self._state.train_seconds
+        return time.perf_counter() - self._started
 
-    def take_train_loss(self) -> float:
-        """The mean training loss since the last call, over all processes (a collective)."""
-        totals = self._loss_window()
-        self.loss_sum.zero_()
-        self.loss_count = 0
-        return (totals[0] / totals[1]).item()
+    @property
+    def weights_to_export(self) -> dict | None:
+        """Deprecated (acceltrain 0.2): call :meth:`request_export`."""
+        warnings.warn("run.weights_to_export is deprecated: call run.request_export(weights)", DeprecationWarning, stacklevel=2)
+        return self._export
+
+    @weights_to_export.setter
+    def weights_to_export(self, weights: dict) -> None:
+        warnings.warn("run.weights_to_export is deprecated: call run.request_export(weights)", DeprecationWarning, stacklevel=2)
+        self._export = weights
+
+    # ---- the loop's
 
     def _loss_window(self) -> torch.Tensor:
         """(loss sum, count) of the open training-log window, summed over processes (a collective)."""
-        return self.accelerator.reduce(torch.stack([self.loss_sum, self.loss_sum.new_tensor(float(self.loss_count))]), "sum")
+        return self._accelerator.reduce(torch.stack([self._loss_sum, self._loss_sum.new_tensor(float(self._loss_count))]), "sum")
 
-    # ---- used by the loop
+    def _final_train_loss(self) -> float | None:
+        """summary.json's train loss: the latest window's, closing the one an early finish left open."""
+        if self._train_loss_step != self.step:
+            self.take_train_loss()
+        return self._train_loss
 
-    def start_clock(self) -> None:
+    def _start_clock(self) -> None:
         """The launch's first step starts now: timers begin after the warm-up steps."""
-        self.launch_start_step = self.step
-        self.throughput = Throughput(self.accelerator.device, warmup_steps=min(self.cfg.timing_warmup_steps, self.total_steps - self.step - 1))
-        synchronize(self.accelerator.device)
-        self.launch_started = time.perf_counter()
-        self.started = self.launch_started - self.train_seconds_before
-        self.throughput.resume(0)
+        self._launch_start_step = self.step
+        self._throughput = Throughput(self._accelerator.device,
+                                      warmup_steps=min(self._cfg.timing_warmup_steps, self._total_steps - self.step - 1))
+        synchronize(self._accelerator.device)
+        self._launch_started = time.perf_counter()
+        self._started = self._launch_started - self._state.train_seconds
+        self._throughput.resume(0)
 
-    def epoch_batches(self):
+    def _epoch_batches(self):
         """This epoch's batches (the rest of it after a resume), timed; keeps ``batch_in_epoch`` current and
         moves to the next epoch when the epoch runs to its end."""
-        self.train_batches.set_epoch(self.epoch)
-        batches = self.train_batches
-        if self.batch_in_epoch:  # exact mid-epoch resume; the on-device loader skips by itself
+        state = self._state
+        self._train_batches.set_epoch(state.epoch)
+        batches = self._train_batches
+        if state.batch_in_epoch:  # exact mid-epoch resume; the on-device loader skips by itself
             skip = getattr(batches, "skip_first", None)
-            batches = skip(self.batch_in_epoch) if skip else self.accelerator.skip_first_batches(batches, self.batch_in_epoch)
+            batches = skip(state.batch_in_epoch) if skip else self._accelerator.skip_first_batches(batches, state.batch_in_epoch)
         iterator = iter(batches)
         while True:
             waited = time.perf_counter()
@@ -290,34 +365,34 @@ class Run:
                 batch = next(iterator)
             except StopIteration:
                 break
-            self.throughput.add_data_wait(time.perf_counter() - waited)
-            self.batch_in_epoch += 1
+            self._throughput.add_data_wait(time.perf_counter() - waited)
+            state.batch_in_epoch += 1
             yield batch
-        self.epoch, self.batch_in_epoch = self.epoch + 1, 0
+        state.epoch, state.batch_in_epoch = state.epoch + 1, 0
 
-    def step_done(self, micro_batches: int) -> None:
+    def _step_done(self, micro_batches: int) -> None:
         """Count and time the optimizer step just taken, and note on the device (no sync) whether its loss or
         gradient norm is non-finite; a grad-scaler skip (fp16 overflow) is not divergence."""
-        self.step += 1
-        samples = micro_batches * self.global_batch_size
-        self.samples_seen += samples
-        self.throughput.step_done(self.step - self.launch_start_step, samples)
-        diverged = ~torch.isfinite(self.loss_sum)
-        if self.grad_norm is not None and not self.accelerator.optimizer_step_was_skipped:
-            diverged |= ~torch.isfinite(torch.as_tensor(self.grad_norm, device=diverged.device))
+        self._state.step += 1
+        samples = micro_batches * self._global_batch_size
+        self._state.samples_seen += samples
+        self._throughput.step_done(self.step - self._launch_start_step, samples)
+        diverged = ~torch.isfinite(self._loss_sum)
+        if self._grad_norm is not None and not self._accelerator.optimizer_step_was_skipped:
+            diverged |= ~torch.isfinite(torch.as_tensor(self._grad_norm, device=diverged.device))
         self._diverged = diverged
 
-    def agree(self) -> tuple[bool, Stop | None]:
+    def _agree(self) -> tuple[bool, Stop | None]:
         """This step's save and stop requests, the same on every process: one all-reduce of three flags when
         there are several processes (Accelerate's set_trigger/check_trigger carries one flag per
         collective), none on one. A process that did not ask itself learns no reason, only the kind."""
         save, stop = self._save_requested, self._stop_requested
         self._save_requested, self._stop_requested = False, None
-        if self.accelerator.num_processes > 1:
+        if self._accelerator.num_processes > 1:
             import torch.distributed as dist
 
             requests = torch.tensor([save, stop is not None and not stop.finish, stop is not None and stop.finish],
-                                    dtype=torch.int32, device=self.accelerator.device)
+                                    dtype=torch.int32, device=self._accelerator.device)
             flags = torch.cat([requests, self._diverged.view(1).int()])
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
             save, resume_later, finish, diverged = (bool(flag) for flag in flags.tolist())
@@ -332,53 +407,64 @@ class Run:
         return save, stop
 
     def _raise_diverged(self, what: str) -> None:
-        norm = f" (grad norm {float(self.grad_norm):.4g})" if self.grad_norm is not None else ""
-        kept = f"; the last checkpoint is step {self.last_saved_step}" if self.last_saved_step is not None else ""
+        norm = f" (grad norm {float(self._grad_norm):.4g})" if self._grad_norm is not None else ""
+        kept = f"; the last checkpoint is step {self._last_saved_step}" if self._last_saved_step is not None else ""
         raise TrainingDiverged(
             f"training diverged at step {self.step}: {what}{norm}; nothing was saved from this step on{kept}; "
             "lower --lr or clip with --max-grad-norm"
         )
 
-    def trainer_state(self, loss_window: tuple[float, float] = (0.0, 0.0)) -> TrainerState:
-        """The one place where the run becomes a checkpoint's TrainerState. ``loss_window``: the open
-        training-log window (loss sum, count) summed over processes."""
+    def _snapshot(self, loss_window: tuple[float, float]) -> RunState:
+        """The run state as a checkpoint records it now; ``loss_window``: the open training-log window (loss
+        sum, count) summed over processes. After an epoch's last batch it points at the next epoch's start."""
         epoch, position = self.epoch, self.batch_in_epoch
-        if position == self.batches_per_epoch:  # the epoch's last batch is done: resume at the next epoch
+        if position == self._batches_per_epoch:
             epoch, position = epoch + 1, 0
-        return TrainerState(
-            step=self.step, epoch=epoch, batches_in_epoch=position, samples_seen=self.samples_seen,
-            train_seconds=self.elapsed(), best_metric=self.best_metric, best_checkpoint=self.best_checkpoint,
-            last_eval=self.last_eval, tracker_run_id=self.tracker_run_id, scheduler=self.scheduler.state_dict(),
-            hooks=list(self.hooks.stateful), loss_sum=loss_window[0], loss_count=loss_window[1], config=self.cfg.to_dict(),
-            config_changes=self.config_changes, **compatibility(self.cfg, self.accelerator.num_processes, self.train_samples),
+        return dataclasses.replace(
+            self._state, epoch=epoch, batch_in_epoch=position, train_seconds=self.elapsed(), loss_sum=loss_window[0],
+            loss_count=loss_window[1], scheduler=self._scheduler.state_dict(), hooks=list(self._hooks.stateful),
+            config=self._cfg.to_dict(), **compatibility(self._cfg, self._accelerator.num_processes, self._train_samples),
         )
 
-    def restore(self, state: TrainerState) -> None:
-        self.step, self.epoch, self.batch_in_epoch = state.step, state.epoch, state.batches_in_epoch
-        self.samples_seen, self.train_seconds_before = state.samples_seen, state.train_seconds
-        self.best_metric, self.best_checkpoint, self.last_eval = state.best_metric, state.best_checkpoint, state.last_eval
-        self.tracker_run_id = state.tracker_run_id
-        self.resumed_from_step = self.last_saved_step = state.step
-        self.config_changes = dict(state.config_changes)
-        if self.accelerator.is_main_process:  # the window's sum over all processes, counted once
-            self.loss_sum.fill_(state.loss_sum)
-            self.loss_count = state.loss_count
+    def _restore(self, state: RunState) -> None:
+        """Continue from a checkpoint's run state (Accelerate has loaded model, optimizer and RNG)."""
+        self._state = state
+        self._resumed_from_step = self._last_saved_step = self._train_loss_step = state.step
+        if self._accelerator.is_main_process:  # the window's sum over all processes, counted once
+            self._loss_sum.fill_(state.loss_sum)
+            self._loss_count = state.loss_count
         if state.scheduler:
-            self.scheduler.load_state_dict(state.scheduler)
+            self._scheduler.load_state_dict(state.scheduler)
 
-    def save(self) -> Path:
-        """Checkpoint now (every process): Accelerate's state, the trainer state, the hooks' states."""
+    def _save(self) -> Path:
+        """Checkpoint now (every process): Accelerate's state, the run state, the hooks' states."""
         with self.paused():
-            finite = torch.stack([torch.isfinite(p).all() for p in self.model.parameters()]).all()
+            finite = torch.stack([torch.isfinite(p).all() for p in self._model.parameters()]).all()
             window = self._loss_window()
             if not finite:  # a finite loss can still leave inf weights behind: never checkpoint them
                 self._raise_diverged("the weights are not finite")
-            state = self.trainer_state(loss_window=(window[0].item(), window[1].item()))
-            path = save_checkpoint(self.accelerator, state, self.output_dir, write_extra=self.hooks.save_states)
-            self.last_saved_step = self.step
-            self.hooks.call("on_save", self, path)
+            state = self._snapshot((window[0].item(), window[1].item()))
+            path = save_checkpoint(self._accelerator, state, self._output_dir, write_extra=self._hooks.save_states)
+            self._last_saved_step = self.step
+            self._hooks.call("on_save", self, path)
             logger.info(f"checkpoint: {path}")
         return path
+
+
+# Run's public attributes, all read-only (tested against a real run): the list the docs give.
+RUN_PUBLIC = (
+    # what the run is made of
+    "cfg", "accelerator", "model", "optimizer", "scheduler", "schedule_progress", "task", "eval_batches", "output_dir",
+    "runtime", "total_steps", "batches_per_epoch", "train_samples", "flops_per_sample", "peak_flops",
+    # where it stands (its RunState)
+    "step", "epoch", "batch_in_epoch", "samples_seen", "best_metric", "last_eval", "epoch_progress",
+    # what this launch measured
+    "lr", "grad_norm", "skipped_steps", "train_loss", "eval_improved", "last_eval_step", "last_eval_started",
+    "last_eval_seconds", "launch_started", "throughput", "stop", "attached_files", "elapsed",
+    # what a hook may ask for
+    "request_save", "request_stop", "request_export", "attach", "log", "evaluate", "paused", "take_train_loss",
+)
+RUN_DEPRECATED = ("weights_to_export",)  # kept for one release, with a DeprecationWarning
 
 
 def compatibility(cfg: TrainConfig, num_processes: int, train_samples: int) -> dict:

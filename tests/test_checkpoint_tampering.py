@@ -54,7 +54,8 @@ STATES = [
     ({"train_seconds": -1.0}, "train_seconds is -1.0; it must be a finite number >= 0"),
     ({"hooks": "EMA"}, "hooks is 'EMA'; it must be a list of hook names"),
     ({"scheduler": []}, "scheduler is []; it must be a JSON object"),
-    ({"best_checkpoint": 3}, "best_checkpoint is 3; it must be a string or null"),
+    ({"best_checkpoint": 3}, "best_checkpoint is 3; it must be a string or null"),  # a field of checkpoints before RunState
+    ({"batches_in_epoch": 0}, "has both batch_in_epoch and batches_in_epoch, its older name: keep one"),
     ({"surprise": 1}, "has unknown fields: 'surprise'"),
     ({"step": "x" * 10_000}, "step is 'xxxxxxxx"),
 ]

@@ -179,8 +179,8 @@ def test_rotation_keeps_the_newest_and_the_best(tmp_path):
     best_step = max(events, key=lambda e: (e["eval_accuracy"], -e["step"]))["step"]
     expected = {f"step_{best_step:08d}", "step_00000011", "step_00000012"}
     assert set(kept) == expected  # the newest two plus the best (fewer when the best is among the newest)
-    state = json.loads((out / "checkpoints" / "step_00000012" / "trainer_state.json").read_text())
-    assert state["best_checkpoint"] == f"step_{best_step:08d}"
+    state = json.loads((out / "checkpoints" / "step_00000012" / "hooks" / "CheckpointSchedule.json").read_text())
+    assert state["best_checkpoint"] == f"step_{best_step:08d}"  # the hook's own state_dict()
 
 
 def test_toolkit_never_calls_torch_load_without_weights_only():

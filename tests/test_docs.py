@@ -102,3 +102,15 @@ def test_the_docs_list_the_builtin_hooks_in_running_order():
     documented = [re.search(r"`(\w+)`", row.split("|")[2]).group(1) for row in rows]
     assert documented == running
     assert [int(row.split("|")[1]) for row in rows] == list(range(1, len(rows) + 1))
+
+
+def test_the_docs_name_exactly_the_public_attributes_of_run():
+    """docs/hooks.md's "The run" section against ``RUN_PUBLIC`` (which tests/test_state_model.py checks against
+    a real Run): every public name is documented, and no other name is listed as one."""
+    from acceltrain.run import RUN_PUBLIC
+
+    section = (DOCS / "hooks.md").read_text().split("## The run\n")[1].split("```python")[0]
+    bullets = " ".join(line for line in section.splitlines() if line.startswith(("- **", "  ")))
+    named = set(re.findall(r"`(\w+)`", bullets))
+    assert set(RUN_PUBLIC) <= named, f"not documented: {sorted(set(RUN_PUBLIC) - named)}"
+    assert named - set(RUN_PUBLIC) <= {"RunState"}, f"documented but not public: {sorted(named - set(RUN_PUBLIC))}"

@@ -58,8 +58,8 @@ def test_resume_continues_the_same_wandb_run_with_increasing_steps(tmp_path):
     assert first["id"] == second["id"]
     steps = [row["_step"] for run in (first, second) for row in run["history"] if "loss" in row]
     assert steps == list(range(1, 9)), "no step twice, none missing, always increasing"
-    state = json.loads(next((out / "checkpoints").glob("step_*/trainer_state.json")).read_text())
-    assert state["tracker_run_id"] == first["id"]
+    state = json.loads(next((out / "checkpoints").glob("step_*/hooks/Trackers.json")).read_text())
+    assert state["run_id"] == first["id"]  # the Trackers hook's own state_dict()
 
 
 def test_without_api_key_wandb_goes_offline_and_says_how_to_sync(tmp_path):

@@ -23,7 +23,8 @@ __all__ = [
 def builtin_hooks(cfg, *, evaluates: bool, trackers: list[str], run_config: dict) -> list[Hook]:
     """The hooks the flags ask for, in the order they run at each event (after the user's): looking inside,
     the training log, evaluation and what reacts to it, checkpoints, preemption, then the writers of
-    every logged row."""
+    every logged row. ``CheckpointSchedule`` and ``Trackers`` are always there, so that their state (the
+    best checkpoint, the W&B run id) goes on through a launch that does not use it."""
     hooks: list[Hook] = []
     if cfg.profile_steps:
         hooks.append(Profiler(cfg.profile_steps, cfg.profile_with_stack))
@@ -36,14 +37,13 @@ def builtin_hooks(cfg, *, evaluates: bool, trackers: list[str], run_config: dict
             hooks.append(TargetMetric(cfg.target_metric))
     if cfg.time_budget_minutes is not None:
         hooks.append(TimeBudget(cfg.time_budget_minutes))
-    if cfg.save_every_steps or cfg.save_every_minutes or cfg.keep_best or cfg.stop_after_steps:
-        hooks.append(CheckpointSchedule(cfg.save_every_steps, cfg.save_every_minutes, cfg.keep_last, cfg.keep_best))
+    scheduled = bool(cfg.save_every_steps or cfg.save_every_minutes or cfg.keep_best or cfg.stop_after_steps)
+    hooks.append(CheckpointSchedule(cfg.save_every_steps, cfg.save_every_minutes, cfg.keep_last, cfg.keep_best, save_at_end=scheduled))
     hooks.append(Preemption(cfg.stop_after_steps))
     hooks.append(MetricsFile())
     if cfg.plots:
         hooks.append(Curves())
-    if trackers:
-        hooks.append(Trackers(trackers, run_config))
+    hooks.append(Trackers(trackers, run_config))
     hooks.append(Console(cfg.progress))
     hooks.append(HubReady(push=cfg.push_to_hub))  # last: the model card and the upload see every summary entry
     return hooks

@@ -6,7 +6,15 @@ Events, in the order a run meets them:
 - ``on_fit_start(run)``: everything is prepared and a resumed run's state (its hooks' included) restored;
   the first step has not started.
 - ``on_epoch_start(run)``: before the first batch of each epoch (of the rest of it, after a resume).
+- ``on_step_start(run)``: before the first micro-batch of each optimizer step; ``run.step`` steps are done.
+- ``on_before_optimizer_step(run)``: the step's gradients are final: accumulated, synchronised across
+  processes, unscaled under fp16 and clipped by ``--max-grad-norm`` (``run.grad_norm``: their norm before
+  clipping); ``run.lr`` is this step's learning rate; ``optimizer.step()`` comes next. Under FSDP each
+  process holds its shard of them; under DeepSpeed the engine keeps them and has already stepped.
 - ``on_step_end(run)``: after each optimizer step (the scheduler stepped, gradients zeroed).
+- ``on_epoch_end(run)``: after an epoch's last optimizer step and its ``on_step_end`` (``run.epoch`` is
+  the epoch that ends), before the step's save or stop and the next ``on_epoch_start``. Not called for
+  an epoch the run leaves early (``--max-steps``, a stop).
 - ``on_log(run, metrics)``: a row of metrics is about to be written (metrics.jsonl, trackers, progress
   bar); add entries to ``metrics`` to log them with it.
 - ``on_eval_start(run)`` / ``on_eval_end(run, metrics)``: around each evaluation; ``metrics`` may be
@@ -36,6 +44,9 @@ naming the hook and the key, right after ``on_fit_start``. The state travels in 
 (tensors as safetensors, the rest as JSON: nothing is unpickled on resume), and resuming with another
 set of stateful hooks is refused. Its ``name`` keys that state and names its files (default: the class
 name): 1 to 100 ASCII letters, digits, '_', '-' and '.', not starting with '.', distinct ignoring case.
+The built-in hooks keep their state the same way (``CheckpointSchedule`` the best checkpoint,
+``Trackers`` the W&B run id, ``TimeBudget`` the evaluation's duration); all else a resume needs is the
+run's own :class:`~acceltrain.checkpointing.RunState`.
 """
 
 from __future__ import annotations
@@ -51,8 +62,8 @@ import torch
 from ..config import ConfigError, first_line
 
 EVENTS = (
-    "on_fit_start", "on_epoch_start", "on_step_end", "on_log", "on_eval_start", "on_eval_end",
-    "on_save", "on_train_end", "on_fit_end", "on_exception",
+    "on_fit_start", "on_epoch_start", "on_step_start", "on_before_optimizer_step", "on_step_end", "on_epoch_end",
+    "on_log", "on_eval_start", "on_eval_end", "on_save", "on_train_end", "on_fit_end", "on_exception",
 )
 HOOKS_DIR = "hooks"  # inside a checkpoint folder: <name>.json and <name>.safetensors per stateful hook
 
@@ -67,7 +78,13 @@ class Hook:
 
     def on_epoch_start(self, run) -> None: ...
 
+    def on_step_start(self, run) -> None: ...
+
+    def on_before_optimizer_step(self, run) -> None: ...
+
     def on_step_end(self, run) -> None: ...
+
+    def on_epoch_end(self, run) -> None: ...
 
     def on_log(self, run, metrics: dict) -> None: ...
 
@@ -150,7 +167,7 @@ class Hooks:
             _encoded_state(name, hook)
 
     def save_states(self, folder: Path) -> list[str]:
-        """Write each stateful hook's state into ``folder/hooks/``; returns their names (for TrainerState).
+        """Write each stateful hook's state into ``folder/hooks/``; returns their names (for the RunState).
         Every state is encoded (and so checked) before the first file is written."""
         from safetensors.torch import save_file
 
@@ -161,15 +178,19 @@ class Hooks:
             save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, str(folder / HOOKS_DIR / f"{name}.safetensors"))
         return list(encoded)
 
-    def load_states(self, folder: Path, saved: list[str]) -> None:
-        """Give each stateful hook its state from ``folder``; a different set of hooks is a ConfigError."""
+    def load_states(self, folder: Path, saved: list[str], kept_elsewhere: dict[str, dict] | None = None) -> None:
+        """Give each stateful hook its state from ``folder`` (``saved``: the names there), or from
+        ``kept_elsewhere`` (by name: the states an older checkpoint kept in its trainer state); a different
+        set of hooks is a ConfigError."""
         from safetensors.torch import load_file
 
-        if sorted(saved) != sorted(self.stateful):
-            raise ConfigError(
-                f"checkpoint {str(folder)!r} holds the state of hooks [{', '.join(sorted(saved))}] but this run has "
-                f"stateful hooks [{', '.join(sorted(self.stateful))}]: resume with the same hooks, or start a new --output-dir"
-            )
+        kept_elsewhere = kept_elsewhere or {}
+        held, have = {*saved, *kept_elsewhere}, set(self.stateful)
+        if held != have:
+            said = [f"holds the state of hooks [{', '.join(sorted(held - have))}] that this run does not have"] if held - have else []
+            if have - held:
+                said.append(f"has no state for this run's stateful hooks [{', '.join(sorted(have - held))}]")
+            raise ConfigError(f"checkpoint {str(folder)!r} {' and '.join(said)}: resume with the same hooks, or start a new --output-dir")
         for name in saved:
             try:
                 plain = json.loads((folder / HOOKS_DIR / f"{name}.json").read_text())
@@ -178,6 +199,8 @@ class Hooks:
                 raise ConfigError(
                     f"checkpoint {str(folder)!r}: the state of hook {name!r} is unreadable ({first_line(err, 200)})"
                 ) from None
+            self.stateful[name].load_state_dict(state)
+        for name, state in kept_elsewhere.items():
             self.stateful[name].load_state_dict(state)
 
 

@@ -10,11 +10,22 @@ from .base import Hook
 
 class CheckpointSchedule(Hook):
     """A checkpoint every ``every_steps`` optimizer steps and/or once ``every_minutes`` have passed since the
-    last one, whenever the primary metric improves (``keep_best``), and at the end of the run; then only
-    the newest ``keep_last`` that verify are kept (never the best one; a broken one never counts)."""
+    last one, whenever the primary metric improves (``keep_best``), and at the end of the run when
+    ``save_at_end``; after every save only the newest ``keep_last`` that verify are kept (never the best
+    one; a broken one never counts). Always among the built-in hooks: its state, the best checkpoint's
+    name, goes on through a launch that saves on no schedule."""
 
-    def __init__(self, every_steps: int | None, every_minutes: float | None, keep_last: int | None, keep_best: bool):
+    def __init__(self, every_steps: int | None, every_minutes: float | None, keep_last: int | None, keep_best: bool,
+                 save_at_end: bool):
         self.every_steps, self.every_minutes, self.keep_last, self.keep_best = every_steps, every_minutes, keep_last, keep_best
+        self.save_at_end = save_at_end
+        self.best_checkpoint: str | None = None  # the folder name of the best checkpoint (keep_best), never rotated away
+
+    def state_dict(self) -> dict:
+        return {"best_checkpoint": self.best_checkpoint}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.best_checkpoint = state["best_checkpoint"]
 
     def on_fit_start(self, run) -> None:
         self.last_save = time.monotonic()
@@ -28,17 +39,18 @@ class CheckpointSchedule(Hook):
 
     def on_eval_end(self, run, metrics: dict) -> None:
         if self.keep_best and run.eval_improved:
-            run.best_checkpoint = checkpoint_dir(run.output_dir, run.step).name
+            self.best_checkpoint = checkpoint_dir(run.output_dir, run.step).name
             run.request_save()
 
     def on_save(self, run, folder) -> None:
         self.last_save = time.monotonic()
         self.verified.add(folder.name)  # just written and hashed into its manifest
         if run.accelerator.is_main_process:
-            rotate_checkpoints(run.output_dir, self.keep_last, run.best_checkpoint, self.verified)
+            rotate_checkpoints(run.output_dir, self.keep_last, self.best_checkpoint, self.verified)
 
     def on_train_end(self, run) -> None:
-        run.request_save()  # the final state, unless the last step was just saved
+        if self.save_at_end:
+            run.request_save()  # the final state, unless the last step was just saved
 
 
 class Preemption(Hook):

@@ -69,7 +69,7 @@ class EMA(Hook):
 
     def on_train_end(self, run) -> None:
         if self.export:
-            run.weights_to_export = {k: v.to(self.live[k].dtype) for k, v in self.average.items()}
+            run.request_export({k: v.to(self.live[k].dtype) for k, v in self.average.items()})
 
     def state_dict(self) -> dict:
         return {"decay": self.decay, "average": self.average}

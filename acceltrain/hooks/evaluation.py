@@ -17,8 +17,11 @@ class Evaluation(Hook):
         self.every = every
 
     def on_step_end(self, run) -> None:
-        due = run.step % self.every == 0 if self.every else run.batch_in_epoch == run.batches_per_epoch
-        if due or run.step == run.total_steps:
+        if (self.every and run.step % self.every == 0) or run.step == run.total_steps:
+            run.evaluate()
+
+    def on_epoch_end(self, run) -> None:
+        if self.every is None and run.last_eval_step != run.step:  # the run's last step may have been evaluated
             run.evaluate()
 
     def on_train_end(self, run) -> None:

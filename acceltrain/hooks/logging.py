@@ -32,8 +32,7 @@ class TrainingLog(Hook):
             self.first_step_seconds = time.perf_counter() - run.launch_started
         if run.step % self.every and run.step != run.total_steps:
             return
-        run.train_loss = run.take_train_loss()
-        row = {"step": run.step, "epoch": run.epoch_progress, "loss": run.train_loss, "lr": run.lr,
+        row = {"step": run.step, "epoch": run.epoch_progress, "loss": run.take_train_loss(), "lr": run.lr,
                "wall_seconds": round(run.elapsed(), 3), **speed_figures(run, run.throughput.window()), **peak_memory_mb(run.accelerator.device)}
         if run.grad_norm is not None:
             row["grad_norm"] = float(run.grad_norm)
@@ -89,23 +88,33 @@ class MetricsFile(Hook):
 
 class Trackers(Hook):
     """Accelerate's trackers (W&B, TensorBoard): the run starts with the resolved config (continuing
-    the same W&B run on resume), every row is logged at its step, and the summary equals summary.json."""
+    the same W&B run on resume), every row is logged at its step, and the summary equals summary.json.
+    Always among the built-in hooks, with no trackers too: the W&B run id, its state, goes on through a
+    launch without them."""
 
     def __init__(self, names: list[str], run_config: dict):
         self.names, self.run_config = names, run_config
+        self.run_id: str | None = None
+
+    def state_dict(self) -> dict:
+        return {"run_id": self.run_id}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.run_id = state["run_id"]
 
     def on_fit_start(self, run) -> None:
-        run.tracker_run_id = start_tracking(
+        self.run_id = start_tracking(
             run.accelerator, run.cfg, self.names, run_name=run.cfg.run_name or run.output_dir.name,
-            output_dir=run.output_dir, run_config=self.run_config, resume_run_id=run.tracker_run_id,
-        ) or run.tracker_run_id
+            output_dir=run.output_dir, run_config=self.run_config, resume_run_id=self.run_id,
+        ) or self.run_id
 
     def on_log(self, run, metrics: dict) -> None:
-        run.accelerator.log({k: v for k, v in metrics.items() if k != "step" and v is not None}, step=metrics["step"])
+        if self.names:
+            run.accelerator.log({k: v for k, v in metrics.items() if k != "step" and v is not None}, step=metrics["step"])
 
     def on_fit_end(self, run, summary: dict) -> None:
         finish_tracking(run.accelerator, self.names, summary, Path(summary["weights"]), run.cfg.log_model,
-                        extra_files=run.files_to_attach)
+                        extra_files=run.attached_files)
 
 
 class Console(Hook):

@@ -66,7 +66,8 @@ class Profiler(Hook):
         if self._profiler is None:
             return
         self._profiler.__exit__(None, None, None)
-        run.files_to_attach += self._write(run.step)
+        for path in self._write(run.step):
+            run.attach(path)
         self._profiler = None
 
     def _write(self, last_step: int) -> list[Path]:

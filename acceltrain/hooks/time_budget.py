@@ -43,7 +43,7 @@ class TimeBudget(Hook):
     def on_fit_start(self, run) -> None:
         # before the clock starts: the training time of earlier launches (0 for a fresh run), so that a
         # resumed run continues its schedule where it was
-        self._plan(run, run.train_seconds_before, 0.0, self._final_eval_seconds(run, 0.0))
+        self._plan(run, run.elapsed(), 0.0, self._final_eval_seconds(run, 0.0))
 
     def on_eval_end(self, run, metrics: dict) -> None:
         self.eval_seconds = run.last_eval_seconds
@@ -53,6 +53,15 @@ class TimeBudget(Hook):
         if self._last_step_end is not None and run.last_eval_started < self._last_step_end:  # no evaluation in between
             self._recent_steps.append(now - self._last_step_end)
         self._last_step_end = now
+        self._decide(run)
+
+    def on_epoch_end(self, run) -> None:
+        """An epoch's end may evaluate after ``on_step_end``: decide again with that time spent, and time the
+        next step from here."""
+        self._last_step_end = time.perf_counter()
+        self._decide(run)
+
+    def _decide(self, run) -> None:
         step_seconds = statistics.median(self._recent_steps) if self._recent_steps else 0.0  # one stall is no trend
         clock = [run.elapsed(), step_seconds, self._final_eval_seconds(run, step_seconds)]
         if run.accelerator.num_processes > 1:

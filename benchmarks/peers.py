@@ -1,0 +1,567 @@
+"""The toolkit next to the code people would use instead, on the same data and machine, in one invocation
+(issue 23, item 1). Each peer is its own code, changed only where it assumes CUDA; peer and toolkit
+alternate in rounds (peer first in rounds 1, 3, ..., toolkit first in 2, 4, ...) and the median of the
+per-round ratios acceltrain/peer is reported with its min and max.
+
+  airbench94            PyPI ``airbench`` (0.1.8), its ``train94`` with its own hyperparameters, vs
+                        ``recipes/resnet_cifar.py --config cifar10_fast``, both on the CIFAR-10 JPEG copy for
+                        ``--epochs`` epochs: final TTA accuracy and training samples/s (targets: accuracy >=
+                        airbench's, samples/s >= 1.0x). airbench reads ``cifar10/{train,test}.pt`` (torchvision's
+                        uint8 arrays): they are made from the JPEGs by the toolkit's decoder, under
+                        benchmarks/.data. Without a GPU it runs with these run-time patches, in its own process:
+                        ``.cuda()`` is the identity, ``.half()`` gives fp32 (the toolkit runs with
+                        ``--mixed-precision no`` on a CPU), ``torch.load`` maps to the CPU, and
+                        ``torch.cuda.Event``/``synchronize`` are host clocks. Its own timers give its samples/s
+                        (epochs only: not the whitening set-up, not the evaluations); the toolkit's figure is its
+                        loop's own, timed from the first step (``--timing-warmup-steps 0``) without evaluations.
+  transformers Trainer  ``transformers.Trainer`` vs ``recipes/causal_lm.py --config lm_tiny_cpu``: the same
+                        GPT-2-style tiny model (built after set_seed(seed), as the recipe does), BPE tokenizer
+                        (trained once, passed to both), packed blocks of tinyshakespeare with the same held-out
+                        blocks, batch,
+                        AdamW settings, warm-up steps + cosine schedule (the same lr at every step after the
+                        warm-up; in it, the Trainer's rises from 0 at step 1, the toolkit's from 1/(W+1): at
+                        most 1/(W+1) of the peak apart), gradient clipping, loader workers and steps.
+                        Tokens/s from the end of step 5 to the last step (target >= 1.1x) and the eval loss at
+                        the last step, seeds 0 and 1 alternating by round (target: equal within the run-to-run
+                        noise, the larger spread between the two seeds).
+  plain PyTorch loop    ``benchmarks/overhead.py`` (its legs, its alternation), its JSON kept in this file's.
+
+Each leg runs in a fresh process, but the plain loop, which overhead.py runs in-process. Rows not run keep
+their earlier results (each row records its machine); the JSON is written after each row.
+
+    python benchmarks/peers.py                       # -> benchmarks/results/peers.json, peers.png
+    python benchmarks/peers.py --rows trainer,plain --rounds 5 --steps 600
+    python benchmarks/peers.py --rows airbench --epochs 10 --airbench-rounds 2
+    python benchmarks/peers.py --quick               # tiny sizes, every row end to end: peers_quick.json/.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import yaml
+
+from common import DATA_DIR, REPO, RESULTS_DIR, cifar10_jpeg, machine, quiet_env, run_recipe_process, start, write_result
+
+ROWS = {"airbench": "airbench94", "trainer": "transformers Trainer", "plain": "plain PyTorch loop"}
+CIFAR_PRESET = REPO / "recipes" / "configs" / "cifar10_fast.yaml"
+LM_PRESET = REPO / "recipes" / "configs" / "lm_tiny_cpu.yaml"
+LM_RECIPE = REPO / "recipes" / "causal_lm.py"
+TEXT = REPO.parent / "shared" / "datasets" / "tinyshakespeare.txt"
+AIRBENCH_INSTALL = "pip install airbench==0.1.8"
+AIRBENCH_PEAK = 0.23  # airbench's triangle schedule peaks at 23% of the steps (the preset's 110 warm-up steps of 480)
+TIMING_WARMUP = 5  # LM row: steps left out of tokens/s in both legs (the toolkit's default)
+SEEDS = (0, 1)  # LM row: round r uses SEEDS[r % 2]
+# --quick: every row end to end (3.5 minutes on 2 cores at load 6); its figures say nothing about speed or accuracy
+QUICK = {"train_per_class": 64, "test_per_class": 50, "cifar_batch": 128, "epochs": 1, "steps": 8, "rounds": 2,
+         "plain": ["--steps", "8", "--warmup", "3", "--batch-size", "32"]}
+HOST = not torch.cuda.is_available()
+
+
+# --------------------------------------------------------------------------- rounds, ratios, targets
+
+
+def paired_rounds(rounds: int, peer, toolkit, label) -> list[dict]:
+    """``rounds`` rounds of ``peer(r)`` and ``toolkit(r)`` (each returns a dict of figures), peer first in
+    rounds 1, 3, ...: a shared machine's load drifts over both legs alike."""
+    results = []
+    for r in range(rounds):
+        legs, order = {}, ["peer", "acceltrain"] if r % 2 == 0 else ["acceltrain", "peer"]
+        for name in order:
+            legs[name] = (peer if name == "peer" else toolkit)(r)
+            print(f"  round {r + 1}/{rounds} {name:10} {label(legs[name])}", flush=True)
+        results.append({"round": r + 1, "order": order, **legs})
+    return results
+
+
+def spread(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "values": values}
+
+
+def ratio_of(rounds: list[dict], key: str) -> dict:
+    """The per-round ratios acceltrain/peer of ``key``: median, min, max."""
+    return spread([r["acceltrain"][key] / r["peer"][key] for r in rounds])
+
+
+def target(name: str, value: float | None, threshold: float | None, met: bool | None, note: str = "") -> dict:
+    return {"target": name, "value": value, "threshold": threshold, "met": met, "note": note}
+
+
+# --------------------------------------------------------------------------- legs in their own process
+
+
+def run_leg_process(leg: str, spec: dict) -> dict:
+    """``python benchmarks/peers.py --leg LEG --spec JSON`` (a fresh process: airbench's patches stay in it)
+    and the JSON it wrote."""
+    out = Path(spec["out"])
+    command = [sys.executable, str(Path(__file__).resolve()), "--leg", leg, "--spec", json.dumps(spec)]
+    done = subprocess.run(command, cwd=REPO, env=quiet_env(), capture_output=True, text=True)
+    if done.returncode != 0 or not out.is_file():
+        raise RuntimeError(f"the {leg} leg failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    return json.loads(out.read_text())
+
+
+def leg_main(leg: str, spec: dict) -> None:
+    result = {"airbench": airbench_leg, "trainer": trainer_leg}[leg](spec)
+    Path(spec["out"]).write_text(json.dumps(result))
+
+
+# --------------------------------------------------------------------------- row: airbench94
+
+
+def quick_subset(data_dir: Path) -> Path:
+    """The first ``QUICK`` images of each class of the ImageFolder tree, as hard links, next to it (once)."""
+    target_dir = data_dir.with_name(f"{data_dir.name}-quick-{QUICK['train_per_class']}-{QUICK['test_per_class']}")
+    if target_dir.is_dir():
+        return target_dir
+    partial = target_dir.with_name(f".{target_dir.name}.{os.getpid()}.tmp")
+    for split, count in (("train", QUICK["train_per_class"]), ("test", QUICK["test_per_class"])):
+        for class_dir in sorted(p for p in (data_dir / split).iterdir() if p.is_dir()):
+            (partial / split / class_dir.name).mkdir(parents=True)
+            for file in sorted(class_dir.iterdir())[:count]:
+                os.link(file, partial / split / class_dir.name / file.name)
+    os.replace(partial, target_dir)
+    return target_dir
+
+
+def airbench_data(data_dir: Path) -> tuple[Path, int]:
+    """airbench's CifarLoader reads ``<cwd>/cifar10/{train,test}.pt`` ({"images": uint8 NHWC, "labels",
+    "classes"}, which it otherwise makes from torchvision's download): made here from the ImageFolder tree,
+    decoded by the toolkit's own decoder and cache (the pixels the toolkit trains on), once, under
+    benchmarks/.data. Returns the folder to run airbench in and the number of training images."""
+    from acceltrain.vision.data import scan_image_folder
+    from acceltrain.vision.device_loader import decoded_images
+
+    root = DATA_DIR / f"airbench-{data_dir.name}"
+    folder = root / "cifar10"
+    splits = scan_image_folder(str(data_dir))
+    if not (folder / "test.pt").is_file():  # written last
+        print(f"  converting {data_dir.relative_to(REPO)} into airbench's tensors in {root.relative_to(REPO)} (once)", flush=True)
+        folder.mkdir(parents=True, exist_ok=True)
+        for split in ("train", "test"):
+            paths, labels, classes = splits[split]
+            images = decoded_images(paths, 32, progress=False).permute(0, 2, 3, 1).contiguous()
+            partial = folder / f".{split}.{os.getpid()}.tmp"
+            torch.save({"images": images, "labels": torch.tensor(labels), "classes": classes}, partial)
+            os.replace(partial, folder / f"{split}.pt")
+    return root, len(splits["train"][0])
+
+
+class HostEvent:
+    """``torch.cuda.Event`` on a CPU: the host clock at ``record()`` (CPU work is done when it returns)."""
+
+    def __init__(self, enable_timing: bool = False, **_):
+        self.seconds = None
+
+    def record(self, stream=None) -> None:
+        self.seconds = time.perf_counter()
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, end: "HostEvent") -> float:
+        return 1000 * (end.seconds - self.seconds)
+
+
+def patch_airbench_for_cpu() -> None:
+    """Where airbench assumes CUDA, its host equivalent (this process only: the leg's own)."""
+    from torch import nn
+
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self  # make_net94: net.half().cuda()
+    nn.Module.cuda = lambda self, *args, **kwargs: self
+    torch.Tensor.half = lambda self, *args, **kwargs: self.float(*args, **kwargs)  # fp32, as the toolkit's leg
+    nn.Module.half = lambda self: self.float()
+    load = torch.load
+    torch.load = lambda *args, **kwargs: load(*args, **{**kwargs, "map_location": "cpu"})  # CifarLoader: torch.device(0)
+    torch.cuda.Event = HostEvent
+    torch.cuda.synchronize = lambda *args, **kwargs: None
+
+
+def airbench_leg(spec: dict) -> dict:
+    """airbench's ``train94(epochs=...)``, verbose as published (per-epoch accuracy, final TTA), in ``spec["root"]``."""
+    from importlib.metadata import version
+
+    import airbench
+    from airbench import lib_airbench94, utils
+
+    if HOST:
+        patch_airbench_for_cpu()
+    intervals = []  # every starter.elapsed_time(ender) it adds to its total: whitening, each epoch, the final TTA
+
+    class TimedEvent(torch.cuda.Event):
+        def elapsed_time(self, end):
+            milliseconds = super().elapsed_time(end)
+            intervals.append(milliseconds / 1000)
+            return milliseconds
+
+    torch.cuda.Event = TimedEvent
+    rows, print_row = [], utils.print_training_details
+    columns = [column.strip() for column in utils.logging_columns_list]
+
+    def recorded(variables, is_final_entry):  # its table's rows, read from the variables it prints
+        rows.append({column: variables.get(column) for column in columns})
+        print_row(variables, is_final_entry)
+
+    utils.print_training_details = recorded
+    lib_airbench94.hyp["opt"]["batch_size"] = spec["batch_size"]  # its default loader reads it at call time
+    os.chdir(spec["root"])
+    torch.manual_seed(spec["seed"])
+    if not HOST:
+        airbench.warmup94()  # its own GPU warm-up (cuDNN autotuning), as its README times it
+        intervals.clear()
+        rows.clear()
+    airbench.train94(epochs=spec["epochs"])
+    steps = math.ceil(spec["train_images"] // spec["batch_size"] * spec["epochs"])
+    epoch_seconds = intervals[1:-1]
+    return {"tta_accuracy": rows[-1]["tta_val_acc"], "samples_per_second": steps * spec["batch_size"] / sum(epoch_seconds),
+            "steps": steps, "train_seconds": sum(epoch_seconds), "total_time_seconds": rows[-1]["total_time_seconds"],
+            "val_accuracy_by_epoch": [row["val_acc"] for row in rows[:-1]], "airbench": version("airbench")}
+
+
+def toolkit_cifar_leg(data_dir: Path, images: int, epochs: int, batch_size: int, seed: int, out: Path) -> dict:
+    preset = yaml.safe_load(CIFAR_PRESET.read_text())
+    steps = images // batch_size * epochs
+    flags = ["--config", str(CIFAR_PRESET), "--dataset", "imagefolder", "--data-dir", str(data_dir), "--epochs", str(epochs),
+             "--warmup-steps", str(int(AIRBENCH_PEAK * steps)), "--eval-every", str(10**9), "--timing-warmup-steps", "0",
+             "--seed", str(seed)]
+    if HOST:
+        flags += ["--mixed-precision", "no"]
+    if batch_size != preset["batch_size"]:  # --quick: the same lr per sample (the loss is a mean)
+        flags += ["--batch-size", str(batch_size), "--lr", str(preset["lr"] * batch_size / preset["batch_size"])]
+    summary = run_recipe_process(out, flags)
+    return {"tta_accuracy": summary["eval_accuracy"], "samples_per_second": summary["samples_per_second"],
+            "steps": summary["steps"], "wall_seconds": summary["wall_seconds"], "flags": shlex.join(flags)}
+
+
+def airbench_row(args, work: Path) -> dict:
+    try:
+        import airbench  # noqa: F401  (the leg imports it again in its own process)
+    except ImportError as err:
+        return {"skipped": f"airbench is not importable ({err}): {AIRBENCH_INSTALL}"}
+    data_dir = cifar10_jpeg()
+    if data_dir is None:
+        return {"skipped": "the CIFAR-10 JPEG archive is absent (../shared/datasets/cifar10-jpeg.tar.gz)"}
+    if args.quick:
+        data_dir = quick_subset(data_dir)
+    batch_size = QUICK["cifar_batch"] if args.quick else yaml.safe_load(CIFAR_PRESET.read_text())["batch_size"]
+    root, count = airbench_data(data_dir)
+    print(f"{ROWS['airbench']}: {count} training images, {args.epochs} epochs, batch {batch_size}, "
+          f"{args.airbench_rounds} round(s){', CPU patches' if HOST else ''}", flush=True)
+
+    def peer(r):
+        spec = {"root": str(root), "epochs": args.epochs, "batch_size": batch_size, "seed": r, "train_images": count,
+                "out": str(work / f"airbench-{r}.json")}
+        return run_leg_process("airbench", spec)
+
+    def toolkit(r):
+        return toolkit_cifar_leg(data_dir, count, args.epochs, batch_size, r, work / f"cifar-{r}")
+
+    rounds = paired_rounds(args.airbench_rounds, peer, toolkit,
+                           lambda leg: f"TTA accuracy {leg['tta_accuracy']:.4f}, {leg['samples_per_second']:.0f} samples/s")
+    speed = ratio_of(rounds, "samples_per_second")
+    accuracy = {leg: statistics.median(r[leg]["tta_accuracy"] for r in rounds) for leg in ("peer", "acceltrain")}
+    return {
+        "peer": f"airbench {rounds[0]['peer']['airbench']}: train94, its hyperparameters"
+                + (f" (but batch {batch_size}: --quick)" if args.quick else ""),
+        "toolkit": f"recipes/resnet_cifar.py --config {CIFAR_PRESET.relative_to(REPO)}",
+        "peer_changes": ("without CUDA: .cuda() identity, .half() -> fp32, torch.load to the CPU, torch.cuda.Event/"
+                         "synchronize as host clocks" if HOST else "none (a GPU: airbench.warmup94() first, as published)"),
+        "data": str(data_dir.relative_to(REPO)), "train_images": count, "epochs": args.epochs, "batch_size": batch_size,
+        "rounds": rounds, "samples_per_second_ratio": speed, "tta_accuracy": accuracy,
+        "targets": [target("samples/s ratio >= 1.0", speed["median"], 1.0, speed["median"] >= 1.0),
+                    target("TTA accuracy >= airbench94's", accuracy["acceltrain"] - accuracy["peer"], 0.0,
+                           accuracy["acceltrain"] >= accuracy["peer"], "value: accuracy difference acceltrain - peer")],
+    }
+
+
+# --------------------------------------------------------------------------- row: transformers Trainer
+
+
+def lm_tokenizer(work: Path, vocab_size: int) -> Path:
+    """The BPE both legs use: the toolkit's, trained once on the text (as the recipe trains one without --tokenizer)."""
+    from acceltrain.text import load_text, show_progress_bars, tokenizer_for_run
+
+    show_progress_bars(False)
+    tokenizer_for_run(None, "--tokenizer", load_text(str(TEXT)), work, vocab_size)
+    return work / "tokenizer.json"
+
+
+def trainer_leg(spec: dict) -> dict:
+    """``transformers.Trainer`` on the toolkit's blocks (its tokenizer, packing and held-out split per seed)."""
+    from accelerate.utils import set_seed
+    from transformers import Trainer, TrainerCallback, TrainingArguments, default_data_collator
+    from transformers.trainer_callback import PrinterCallback
+
+    from acceltrain.data import default_num_workers
+    from acceltrain.text import build_causal_lm, load_text, show_progress_bars, split_blocks, token_blocks, tokenizer_for_run
+
+    preset, steps, seed = spec["preset"], spec["steps"], spec["seed"]
+    show_progress_bars(False)
+    texts = load_text(spec["text"])
+    tokenizer = tokenizer_for_run(spec["tokenizer"], "--tokenizer", texts, Path(spec["work"]), preset["vocab_size"])
+    blocks = token_blocks(texts, tokenizer, block_size=preset["block_size"])
+    train_set, eval_set = split_blocks(blocks, eval_fraction=preset["eval_fraction"], seed=seed)
+    set_seed(seed)  # as the recipe's command line does before it builds the model: the same initial weights
+    model = build_causal_lm(preset["model"], vocab_size=len(tokenizer), block_size=preset["block_size"],
+                            end_of_text_id=tokenizer.eos_token_id)
+
+    class StepClock(TrainerCallback):  # from the end of step TIMING_WARMUP to the end of the last step
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == TIMING_WARMUP:
+                self.started = time.perf_counter()
+            elif state.global_step == steps:
+                self.seconds = time.perf_counter() - self.started
+
+    def causal_batch(rows):  # the labels are the inputs: the model shifts them (run_clm.py's group_texts)
+        batch = default_data_collator(rows)
+        batch["labels"] = batch["input_ids"]
+        return batch
+
+    workers = default_num_workers()  # what the toolkit's loader takes
+    arguments = TrainingArguments(
+        output_dir=spec["work"], max_steps=steps, per_device_train_batch_size=preset["batch_size"],
+        per_device_eval_batch_size=preset["batch_size"], learning_rate=preset["lr"], weight_decay=preset["weight_decay"],
+        max_grad_norm=preset["max_grad_norm"], lr_scheduler_type=preset["lr_schedule"], warmup_steps=spec["warmup_steps"],
+        logging_steps=preset["log_every"], eval_strategy="no", save_strategy="no", report_to="none", use_cpu=HOST,
+        seed=seed, dataloader_num_workers=workers, dataloader_persistent_workers=workers > 0,
+        dataloader_prefetch_factor=4 if workers else None, dataloader_drop_last=True, disable_tqdm=True,
+    )
+    clock = StepClock()
+    trainer = Trainer(model=model, args=arguments, train_dataset=train_set, data_collator=causal_batch, callbacks=[clock])
+    trainer.remove_callback(PrinterCallback)
+    trained = trainer.train()
+    evaluation = trainer.evaluate(eval_dataset=eval_set)
+    tokens = (steps - TIMING_WARMUP) * preset["batch_size"] * preset["block_size"]
+    return {"tokens_per_second": tokens / clock.seconds, "eval_loss": evaluation["eval_loss"], "seed": seed, "steps": steps,
+            "train_loss": trained.training_loss, "optim": str(arguments.optim), "num_workers": workers}
+
+
+def toolkit_lm_leg(tokenizer: Path, steps: int, warmup: int, seed: int, out: Path) -> dict:
+    flags = ["--config", str(LM_PRESET), "--text-files", str(TEXT), "--tokenizer", str(tokenizer), "--max-steps", str(steps),
+             "--warmup-steps", str(warmup), "--eval-every", str(10**9), "--timing-warmup-steps", str(TIMING_WARMUP),
+             "--seed", str(seed)]
+    summary = run_recipe_process(out, flags, recipe=LM_RECIPE)
+    return {"tokens_per_second": summary["tokens_per_second"], "eval_loss": summary["eval_loss"], "seed": seed,
+            "steps": summary["steps"], "train_loss": summary["train_loss"], "num_workers": summary["config"]["num_workers"]}
+
+
+def loss_noise(rounds: list[dict]) -> dict:
+    """Per leg, the eval loss of each seed (mean over its rounds), their mean and their spread; the target:
+    the legs' means differ by no more than the larger spread."""
+    legs = {}
+    for leg in ("peer", "acceltrain"):
+        by_seed = {}
+        for r in rounds:
+            by_seed.setdefault(r[leg]["seed"], []).append(r[leg]["eval_loss"])
+        losses = {seed: statistics.mean(values) for seed, values in by_seed.items()}
+        legs[leg] = {"by_seed": losses, "mean": statistics.mean(losses.values()),
+                     "spread": max(losses.values()) - min(losses.values())}
+    difference = legs["acceltrain"]["mean"] - legs["peer"]["mean"]
+    noise = max(legs["peer"]["spread"], legs["acceltrain"]["spread"])
+    judged = len(legs["peer"]["by_seed"]) > 1
+    return {**legs, "difference": difference, "noise": noise if judged else None,
+            "met": abs(difference) <= noise if judged else None}
+
+
+def trainer_row(args, work: Path) -> dict:
+    try:
+        import transformers
+    except ImportError as err:
+        return {"skipped": f"transformers is not importable ({err}): pip install -e '.[text]'"}
+    if not TEXT.is_file():
+        return {"skipped": f"{TEXT} is absent (see ../shared/README.md)"}
+    preset = yaml.safe_load(LM_PRESET.read_text())
+    warmup = min(preset["warmup_steps"], args.steps // 4)
+    print(f"{ROWS['trainer']}: {preset['model']}, batch {preset['batch_size']} x {preset['block_size']} tokens, {args.steps} "
+          f"steps ({warmup} warm-up), {args.rounds} rounds, transformers {transformers.__version__}", flush=True)
+    tokenizer = lm_tokenizer(work / "tokenizer", preset["vocab_size"])
+
+    def peer(r):
+        spec = {"preset": preset, "steps": args.steps, "warmup_steps": warmup, "seed": SEEDS[r % 2], "text": str(TEXT),
+                "tokenizer": str(tokenizer), "work": str(work / f"trainer-{r}"), "out": str(work / f"trainer-{r}.json")}
+        return run_leg_process("trainer", spec)
+
+    def toolkit(r):
+        return toolkit_lm_leg(tokenizer, args.steps, warmup, SEEDS[r % 2], work / f"lm-{r}")
+
+    rounds = paired_rounds(args.rounds, peer, toolkit,
+                           lambda leg: f"seed {leg['seed']}: {leg['tokens_per_second']:.0f} tokens/s, eval loss {leg['eval_loss']:.4f}")
+    speed = ratio_of(rounds, "tokens_per_second")
+    loss = loss_noise(rounds)
+    note = "value: eval-loss difference acceltrain - peer; threshold: the larger spread between seeds"
+    return {
+        "peer": f"transformers {transformers.__version__} Trainer (optim {rounds[0]['peer']['optim']})",
+        "toolkit": f"recipes/causal_lm.py --config {LM_PRESET.relative_to(REPO)}",
+        "peer_changes": "none (use_cpu=True without CUDA)" if HOST else "none",
+        "model": preset["model"], "batch_size": preset["batch_size"], "block_size": preset["block_size"], "steps": args.steps,
+        "warmup_steps": warmup, "timing_warmup_steps": TIMING_WARMUP, "rounds": rounds, "tokens_per_second_ratio": speed,
+        "eval_loss": loss,
+        "targets": [target("tokens/s ratio >= 1.1", speed["median"], 1.1, speed["median"] >= 1.1),
+                    target("eval loss equal within run-to-run noise", loss["difference"], loss["noise"], loss["met"],
+                           note if loss["met"] is not None else "not judged: one seed (use --rounds >= 2)")],
+    }
+
+
+# --------------------------------------------------------------------------- row: plain PyTorch loop
+
+
+def plain_row(args) -> dict:
+    """benchmarks/overhead.py as it is: its main() with these flags, its result dict caught instead of written."""
+    import overhead
+
+    caught = {}
+    overhead.write_result = lambda name, info, result: caught.update(result)  # overhead.json is left alone
+    argv, sys.argv = sys.argv, ["overhead.py", "--rounds", str(args.rounds), *(QUICK["plain"] if args.quick else [])]
+    try:
+        overhead.main()
+    finally:
+        sys.argv = argv
+    rates = caught["samples_per_second"]
+    speed = spread([a / b for a, b in zip(rates["acceltrain"], rates["plain"])])
+    return {
+        "peer": "a hand-written PyTorch loop (benchmarks/overhead.py's plain_leg)", "toolkit": "acceltrain.fit",
+        "peer_changes": "none", "overhead": caught, "samples_per_second_ratio": speed,
+        "targets": [target(f"samples/s ratio >= {overhead.TARGET:g}", speed["median"], overhead.TARGET, speed["median"] >= overhead.TARGET)],
+    }
+
+
+# --------------------------------------------------------------------------- output
+
+
+def table(rows: dict) -> list[str]:
+    lines = [f"{'row':22} {'measure':26} {'peer':>10} {'acceltrain':>10}  {'acceltrain/peer (min-max)':27} targets"]
+    for key, row in rows.items():
+        name = ROWS[key]
+        if "skipped" in row:
+            lines.append(f"{name:22} skipped: {row['skipped']}")
+            continue
+        verdicts = [f"{t['target']}: {'met' if t['met'] else 'not judged' if t['met'] is None else 'NOT met'}" for t in row["targets"]]
+        speed_key = "tokens_per_second" if key == "trainer" else "samples_per_second"
+        ratio = row[f"{speed_key}_ratio"]
+        if key == "plain":
+            peer, toolkit = (statistics.median(row["overhead"]["samples_per_second"][leg]) for leg in ("plain", "acceltrain"))
+        else:
+            peer, toolkit = (statistics.median(r[leg][speed_key] for r in row["rounds"]) for leg in ("peer", "acceltrain"))
+        measure = speed_key.replace("_per_second", "/s")
+        lines.append(f"{name:22} {measure:26} {peer:10.1f} {toolkit:10.1f}  "
+                     f"{ratio['median']:.3f} ({ratio['min']:.3f}-{ratio['max']:.3f}){'':8} {verdicts[0]}")
+        if key == "airbench":
+            accuracy = row["tta_accuracy"]
+            lines.append(f"{'':22} {'TTA accuracy':26} {accuracy['peer']:10.4f} {accuracy['acceltrain']:10.4f}  "
+                         f"{accuracy['acceltrain'] - accuracy['peer']:+.4f} (difference){'':8} {verdicts[1]}")
+        if key == "trainer":
+            loss = row["eval_loss"]
+            seeds = ",".join(str(seed) for seed in loss["peer"]["by_seed"])
+            noise = f"noise {loss['noise']:.4f}" if loss["noise"] is not None else "one seed"
+            lines.append(f"{'':22} {f'eval loss (seeds {seeds})':26} {loss['peer']['mean']:10.4f} {loss['acceltrain']['mean']:10.4f}  "
+                         f"{loss['difference']:+.4f} ({noise}){'':4} {verdicts[1]}")
+    return lines
+
+
+def plot(rows: dict, path: Path, quick: bool) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (speed, accuracy, loss) = plt.subplots(1, 3, figsize=(14, 4.2), gridspec_kw={"width_ratios": [1.6, 1, 1]})
+    measured = {key: row for key, row in rows.items() if "skipped" not in row}
+    for y, (key, row) in enumerate(measured.items()):
+        ratio = row["tokens_per_second_ratio" if key == "trainer" else "samples_per_second_ratio"]
+        speed.barh(y, ratio["median"], xerr=[[ratio["median"] - ratio["min"]], [ratio["max"] - ratio["median"]]],
+                   color="tab:blue", capsize=4)
+        speed.plot([row["targets"][0]["threshold"]] * 2, [y - 0.4, y + 0.4], color="red")  # the speed target comes first
+        speed.text(ratio["median"], y + 0.25, f" {ratio['median']:.3f}x", fontsize=8)
+    speed.set_yticks(range(len(measured)), [f"{ROWS[key]}\n({'tokens' if key == 'trainer' else 'samples'}/s)" for key in measured])
+    speed.axvline(1.0, color="grey", linewidth=1)
+    speed.set_xlabel("acceltrain / peer, median of paired rounds (bars: min-max; red: target)")
+    if "airbench" in measured:
+        values = measured["airbench"]["tta_accuracy"]
+        accuracy.bar(["airbench94", "acceltrain\ncifar10_fast"], [100 * values["peer"], 100 * values["acceltrain"]],
+                     color=["tab:grey", "tab:blue"])
+        for x, value in enumerate((values["peer"], values["acceltrain"])):
+            accuracy.text(x, 100 * value, f"{100 * value:.2f}", ha="center", va="bottom", fontsize=8)
+        accuracy.set_ylim(max(0, 100 * min(values.values()) - 5), 100)
+        accuracy.set_title(f"CIFAR-10 (JPEG) TTA accuracy after {measured['airbench']['epochs']} epoch(s)", fontsize=9)
+    if "trainer" in measured:
+        losses = measured["trainer"]["eval_loss"]
+        for x, (leg, label) in enumerate((("peer", "Trainer"), ("acceltrain", "acceltrain"))):
+            seeds = losses[leg]["by_seed"]
+            loss.scatter([x] * len(seeds), list(seeds.values()), color="tab:grey" if leg == "peer" else "tab:blue")
+            for seed, value in seeds.items():
+                loss.text(x + 0.05, value, f"seed {seed}", fontsize=7)
+        loss.set_xticks([0, 1], ["Trainer", "acceltrain\ncausal_lm"])
+        loss.set_xlim(-0.5, 1.7)
+        loss.set_title(f"tinyshakespeare eval loss at step {measured['trainer']['steps']}", fontsize=9)
+    for axis in (speed, accuracy, loss):
+        axis.grid(alpha=0.3)
+    figure.suptitle("acceltrain vs peers on the same data and machine" + (" (--quick: plumbing only, not figures)" if quick else ""))
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    print(f"wrote {path.relative_to(REPO)}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, of {', '.join(ROWS)}")
+    parser.add_argument("--rounds", type=int, help="paired rounds of the trainer and plain rows (default 3; --quick 2)")
+    parser.add_argument("--airbench-rounds", type=int, help="paired rounds of the airbench row (default 1)")
+    parser.add_argument("--epochs", type=int, help="epochs of the airbench row (default 10; --quick 1)")
+    parser.add_argument("--steps", type=int, help="optimizer steps of the trainer row (default: the preset's 600; --quick 8)")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, every row end to end: peers_quick.json, not figures")
+    parser.add_argument("--leg", choices=["airbench", "trainer"], help=argparse.SUPPRESS)  # a leg in its own process
+    parser.add_argument("--spec", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.leg:
+        return leg_main(args.leg, json.loads(args.spec))
+    rows = [row for row in args.rows.split(",") if row]
+    if unknown := [row for row in rows if row not in ROWS]:
+        parser.error(f"unknown rows {unknown}: choose from {', '.join(ROWS)}")
+    defaults = {"rounds": QUICK["rounds"] if args.quick else 3, "airbench_rounds": 1,
+                "epochs": QUICK["epochs"] if args.quick else 10,
+                "steps": QUICK["steps"] if args.quick else yaml.safe_load(LM_PRESET.read_text())["max_steps"]}
+    for name, value in defaults.items():
+        setattr(args, name, value if getattr(args, name) is None else getattr(args, name))
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if "trainer" in rows and args.steps <= TIMING_WARMUP:
+        parser.error(f"--steps must be > {TIMING_WARMUP} (the steps left out of tokens/s)")
+
+    name = "peers_quick" if args.quick else "peers"
+    work = Path(tempfile.mkdtemp(prefix="peers-"))
+    os.environ.setdefault("HF_DATASETS_CACHE", str(work / "hf_datasets"))  # shared by the legs' processes
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    info = start(f"acceltrain vs peers: rows {', '.join(rows)}" + (" (--quick: tiny sizes, not figures)" if args.quick else ""))
+    earlier = RESULTS_DIR / f"{name}.json"
+    results = json.loads(earlier.read_text())["rows"] if earlier.is_file() else {}
+    run_row = {"airbench": airbench_row, "trainer": trainer_row, "plain": lambda args, work: plain_row(args)}
+    ordered = {}
+    command = "python benchmarks/peers.py " + " ".join(sys.argv[1:])
+    try:
+        for row in rows:  # written after each row: a long run stopped early keeps what it measured
+            began = time.perf_counter()
+            results[row] = {**run_row[row](args, work), "seconds": round(time.perf_counter() - began, 1),
+                            "command": command, "machine": machine()}
+            ordered = {key: results[key] for key in ROWS if key in results}
+            write_result(name, info, {"what": "acceltrain vs the peers' own code on the same data and machine, paired rounds",
+                                      "quick": args.quick, "rows": ordered})
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    plot(ordered, RESULTS_DIR / f"{name}.png", args.quick)
+    print("\n" + "\n".join(table(ordered)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,147 @@
+"""One state model: a Run's public surface is one documented list, all read-only; what survives a resume is
+its RunState (which is trainer_state.json) or a hook's own state_dict(), built-in hooks included; the core
+reports the training loss itself; and a checkpoint written before RunState still resumes exactly."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import inspect
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import acceltrain.loop
+from acceltrain import Hook, Run
+from acceltrain.checkpointing import RunState, complete_checkpoints
+from acceltrain.hooks import TrainingLog
+from acceltrain.run import RUN_DEPRECATED, RUN_PUBLIC
+from conftest import read_events, read_summary, run_tiny_in_process
+
+# 40 samples, batch 4, accumulate 3: 4 optimizer steps an epoch, 12 in all.
+RUN = ["--num-train", "40", "--batch-size", "4", "--grad-accum", "3", "--epochs", "3", "--lr", "0.05", "--no-progress",
+       "--log-every", "2", "--eval-every", "2", "--num-workers", "0", "--report-to", "none"]
+
+
+def run_tiny(output_dir: Path, *args: str, hooks=()) -> int:
+    return run_tiny_in_process(output_dir, *RUN, *args, hooks=hooks)
+
+
+class KeepRun(Hook):
+    def on_fit_end(self, run, summary):
+        self.run = run
+
+
+def test_the_public_attributes_of_a_run_are_the_documented_list_and_read_only(tmp_path):
+    keep = KeepRun()
+    assert run_tiny(tmp_path / "run", "--max-steps", "2", hooks=[keep]) == 0
+    run = keep.run
+    assert len(set(RUN_PUBLIC)) == len(RUN_PUBLIC)
+    assert {name for name in dir(run) if not name.startswith("_")} == {*RUN_PUBLIC, *RUN_DEPRECATED}
+    assert all(name.startswith("_") for name in vars(run)), "nothing public is set on the instance"
+    for name in RUN_PUBLIC:
+        member = inspect.getattr_static(Run, name)
+        if isinstance(member, property):
+            with pytest.raises(AttributeError):
+                setattr(run, name, None)
+        else:
+            assert inspect.isfunction(member), name
+
+
+class SetsWeightsToExport(Hook):
+    """A hook written before request_export: it sets run.weights_to_export."""
+
+    def on_train_end(self, run):
+        model = run.accelerator.unwrap_model(run.model)
+        run.weights_to_export = {k: torch.zeros_like(v) for k, v in model.state_dict().items()}
+
+
+def test_weights_to_export_still_works_for_a_release_with_a_deprecation_warning(tmp_path):
+    with pytest.warns(DeprecationWarning, match="call run.request_export"):
+        assert run_tiny(tmp_path / "run", "--max-steps", "2", hooks=[SetsWeightsToExport()]) == 0
+    assert all(not tensor.any() for tensor in load_file(str(tmp_path / "run" / "model.safetensors")).values())
+
+
+def test_a_checkpoint_holds_the_run_state_and_the_built_in_hooks_own_states(tmp_path):
+    out = tmp_path / "run"
+    assert run_tiny(out, "--stop-after-steps", "5", "--keep-best") == 75
+    (checkpoint,) = [path for path in complete_checkpoints(out) if path.name == "step_00000005"]
+    fields = json.loads((checkpoint / "trainer_state.json").read_text())
+    assert list(fields) == [field.name for field in dataclasses.fields(RunState)]
+    assert (fields["step"], fields["epoch"], fields["batch_in_epoch"]) == (5, 1, 3)
+    assert fields["hooks"] == ["CheckpointSchedule", "Trackers"]
+    best = json.loads((checkpoint / "hooks" / "CheckpointSchedule.json").read_text())["best_checkpoint"]
+    assert best in {path.name for path in complete_checkpoints(out)}
+    assert json.loads((checkpoint / "hooks" / "Trackers.json").read_text()) == {"run_id": None}
+
+
+def test_the_summary_train_loss_does_not_need_the_training_log(tmp_path, monkeypatch):
+    """The core closes the loss window itself: without the TrainingLog hook the summary reports the same
+    loss as a run whose only training-log row is its last step's."""
+    assert run_tiny(tmp_path / "logged", "--log-every", "1000") == 0
+    builtin = acceltrain.loop.builtin_hooks
+    monkeypatch.setattr(acceltrain.loop, "builtin_hooks",
+                        lambda cfg, **kwargs: [hook for hook in builtin(cfg, **kwargs) if not isinstance(hook, TrainingLog)])
+    assert run_tiny(tmp_path / "unlogged", "--log-every", "1000") == 0
+    assert not [row for row in read_events(tmp_path / "unlogged") if "loss" in row]
+    assert read_summary(tmp_path / "unlogged")["train_loss"] == read_summary(tmp_path / "logged")["train_loss"]
+
+
+class FinishAt(Hook):
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_end(self, run):
+        if run.step == self.step:
+            run.request_stop("enough", finish=True)
+
+
+def test_an_early_finish_reports_the_loss_since_the_last_training_log_row(tmp_path):
+    """Stopped at step 5 with rows every 2 steps: summary.json's train_loss is step 5's, as a run logging
+    every step has it, not the step-4 row's."""
+    assert run_tiny(tmp_path / "every", "--log-every", "1", hooks=[FinishAt(5)]) == 0
+    assert run_tiny(tmp_path / "second", "--log-every", "2", hooks=[FinishAt(5)]) == 0
+    row = {row["step"]: row["loss"] for row in read_events(tmp_path / "every") if "loss" in row}
+    assert read_summary(tmp_path / "second")["train_loss"] == pytest.approx(row[5], rel=1e-6) != row[4]
+
+
+# trainer_state.json as acceltrain 0.1 wrote it, in its order: two names since changed or moved into hooks
+OLD_FIELDS = ["step", "epoch", "batches_in_epoch", "samples_seen", "train_seconds", "best_metric", "best_checkpoint", "last_eval",
+              "tracker_run_id", "scheduler", "hooks", "loss_sum", "loss_count", "config", "config_changes", "seed",
+              "global_batch_size", "grad_accum", "train_samples"]
+
+
+def write_as_before_run_state(checkpoint: Path, best_checkpoint: str, tracker_run_id: str) -> None:
+    """Rewrite ``checkpoint`` as acceltrain 0.1 did: batches_in_epoch, the best checkpoint and the W&B run id
+    among the run's fields, no state files for the built-in hooks; and its manifest to match."""
+    new = json.loads((checkpoint / "trainer_state.json").read_text())
+    builtin = ("CheckpointSchedule", "Trackers")
+    old = {**new, "batches_in_epoch": new["batch_in_epoch"], "best_checkpoint": best_checkpoint, "tracker_run_id": tracker_run_id,
+           "hooks": [name for name in new["hooks"] if name not in builtin]}
+    (checkpoint / "trainer_state.json").write_text(json.dumps({name: old[name] for name in OLD_FIELDS}, indent=2))
+    for name in builtin:
+        for suffix in (".json", ".safetensors"):
+            (checkpoint / "hooks" / f"{name}{suffix}").unlink()
+    (checkpoint / "hooks").rmdir()  # 0.1 made the folder only for stateful hooks
+    manifest = {}
+    for file in sorted(p for p in checkpoint.rglob("*") if p.is_file() and p.name != "COMPLETE"):
+        manifest[str(file.relative_to(checkpoint))] = {"bytes": file.stat().st_size, "sha256": hashlib.sha256(file.read_bytes()).hexdigest()}
+    (checkpoint / "COMPLETE").write_text(json.dumps(manifest, indent=1))
+
+
+def test_a_checkpoint_written_before_run_state_resumes_exactly_with_its_best_checkpoint_and_tracker_run(tmp_path):
+    full, part = tmp_path / "full", tmp_path / "part"
+    assert run_tiny(full) == 0
+    assert run_tiny(part, "--stop-after-steps", "5", "--save-every-steps", "4") == 75
+    newest = complete_checkpoints(part)[-1]
+    write_as_before_run_state(newest, best_checkpoint="step_00000004", tracker_run_id="wandb-run-of-0.1")
+    assert run_tiny(part, "--resume", "auto", "--save-every-steps", "3", "--keep-last", "1") == 0
+    assert (part / "model.safetensors").read_bytes() == (full / "model.safetensors").read_bytes()
+    assert read_summary(part)["resumed_from_step"] == 5
+    last = complete_checkpoints(part)[-1]
+    assert [path.name for path in complete_checkpoints(part)] == ["step_00000004", "step_00000012"], "the best one is never rotated"
+    assert json.loads((last / "hooks" / "CheckpointSchedule.json").read_text()) == {"best_checkpoint": "step_00000004"}
+    assert json.loads((last / "hooks" / "Trackers.json").read_text()) == {"run_id": "wandb-run-of-0.1"}
