@@ -28,7 +28,7 @@ from torch.nn.modules.module import register_module_buffer_registration_hook, re
 
 from . import __version__
 from .checkpointing import WEIGHTS_FILE
-from .config import ConfigError, TrainConfig, first_line
+from .config import ConfigError, TrainConfig, first_line, shorten
 from .network import check_reachable
 
 CONFIG_FILE = "config.json"
@@ -83,8 +83,8 @@ def load_model(name_or_path: str | Path) -> nn.Module:
     folder = _model_folder(str(name_or_path))
     config = _read_config(folder)
     if "builder" in config and "model_type" in config:
-        raise ConfigError(f"{folder / CONFIG_FILE} names both an acceltrain builder ({_short(config['builder'])}) and a "
-                          f"Transformers model_type ({_short(config['model_type'])}): a run writes one or the other")
+        raise ConfigError(f"{folder / CONFIG_FILE} names both an acceltrain builder ({shorten(config['builder'])}) and a "
+                          f"Transformers model_type ({shorten(config['model_type'])}): a run writes one or the other")
     build, load = _transformers_model(folder) if "model_type" in config else _acceltrain_model(config, folder)
     _check_matches(_skeleton(build, folder), folder / WEIGHTS_FILE)
     return load().eval()
@@ -124,7 +124,7 @@ def _acceltrain_model(config: dict, folder: Path) -> tuple[Callable[[], nn.Modul
         if "builder" not in config:
             raise ConfigError(f"{folder / CONFIG_FILE} names neither an acceltrain builder nor a Transformers model_type: "
                               "not a config.json that a run writes")
-        raise ConfigError(f"{folder / CONFIG_FILE} names builder {_short(key)}; known: {', '.join(sorted(_BUILDERS))}")
+        raise ConfigError(f"{folder / CONFIG_FILE} names builder {shorten(key)}; known: {', '.join(sorted(_BUILDERS))}")
     if not isinstance(kwargs, dict):
         found = "missing" if kwargs is None else f"a {_json_type(kwargs)}"
         raise ConfigError(f"{folder / CONFIG_FILE} 'kwargs' must be a JSON object of the builder's arguments, not {found}")
@@ -224,11 +224,6 @@ def _saved_shapes(weights: Path) -> dict[str, tuple[int, ...]]:
 def _few(entries: list[str], shown: int = 3) -> str:
     more = f" and {len(entries) - shown} more" if len(entries) > shown else ""
     return ", ".join(first_line(entry, 120) for entry in entries[:shown]) + more
-
-
-def _short(value) -> str:
-    """A value from the file, quoted within bounds."""
-    return first_line(repr(value), 80)
 
 
 def _json_type(value) -> str:

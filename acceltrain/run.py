@@ -146,6 +146,9 @@ class Stop:
     exit_code: int = EXIT_PREEMPTED
 
 
+WEIGHTS_TO_EXPORT_DEPRECATED = "run.weights_to_export is deprecated: call run.request_export(weights)"
+
+
 def _view(path: str, doc: str) -> property:
     """A read-only attribute: hooks read it, the loop alone changes it."""
     return property(operator.attrgetter(path), doc=doc)
@@ -319,12 +322,12 @@ class Run:
     @property
     def weights_to_export(self) -> dict | None:
         """Deprecated (acceltrain 0.2): call :meth:`request_export`."""
-        warnings.warn("run.weights_to_export is deprecated: call run.request_export(weights)", DeprecationWarning, stacklevel=2)
+        warnings.warn(WEIGHTS_TO_EXPORT_DEPRECATED, DeprecationWarning, stacklevel=2)
         return self._export
 
     @weights_to_export.setter
     def weights_to_export(self, weights: dict) -> None:
-        warnings.warn("run.weights_to_export is deprecated: call run.request_export(weights)", DeprecationWarning, stacklevel=2)
+        warnings.warn(WEIGHTS_TO_EXPORT_DEPRECATED, DeprecationWarning, stacklevel=2)
         self._export = weights
 
     # ---- the loop's

@@ -87,6 +87,14 @@ def verdict(ratio: float, target: float, at_least: bool) -> str:
     return f"target {'>=' if at_least else '<='} {target:g}: {'met' if met else 'NOT met'}"
 
 
+def chosen(parser, value: str, allowed: tuple[str, ...], what: str) -> list[str]:
+    """A comma-separated choice flag (``--legs a,b``) as its list; an unknown item is the parser's error."""
+    picked = [item for item in value.split(",") if item]
+    if unknown := [item for item in picked if item not in allowed]:
+        parser.error(f"unknown {what} {unknown}: choose from {', '.join(allowed)}")
+    return picked
+
+
 def median(values: list[float]) -> float:
     return statistics.median(values)
 

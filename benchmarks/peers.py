@@ -53,7 +53,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from common import DATA_DIR, REPO, RESULTS_DIR, cifar10_jpeg, machine, quiet_env, run_recipe_process, start, write_result
+from common import DATA_DIR, REPO, RESULTS_DIR, chosen, cifar10_jpeg, machine, quiet_env, run_recipe_process, start, write_result
 
 ROWS = {"airbench": "airbench94", "trainer": "transformers Trainer", "plain": "plain PyTorch loop"}
 CIFAR_PRESET = REPO / "recipes" / "configs" / "cifar10_fast.yaml"
@@ -526,9 +526,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.leg:
         return leg_main(args.leg, json.loads(args.spec))
-    rows = [row for row in args.rows.split(",") if row]
-    if unknown := [row for row in rows if row not in ROWS]:
-        parser.error(f"unknown rows {unknown}: choose from {', '.join(ROWS)}")
+    rows = chosen(parser, args.rows, ROWS, "rows")
     defaults = {"rounds": QUICK["rounds"] if args.quick else 3, "airbench_rounds": 1,
                 "epochs": QUICK["epochs"] if args.quick else 10,
                 "steps": QUICK["steps"] if args.quick else yaml.safe_load(LM_PRESET.read_text())["max_steps"]}

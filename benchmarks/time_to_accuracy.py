@@ -40,7 +40,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import REPO, RESULTS_DIR, cifar10_jpeg, machine, run_recipe_process, start, write_result
+from common import REPO, RESULTS_DIR, chosen, cifar10_jpeg, machine, run_recipe_process, start, write_result
 
 PRESET = REPO / "recipes" / "configs" / "cifar10_fast.yaml"
 MUON_PRESET = REPO / "recipes" / "configs" / "cifar10_muon.yaml"
@@ -150,10 +150,7 @@ def main() -> None:
     parser.add_argument("--budget-minutes", type=float, default=10.0, help="the budget legs' --time-budget-minutes")
     parser.add_argument("--extra", default="", help="flags added to every leg (e.g. '--mixed-precision bf16')")
     args = parser.parse_args()
-    legs = [leg for leg in args.legs.split(",") if leg]
-    unknown = [leg for leg in legs if leg not in LEGS]
-    if unknown:
-        parser.error(f"unknown legs {unknown}: choose from {', '.join(LEGS)}")
+    legs = chosen(parser, args.legs, LEGS, "legs")
     info = start(f"time to accuracy on CIFAR-10 (JPEG): legs {', '.join(legs)}, budget {args.budget_minutes:g} min")
     data_dir = cifar10_jpeg()
     if data_dir is None:
