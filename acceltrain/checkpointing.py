@@ -181,20 +181,73 @@ class RunState:
     scheduler: dict = dataclasses.field(default_factory=dict)  # the LR scheduler's state_dict
     hooks: list = dataclasses.field(default_factory=list)  # names of the stateful hooks saved in hooks/
     config: dict = dataclasses.field(default_factory=dict)  # the resolved config, to compare on resume
-    # what must not change across a resume for it to be exact
+    # the layout it was trained on: what a resume must keep, or map (another process count)
     seed: int = 0
-    global_batch_size: int = 0
+    global_batch_size: int = 0  # samples of one micro-step over all processes: batch size x processes
     grad_accum: int = 1
     train_samples: int = 0
+    num_processes: int = 0  # 0: not recorded (written before acceltrain 0.2)
+    batches_per_epoch: int = 0  # per process; 0: not recorded
+
+    @property
+    def samples_per_step(self) -> int:
+        return self.global_batch_size * self.grad_accum
+
+    def layout(self) -> str:
+        batch = self.global_batch_size // self.num_processes if self.num_processes else self.global_batch_size
+        processes = f"{self.num_processes} processes x batch {batch}" if self.num_processes else f"global batch {batch}"
+        return f"{processes} x grad_accum {self.grad_accum} = {self.samples_per_step} samples per optimizer step"
 
     def check_compatible(self, current: "RunState", path: Path) -> None:
-        for name in ("seed", "global_batch_size", "grad_accum", "train_samples"):
+        """Refuse what would not continue the same run. Another layout (process count, batch size,
+        accumulation) continues it when every optimizer step covers the same samples: equal samples per
+        step and per epoch (so the same steps per epoch, the same short last window)."""
+        for name in ("seed", "train_samples"):
             saved, now = getattr(self, name), getattr(current, name)
             if saved != now:
                 raise CheckpointError(
                     f"checkpoint {str(path)!r} was written with {name}={saved}, this run has {name}={now}: "
                     "resuming would not continue the same run; use the same settings or start a new --output-dir"
                 )
+        if not self.relayout(current):
+            return
+        if self.num_processes and not self.batches_per_epoch:
+            raise CheckpointError(
+                f"checkpoint {str(path)!r} was written with {self.layout()}, this run has {current.layout()}, and it "
+                "trained on a stream, whose loader position is recorded per layout: resume with its layout"
+            )
+        if not (self.num_processes and self.batches_per_epoch):
+            raise CheckpointError(
+                f"checkpoint {str(path)!r} was written with {self.layout()}, this run has {current.layout()}, and "
+                "it predates acceltrain 0.2, which records what another layout needs: resume with its layout"
+            )
+        if self.samples_per_step != current.samples_per_step:
+            per_process = current.global_batch_size  # batch size x processes of this run
+            fit = f" (here: --grad-accum {self.samples_per_step // per_process})" if self.samples_per_step % per_process == 0 else ""
+            raise CheckpointError(
+                f"checkpoint {str(path)!r} was written with {self.layout()}, this run has {current.layout()}: resume "
+                f"with {self.samples_per_step} samples per optimizer step{fit}"
+            )
+        saved_epoch = self.batches_per_epoch * self.global_batch_size
+        now_epoch = current.batches_per_epoch * current.global_batch_size
+        if saved_epoch != now_epoch:
+            raise CheckpointError(
+                f"checkpoint {str(path)!r} trained on {saved_epoch} samples per epoch ({self.layout()}), this layout "
+                f"fills {now_epoch} ({current.layout()}): its last batches of an epoch would differ; resume with "
+                "a batch size that divides the epoch as the checkpoint's did"
+            )
+
+    def relayout(self, current: "RunState") -> bool:
+        """Whether ``current`` trains on another layout than this checkpoint's."""
+        return (self.global_batch_size, self.grad_accum) != (current.global_batch_size, current.grad_accum) or (
+            self.num_processes and self.num_processes != current.num_processes)
+
+    def in_layout(self, current: "RunState") -> "RunState":
+        """This state as the layout of ``current`` counts it: the same samples of the epoch trained on (a
+        checkpoint sits at a step boundary, a whole number of this run's micro-steps), the new layout's fields."""
+        position = self.batch_in_epoch * self.global_batch_size // current.global_batch_size
+        layout = {name: getattr(current, name) for name in ("global_batch_size", "grad_accum", "num_processes", "batches_per_epoch")}
+        return dataclasses.replace(self, batch_in_epoch=position, **layout)
 
 
 def checkpoint_dir(output_dir: Path, step: int) -> Path:
@@ -326,7 +379,8 @@ MOVED_TO_HOOKS = {"best_checkpoint": ("CheckpointSchedule", "best_checkpoint"), 
 # a string count) would otherwise train from it, or fail deep inside the loop.
 _FIELD_CHECKS = {
     **{name: (_is_count, "an integer >= 0") for name in ("step", "epoch", "batch_in_epoch", "samples_seen", "seed",
-                                                         "global_batch_size", "train_samples", *RENAMED_FIELDS)},
+                                                         "global_batch_size", "train_samples", "num_processes",
+                                                         "batches_per_epoch", *RENAMED_FIELDS)},
     "grad_accum": (lambda v: _is_count(v) and v >= 1, "an integer >= 1"),
     "train_seconds": (_finite_non_negative, "a finite number >= 0"),
     "loss_count": (_finite_non_negative, "a finite number >= 0"),

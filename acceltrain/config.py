@@ -261,13 +261,17 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
 
-def run_changes(saved: dict[str, Any], cfg: TrainConfig) -> dict[str, list]:
+LAYOUT_FIELDS = ("batch_size", "grad_accum")  # checked as a layout on resume (samples per optimizer step)
+
+
+def run_changes(saved: dict[str, Any], cfg: TrainConfig, *, layout_free: bool = False) -> dict[str, list]:
     """The fields of ``cfg`` that change the run's maths and differ from ``saved`` (a checkpoint's resolved
     config): ``{field: [old, new]}``. Fields marked ``free_on_resume`` (speed, logging, outputs, schedules
-    of saves and evaluations) may differ; fields the checkpoint does not know are not compared."""
+    of saves and evaluations) may differ; fields the checkpoint does not know are not compared;
+    ``layout_free``: nor :data:`LAYOUT_FIELDS`, which the checkpoint's layout check has passed."""
     changes = {}
     for field in dataclasses.fields(cfg):
-        if field.metadata.get("free_on_resume") or field.name not in saved:
+        if field.metadata.get("free_on_resume") or field.name not in saved or (layout_free and field.name in LAYOUT_FIELDS):
             continue
         now = getattr(cfg, field.name)
         old = field.metadata.get("aliases", {}).get(saved[field.name], saved[field.name])  # written under an old name

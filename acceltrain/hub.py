@@ -283,7 +283,7 @@ def model_card(run, model: nn.Module, summary: dict, pipeline_tag: str | None, r
         made = f"`{type(model).__name__}`, built by the recipe (no registered builder: rebuild it, then load `model.safetensors`)"
         load = f'from safetensors.torch import load_model\nload_model(model, "{where}/model.safetensors")  # model: the recipe\'s own'
     own_fields = [f for f in type(cfg).__dataclass_fields__ if f not in TrainConfig.__dataclass_fields__]
-    samples = [f"training samples: {run.train_samples}"]
+    samples = [f"training samples: {run.train_samples or 'a stream'}"]
     if run.eval_batches is not None and hasattr(run.eval_batches, "dataset"):
         samples.append(f"evaluation samples: {len(run.eval_batches.dataset)}")
     metrics = {k: v for k, v in summary.items() if k.startswith("eval_") and v is not None}

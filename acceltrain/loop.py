@@ -51,6 +51,7 @@ from .checkpointing import (
 )
 from .config import ConfigError, TrainConfig, first_line, run_changes
 from .data import default_num_workers, eval_loader, stop_workers, train_loader
+from .streams import check_stream, first_samples, is_stream, stream_loader
 from .eval_subset import eval_subset
 from .distributed import check_backend_honoured, convert_sync_batchnorm, deepspeed_plugin, main_process_only, use_cpu
 from .hooks import Hooks, builtin_hooks
@@ -73,19 +74,25 @@ def fit(cfg: TrainConfig, model: nn.Module, optimizer: torch.optim.Optimizer, tr
     :class:`ClassificationTask`; see :class:`acceltrain.Task`); ``hooks`` are your own
     :class:`acceltrain.Hook` objects, run before the built-in ones; ``name`` names the default output folder."""
     from accelerate import Accelerator
-    from accelerate.utils import ProjectConfiguration
+    from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin, ProjectConfiguration
 
     set_log_level(cfg.log_level)  # run_recipe did; code that calls fit() directly has not
     task = ClassificationTask() if task is None else task
     check_task(task, evaluates=eval_set is not None)
     cfg = _resolve_target(cfg, task)
+    stream = is_stream(train_set)
+    if stream:
+        check_stream(cfg, train_set, eval_set)
     trackers = active_trackers(cfg)
     setup = setup_run(cfg, name, task)
     cfg, output_dir, run = setup.cfg, setup.output_dir, None
     with left_as_found_unless_trained(setup, lambda: run is not None and run.throughput is not None):
         accelerator = Accelerator(
-            cpu=use_cpu(cfg.cpu), mixed_precision=cfg.mixed_precision, gradient_accumulation_steps=cfg.grad_accum,
-            deepspeed_plugin=deepspeed_plugin(cfg), log_with=trackers or None,
+            cpu=use_cpu(cfg.cpu), mixed_precision=cfg.mixed_precision, deepspeed_plugin=deepspeed_plugin(cfg),
+            # a stream's windows run across its passes' ends, and its loader's position is checkpointed (streams.py)
+            gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=cfg.grad_accum, sync_with_dataloader=not stream),
+            dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=stream, dispatch_batches=False if stream else None),
+            log_with=trackers or None,
             project_config=ProjectConfiguration(project_dir=str(output_dir), logging_dir=str(output_dir / "logs")),
         )
         check_backend_honoured(accelerator.distributed_type)
@@ -125,10 +132,9 @@ def _train(run: Run) -> None:
         for batch in run._epoch_batches():
             if cfg.channels_last:
                 batch = to_channels_last(batch)
-            window_start = (run.batch_in_epoch - 1) // cfg.grad_accum * cfg.grad_accum
-            if window_start == run.batch_in_epoch - 1:
+            opens, window = run._window()
+            if opens:
                 hooks.call("on_step_start", run)
-            window = min(cfg.grad_accum, run.batches_per_epoch - window_start)
             with accelerator.accumulate(model):
                 loss = task.train_loss(model, batch)
                 if isinstance(loss, tuple):  # (sum of per-target losses, target count): see the module docstring
@@ -159,7 +165,7 @@ def _train(run: Run) -> None:
                 continue
             run._step_done(window)
             hooks.call("on_step_end", run)
-            if run.batch_in_epoch == run.batches_per_epoch:
+            if run._epoch_ended():
                 hooks.call("on_epoch_end", run)
             save, stop = run._agree()
             if run.step == run.total_steps:
@@ -169,6 +175,10 @@ def _train(run: Run) -> None:
             if stop:
                 run._stop = stop
                 return
+        if run._stream:  # a pass ends where the stream does, maybe inside a window (else on_epoch_end has fired)
+            if not accelerator.sync_gradients:
+                hooks.call("on_epoch_end", run)
+            run._next_pass()
 
 
 def _unscale_and_clip(run: Run) -> None:
@@ -223,7 +233,7 @@ def _summary(run: Run, weights: Path, wall_seconds: float) -> dict:
         "steps": run.step,
         "stop_reason": run.stop.reason if run.stop is not None else None,  # None: it ran to its last step
         "samples_seen": run.samples_seen,
-        "epochs": round(run.samples_seen / (run.batches_per_epoch * run._global_batch_size), 4),
+        "epochs": run.epoch_progress if run._stream else round(run.samples_seen / (run.batches_per_epoch * run._global_batch_size), 4),
         "train_loss": run._final_train_loss(),
         "eval_accuracy": eval_metrics.get("eval_accuracy"),
         "eval_loss": eval_metrics.get("eval_loss"),
@@ -264,7 +274,7 @@ def _prepare(cfg: TrainConfig, accelerator, model: nn.Module, optimizer, train_s
     notes = []
     flops_per_sample = getattr(task, "flops_per_sample", None)
     if flops_per_sample is None:
-        sample_batch = default_collate([train_set[i] for i in range(min(2, len(train_set)))])
+        sample_batch = default_collate(first_samples(train_set, 2))
         flops_per_sample = training_flops_per_sample(model, task, sample_batch)
     if cfg.channels_last:
         model = model.to(memory_format=torch.channels_last)
@@ -291,7 +301,11 @@ def _prepare(cfg: TrainConfig, accelerator, model: nn.Module, optimizer, train_s
                 f"has one); {type(train_set).__name__} has none"
             )
         eval_set = eval_set.decoded() if hasattr(eval_set, "decoded") else eval_set  # decode eval files once too
-    loaders = [] if cfg.data_on_device else [train_loader(train_set, batch_size=cfg.batch_size, seed=cfg.seed, **options)]
+    stream = is_stream(train_set)
+    if stream:
+        loaders = [stream_loader(train_set, batch_size=cfg.batch_size, **options)]
+    else:
+        loaders = [] if cfg.data_on_device else [train_loader(train_set, batch_size=cfg.batch_size, seed=cfg.seed, **options)]
     if cfg.eval_samples is not None:
         if eval_set is None:
             raise ConfigError(f"--eval-samples {cfg.eval_samples} needs an eval set, and this recipe passes none to fit()")
@@ -304,14 +318,14 @@ def _prepare(cfg: TrainConfig, accelerator, model: nn.Module, optimizer, train_s
             batch_size=cfg.batch_size, seed=cfg.seed, device=accelerator.device, process_index=accelerator.process_index,
             num_processes=accelerator.num_processes, channels_last=cfg.channels_last,
         ))
-    batches_per_epoch = len(loaders[0])
-    if batches_per_epoch == 0:
+    batches_per_epoch = 0 if stream else len(loaders[0])  # a stream's passes end when they end
+    if batches_per_epoch == 0 and not stream:
         raise ConfigError(
             f"--batch-size {cfg.batch_size} is too large: the {len(train_set)} training samples do not fill one "
             f"batch of {cfg.batch_size} on each of {accelerator.num_processes} processes"
         )
-    steps_per_epoch = math.ceil(batches_per_epoch / cfg.grad_accum)
-    total_steps = cfg.max_steps or max(1, math.ceil(cfg.epochs * steps_per_epoch))
+    steps_per_epoch = None if stream else math.ceil(batches_per_epoch / cfg.grad_accum)
+    total_steps = cfg.max_steps or max(1, math.ceil(cfg.epochs * steps_per_epoch))  # a stream has max_steps
     # Not prepared: Accelerate would step it once per process (#1382) and, under DeepSpeed, leave it out
     # of checkpoints; its state travels in the RunState instead. It drives the torch optimizer's param groups.
     schedule_progress = ScheduleProgress()
@@ -336,7 +350,8 @@ def _prepare(cfg: TrainConfig, accelerator, model: nn.Module, optimizer, train_s
     run = Run(cfg=cfg, accelerator=accelerator, model=prepared_model, optimizer=prepared_optimizer, scheduler=scheduler,
               schedule_progress=schedule_progress,
               task=task, train_batches=loaders[0], eval_batches=loaders[1] if eval_set is not None else None,
-              output_dir=Path(cfg.output_dir), total_steps=total_steps, train_samples=len(train_set),
+              output_dir=Path(cfg.output_dir), total_steps=total_steps, batches_per_epoch=batches_per_epoch,
+              train_samples=0 if stream else len(train_set),
               flops_per_sample=flops_per_sample, peak_flops=peak_flops, runtime=runtime)
     return run, notes
 
@@ -378,8 +393,12 @@ def _resume(run: Run, resume: str) -> bool:
         logger.info(f"--resume auto: no complete checkpoint in {run.output_dir / CHECKPOINTS_DIR}; starting fresh")
         return True
     saved = RunState(**fields)
-    saved.check_compatible(RunState(**compatibility(run.cfg, accelerator.num_processes, run.train_samples)), Path(path))
-    changes = run_changes(saved.config, run.cfg)
+    current = RunState(**compatibility(run.cfg, accelerator.num_processes, run.train_samples, run.batches_per_epoch))
+    saved.check_compatible(current, Path(path))
+    relayout = saved.relayout(current)
+    if relayout:
+        _check_relayout_supported(accelerator, saved, current, path)
+    changes = run_changes(saved.config, run.cfg, layout_free=relayout)
     if finished is not None:
         if saved.step >= finished and not changes:
             return False
@@ -401,12 +420,47 @@ def _resume(run: Run, resume: str) -> bool:
             accelerator.load_state(path)
     except (RuntimeError, KeyError, ValueError, IndexError, SafetensorError) as err:  # SafetensorError: not a safetensors file
         raise CheckpointError(f"checkpoint {path!r} does not fit this model or optimizer: {first_line(err)}") from None
+    if relayout:
+        saved = _continue_in_layout(run, saved, current)
     run._restore(saved)
     if changes:
         _apply_changes(run, fresh, changes)
         logger.info(f"--allow-config-change: applying {described}")
     logger.info(f"resumed from {path} at step {saved.step} (epoch {saved.epoch}, {saved.batch_in_epoch} batches into it)")
     return True
+
+
+def _check_relayout_supported(accelerator, saved: RunState, current: RunState, path: str) -> None:
+    """DeepSpeed and FSDP partition optimizer state per process: their checkpoints load on their own count."""
+    sharding = {DistributedType.DEEPSPEED: "DeepSpeed ZeRO", DistributedType.FSDP: "FSDP"}.get(accelerator.distributed_type)
+    if sharding and saved.num_processes != current.num_processes:
+        way_out = (" (or convert it with DeepSpeed's ds_to_universal.py and load it with its universal-checkpoint "
+                   "support, outside acceltrain)" if sharding == "DeepSpeed ZeRO" else "")
+        raise CheckpointError(
+            f"checkpoint {path!r} holds {sharding} state partitioned over {saved.num_processes} processes and this run "
+            f"has {current.num_processes}: resume on {saved.num_processes} processes{way_out}, or under DDP, which "
+            "resumes on another process count"
+        )
+
+
+def _continue_in_layout(run: Run, saved: RunState, current: RunState) -> RunState:
+    """A checkpoint of another layout: the same samples of the epoch done, counted in this layout's batches.
+    The data order and augmentation are keyed on (seed, epoch, index), so they continue unchanged; the
+    per-process RNG streams (dropout) cannot map onto another count and are re-derived from (seed, step,
+    process index)."""
+    from accelerate.utils import set_seed
+
+    from .data import mix_seed
+
+    if saved.num_processes != current.num_processes:
+        set_seed(mix_seed(run.cfg.seed, saved.step, run.accelerator.process_index) % 2**32)
+    logger.info(f"resuming a checkpoint of {saved.layout()} on {current.layout()}; per-process random streams "
+                f"{'re-derived' if saved.num_processes != current.num_processes else 'kept'}")
+    moved = saved.in_layout(current)
+    # Accelerate counts the epoch's micro-batches to know when a window closes, and restored the old layout's count
+    # (or, for a process index the checkpoint did not have, none)
+    run.accelerator.step = moved.batch_in_epoch
+    return moved
 
 
 def _apply_changes(run: Run, fresh_groups: list[dict], changes: dict) -> None:

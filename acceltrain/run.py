@@ -197,13 +197,15 @@ class Run:
     stop = _view("_stop", "why training ended early (a Stop: reason, finish), else None")
 
     def __init__(self, *, cfg, accelerator, model, optimizer, scheduler, schedule_progress, task, train_batches, eval_batches,
-                 output_dir: Path, total_steps: int, train_samples: int, flops_per_sample, peak_flops, runtime: dict):
+                 output_dir: Path, total_steps: int, batches_per_epoch: int, train_samples: int, flops_per_sample,
+                 peak_flops, runtime: dict):
         self._cfg, self._accelerator, self._task = cfg, accelerator, task
         self._model, self._optimizer, self._scheduler = model, optimizer, scheduler
         self._schedule_progress = schedule_progress
         self._train_batches, self._eval_batches = train_batches, eval_batches
         self._output_dir, self._runtime = output_dir, runtime
-        self._batches_per_epoch = len(train_batches)
+        self._batches_per_epoch = batches_per_epoch  # 0: a stream, whose passes end when the stream does
+        self._stream = batches_per_epoch == 0
         self._global_batch_size = cfg.batch_size * accelerator.num_processes  # of one micro-step
         self._total_steps, self._train_samples = total_steps, train_samples
         self._flops_per_sample, self._peak_flops = flops_per_sample, peak_flops
@@ -310,6 +312,8 @@ class Run:
     @property
     def epoch_progress(self) -> float:
         """Epochs done, fractional: 1.5 is the middle of the second epoch."""
+        if self._stream:  # complete passes: a pass's length is not known before its end
+            return float(self.epoch + bool(self.batch_in_epoch and self._epoch_ended()))
         return round(self.epoch + self.batch_in_epoch / self._batches_per_epoch, 4)
 
     def elapsed(self) -> float:
@@ -358,7 +362,8 @@ class Run:
         state = self._state
         self._train_batches.set_epoch(state.epoch)
         batches = self._train_batches
-        if state.batch_in_epoch:  # exact mid-epoch resume; the on-device loader skips by itself
+        if state.batch_in_epoch and not self._stream:  # exact mid-epoch resume (a stream's loader restored its
+            # position, the on-device loader skips by itself)
             skip = getattr(batches, "skip_first", None)
             batches = skip(state.batch_in_epoch) if skip else self._accelerator.skip_first_batches(batches, state.batch_in_epoch)
         iterator = iter(batches)
@@ -371,7 +376,26 @@ class Run:
             self._throughput.add_data_wait(time.perf_counter() - waited)
             state.batch_in_epoch += 1
             yield batch
-        state.epoch, state.batch_in_epoch = state.epoch + 1, 0
+        if not self._stream:  # a stream's pass ends in the loop, after on_epoch_end
+            self._next_pass()
+
+    def _epoch_ended(self) -> bool:
+        """Whether the batch just trained was its epoch's last (a stream's: as its loader has found)."""
+        if self._stream:
+            return self._train_batches.end_of_dataloader
+        return self.batch_in_epoch == self._batches_per_epoch
+
+    def _next_pass(self) -> None:
+        self._state.epoch, self._state.batch_in_epoch = self._state.epoch + 1, 0
+
+    def _window(self) -> tuple[bool, int]:
+        """Whether the current micro-batch opens an accumulation window, and the window's length: grad_accum,
+        or fewer for an epoch's last window; a stream's windows run across its passes' ends."""
+        accum = self._cfg.grad_accum
+        if self._stream:  # Accelerate's count of micro-batches, never reset by a pass's end
+            return self._accelerator.step % accum == 0, accum
+        start = (self.batch_in_epoch - 1) // accum * accum
+        return start == self.batch_in_epoch - 1, min(accum, self._batches_per_epoch - start)
 
     def _step_done(self, micro_batches: int) -> None:
         """Count and time the optimizer step just taken, and note on the device (no sync) whether its loss or
@@ -421,12 +445,12 @@ class Run:
         """The run state as a checkpoint records it now; ``loss_window``: the open training-log window (loss
         sum, count) summed over processes. After an epoch's last batch it points at the next epoch's start."""
         epoch, position = self.epoch, self.batch_in_epoch
-        if position == self._batches_per_epoch:
+        if self._epoch_ended():
             epoch, position = epoch + 1, 0
         return dataclasses.replace(
             self._state, epoch=epoch, batch_in_epoch=position, train_seconds=self.elapsed(), loss_sum=loss_window[0],
             loss_count=loss_window[1], scheduler=self._scheduler.state_dict(), hooks=list(self._hooks.stateful),
-            config=self._cfg.to_dict(), **compatibility(self._cfg, self._accelerator.num_processes, self._train_samples),
+            config=self._cfg.to_dict(), **compatibility(self._cfg, self._accelerator.num_processes, self._train_samples, self._batches_per_epoch),
         )
 
     def _restore(self, state: RunState) -> None:
@@ -470,10 +494,10 @@ RUN_PUBLIC = (
 RUN_DEPRECATED = ("weights_to_export",)  # kept for one release, with a DeprecationWarning
 
 
-def compatibility(cfg: TrainConfig, num_processes: int, train_samples: int) -> dict:
-    """What must not change across a resume for it to be exact."""
+def compatibility(cfg: TrainConfig, num_processes: int, train_samples: int, batches_per_epoch: int) -> dict:
+    """The layout a checkpoint records: what a resume must keep, or map onto another process count."""
     return {"seed": cfg.seed, "global_batch_size": cfg.batch_size * num_processes, "grad_accum": cfg.grad_accum,
-            "train_samples": train_samples}
+            "train_samples": train_samples, "num_processes": num_processes, "batches_per_epoch": batches_per_epoch}
 
 
 def _improves(value: float, best: float | None, higher_is_better: bool) -> bool:

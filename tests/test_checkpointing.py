@@ -168,7 +168,9 @@ def test_resume_auto_skips_a_corrupted_checkpoint_and_stays_exact(two_checkpoint
 def test_resume_with_a_different_global_batch_is_refused(two_checkpoints, capsys):
     out, _, _ = two_checkpoints
     assert run_tiny(out, "--num-workers", "0", "--resume", "auto", "--batch-size", "2") == 2
-    assert "global_batch_size=4, this run has global_batch_size=2" in capsys.readouterr().err
+    err = capsys.readouterr().err  # fewer samples per optimizer step: refused, naming the accumulation that fits
+    assert "this run has 1 processes x batch 2 x grad_accum 3 = 6 samples per optimizer step: resume with 12 samples " \
+           "per optimizer step (here: --grad-accum 6)" in err
 
 
 def test_rotation_keeps_the_newest_and_the_best(tmp_path):

@@ -160,6 +160,8 @@ def evaluations_left(run) -> int:
     if run.step >= run.total_steps:
         return 0
     every = run.cfg.eval_every or -(-run.batches_per_epoch // run.cfg.grad_accum)
+    if not every:  # a stream's passes end when the stream does: count the final one
+        return 1
     return run.total_steps // every - run.step // every + (run.total_steps % every != 0)
 
 

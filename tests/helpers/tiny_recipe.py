@@ -27,6 +27,42 @@ class TinyConfig(TrainConfig):
     ema_decay: float | None = option(None, "add the EMA hook with this decay (exported as model.safetensors)")
     die_at_step: int | None = option(None, "every process kills itself (SIGKILL) at this step, on torchrun's first attempt only")
     sleep_per_step: float = option(0.0, "seconds to sleep after each optimizer step: a slow run to signal (the maths unchanged)")
+    stream: str | None = option(None, "train on the images as a stream", choices=("torch", "hf"))
+
+
+class ImageStream(torch.utils.data.IterableDataset):
+    """The training images as a plain torch stream: augmented by (seed, pass, index), split across loader
+    workers by index, no state of its own (the stateful loader fast-forwards it). The pass is shared memory,
+    so that set_epoch reaches persistent workers."""
+
+    def __init__(self, images: ImageClassification):
+        self.images = images
+        self.epoch = torch.zeros(1, dtype=torch.int64).share_memory_()
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch.fill_(epoch)
+
+    def __iter__(self):
+        worker = torch.utils.data.get_worker_info()
+        start, step = (worker.id, worker.num_workers) if worker else (0, 1)
+        epoch = int(self.epoch)
+        for index in range(start, len(self.images), step):
+            yield self.images.sample(index, epoch)
+
+
+def hf_stream(images: ImageClassification, seed: int):
+    """The same images as a Hugging Face streaming dataset (4 shards, shuffled per pass), stateful itself."""
+    import datasets
+
+    plain = datasets.Dataset.from_dict({"image": [images[i][0].numpy() for i in range(len(images))], "label": images.labels.tolist()})
+    return plain.with_format("torch").to_iterable_dataset(num_shards=4).shuffle(seed=seed, buffer_size=16)
+
+
+class RowsClassification(ClassificationTask):
+    """Hugging Face rows batch as dicts: {"image": ..., "label": ...}."""
+
+    def train_loss(self, model, batch):
+        return super().train_loss(model, (batch["image"], batch["label"]))
 
 
 def count_gradient_allreduces(counter: dict) -> None:
@@ -117,6 +153,10 @@ def main(cfg: TinyConfig, hooks=(), task=None) -> None:
         hooks = [*hooks, DieAt(cfg.die_at_step)]
     if cfg.sleep_per_step:
         hooks = [*hooks, SleepPerStep(cfg.sleep_per_step)]
+    if cfg.stream == "torch":
+        train_set = ImageStream(train_set)
+    elif cfg.stream == "hf":
+        train_set, task = hf_stream(train_set, cfg.seed), RowsClassification()
     summary = fit(cfg, model, optimizer, train_set, eval_set, task=task, hooks=hooks, name="tiny")
     rank = int(os.environ.get("RANK", "0"))
     out = Path(summary["config"]["output_dir"])
