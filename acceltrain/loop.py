@@ -176,6 +176,9 @@ def _train(run: Run) -> None:
                 run._stop = stop
                 return
         if run._stream:  # a pass ends where the stream does, maybe inside a window (else on_epoch_end has fired)
+            if not run.batch_in_epoch:
+                raise ConfigError(f"the training stream yielded no batch of {cfg.batch_size} per process in pass "
+                                  f"{run.epoch}: it holds fewer samples than one batch on each of {accelerator.num_processes} processes")
             if not accelerator.sync_gradients:
                 hooks.call("on_epoch_end", run)
             run._next_pass()

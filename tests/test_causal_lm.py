@@ -281,3 +281,41 @@ def test_activation_checkpointing_and_bf16_run_through_the_model_s_own_hooks(tmp
     assert read_summary(checkpointed)["config"]["activation_checkpointing"] is True
     assert run(causal_lm.main, bf16, *args, "--mixed-precision", "bf16") == 0
     assert read_summary(bf16)["mixed_precision"] == "bf16"
+
+
+def test_streamed_blocks_are_the_in_memory_blocks(text_file):
+    """--streaming tokenises and packs on the fly as the in-memory path does: the same blocks, in the same
+    order when not shuffled (a buffer of one block)."""
+    import datasets
+
+    from acceltrain.text import load_text, streamed_blocks, token_blocks, tokenizer_for_run
+
+    texts = load_text(str(text_file))
+    tokenizer = tokenizer_for_run(None, "--tokenizer", texts, text_file.parent / "tok", 300)
+    in_memory = torch.stack([row["input_ids"] for row in token_blocks(texts, tokenizer, block_size=32, num_proc=1).with_format("torch")])
+    stream = load_text(str(text_file), streaming=True)
+    assert isinstance(stream, datasets.IterableDataset)
+    streamed = torch.stack([row["input_ids"] for row in streamed_blocks(stream, tokenizer, block_size=32, seed=0, shuffle_buffer=1)])
+    assert torch.equal(streamed, in_memory)
+
+
+@pytest.mark.parametrize("workers", ["0", "1"])
+def test_streaming_resumes_byte_identically_across_passes(tmp_path, workers):
+    """60 lines, 10 held out for evaluation: a pass is a few steps, so the run crosses passes' ends."""
+    text = write_text(tmp_path / "short.txt", lines=60, seed=1)
+    args = [*SMALL, "--num-workers", workers, "--text-files", str(text), "--streaming", "--eval-lines", "10", "--batch-size", "4",
+            "--grad-accum", "2", "--max-steps", "8", "--eval-every", "4"]
+    full, part = tmp_path / "full", tmp_path / "part"
+    assert run(causal_lm.main, full, *args) == 0
+    summary = read_summary(full)
+    assert summary["epochs"] >= 2, "the run crossed passes"
+    assert summary["eval_loss"] is not None
+    assert run(causal_lm.main, part, *args, "--stop-after-steps", "5") == EXIT_PREEMPTED
+    assert run(causal_lm.main, part, *args, "--resume", "auto") == 0
+    assert (part / "model.safetensors").read_bytes() == (full / "model.safetensors").read_bytes()
+
+
+def test_streaming_without_max_steps_is_one_line(tmp_path, text_file, capsys):
+    assert run(causal_lm.main, tmp_path / "run", *SMALL, "--text-files", str(text_file), "--streaming") == 2
+    err = capsys.readouterr().err.strip()
+    assert "--streaming reads the text as a stream" in err and "--max-steps N" in err and "\n" not in err

@@ -20,6 +20,7 @@ from acceltrain.text import MODEL_PRESETS
 __all__ = ["CausalLMConfig", "cli", "main"]
 
 NAME = "causal_lm"
+BPE_LINES = 2000  # with --streaming --eval-lines 0: the stream's first lines that train a BPE (not held out)
 
 
 def lm_default(name: str, value):
@@ -52,6 +53,8 @@ class CausalLMConfig(TrainConfig):
     vocab_size: int = option(8192, "vocabulary of the BPE trained when there is no --tokenizer")
     block_size: int = option(256, "tokens per training sequence (context length)")
     eval_fraction: float = option(0.05, "fraction of the blocks held out for evaluation, chosen by --seed (0: no evaluation)")
+    streaming: bool = option(False, "read, tokenise and pack the text as training goes (text larger than memory); needs --max-steps")
+    eval_lines: int = option(2000, "with --streaming: the stream's first lines, held out in memory for evaluation (0: none)")
     num_proc: int | None = option(
         None, "processes that tokenise the text (default: one per CPU and per 10,000 lines, at most 8)", free_on_resume=True
     )
@@ -66,6 +69,10 @@ class CausalLMConfig(TrainConfig):
         require(self.vocab_size >= 257, "vocab_size", self.vocab_size, "an integer >= 257 (256 bytes and <|endoftext|>)")
         require(0 <= self.eval_fraction < 1, "eval_fraction", self.eval_fraction, "a fraction in [0, 1)")
         require(0 <= self.dropout < 1, "dropout", self.dropout, "a number in [0, 1)")
+        require(self.eval_lines >= 0, "eval_lines", self.eval_lines, "an integer >= 0")
+        if self.streaming and self.max_steps is None:
+            raise ConfigError("--streaming reads the text as a stream, which has no length to count epochs in: plan the "
+                              "run with --max-steps N (with --time-budget-minutes, the most it may train)")
         if self.num_proc is not None:
             require(self.num_proc >= 1, "num_proc", self.num_proc, "an integer >= 1")
 
@@ -78,12 +85,14 @@ def main(cfg: CausalLMConfig, task_class: type | None = None) -> dict:
         CausalLMTask,
         build_causal_lm,
         flops_per_block,
+        held_out_lines,
         load_causal_lm,
         load_text,
         removed_on_bad_input,
         save_tokenizer,
         show_progress_bars,
         split_blocks,
+        streamed_blocks,
         token_blocks,
         tokenizer_for_run,
     )
@@ -94,11 +103,19 @@ def main(cfg: CausalLMConfig, task_class: type | None = None) -> dict:
     cfg, output_dir = run.cfg, run.output_dir
     show_progress_bars(show_progress(cfg.progress) and run.is_main_process)
     with removed_on_bad_input(output_dir):
-        texts = load_text(cfg.text_files, cfg.dataset_name, cfg.dataset_config)
+        texts = load_text(cfg.text_files, cfg.dataset_name, cfg.dataset_config, streaming=cfg.streaming)
+        first_lines = texts
+        if cfg.streaming:  # its first --eval-lines lines are held out; they (or its first BPE_LINES) train a BPE
+            first_lines, rest = held_out_lines(texts, cfg.eval_lines or BPE_LINES)
+            texts = rest if cfg.eval_lines else texts
         tokenizer_source, flag = (cfg.tokenizer, "--tokenizer") if cfg.tokenizer else (cfg.model_name_or_path, "--model-name-or-path")
-        tokenizer = tokenizer_for_run(tokenizer_source, flag, texts, output_dir, cfg.vocab_size, resuming=cfg.resume is not None)
-        blocks = token_blocks(texts, tokenizer, block_size=cfg.block_size, num_proc=cfg.num_proc)
-        train_set, eval_set = split_blocks(blocks, eval_fraction=cfg.eval_fraction, seed=cfg.seed)
+        tokenizer = tokenizer_for_run(tokenizer_source, flag, first_lines, output_dir, cfg.vocab_size, resuming=cfg.resume is not None)
+        if cfg.streaming:
+            train_set = streamed_blocks(texts, tokenizer, block_size=cfg.block_size, seed=cfg.seed)
+            eval_set = token_blocks(first_lines, tokenizer, block_size=cfg.block_size).with_format("torch") if cfg.eval_lines else None
+        else:
+            blocks = token_blocks(texts, tokenizer, block_size=cfg.block_size, num_proc=cfg.num_proc)
+            train_set, eval_set = split_blocks(blocks, eval_fraction=cfg.eval_fraction, seed=cfg.seed)
         shape = {"vocab_size": len(tokenizer), "block_size": cfg.block_size}
         if cfg.model_name_or_path:
             model = on_main_process_first(lambda: load_causal_lm(cfg.model_name_or_path, **shape))

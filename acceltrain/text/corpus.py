@@ -34,6 +34,7 @@ logger = get_logger(__name__)
 TOKENIZER_FILE = "tokenizer.json"
 END_OF_TEXT = "<|endoftext|>"
 PACK_ROWS = 10_000  # rows concatenated per packing batch; each batch drops its last partial block
+STREAM_SHUFFLE_BUFFER = 10_000  # blocks (about 20 MB at 256 tokens) a stream is shuffled through
 
 
 @contextlib.contextmanager
@@ -87,9 +88,11 @@ def expand_text_files(spec: str) -> list[str]:
     return [os.path.abspath(path) for path in files]
 
 
-def load_text(text_files: str | None, dataset_name: str | None = None, dataset_config: str | None = None):
+def load_text(text_files: str | None, dataset_name: str | None = None, dataset_config: str | None = None, *,
+              streaming: bool = False):
     """A ``datasets.Dataset`` with one column, ``text``: the lines of ``text_files`` (line breaks kept)
-    or the ``train`` split of the Hub dataset ``dataset_name``."""
+    or the ``train`` split of the Hub dataset ``dataset_name``; ``streaming``: a ``datasets.IterableDataset``
+    read as training goes (one shard per file), nothing loaded or cached up front."""
     import datasets
 
     if text_files is not None:
@@ -99,7 +102,7 @@ def load_text(text_files: str | None, dataset_name: str | None = None, dataset_c
 
         def read():
             try:
-                return datasets.load_dataset("text", data_files=files, split="train", keep_linebreaks=True)
+                return datasets.load_dataset("text", data_files=files, split="train", keep_linebreaks=True, streaming=streaming)
             except datasets.exceptions.DatasetGenerationError as err:
                 reason = one_line(err.__cause__ or err)
                 raise ConfigError(f"--text-files {text_files!r} cannot be read as UTF-8 text ({reason})") from None
@@ -109,7 +112,7 @@ def load_text(text_files: str | None, dataset_name: str | None = None, dataset_c
 
         def fetch():
             try:
-                return datasets.load_dataset(dataset_name, dataset_config, split="train")
+                return datasets.load_dataset(dataset_name, dataset_config, split="train", streaming=streaming)
             except (OSError, ValueError, datasets.exceptions.DatasetsError) as err:
                 raise ConfigError(
                     f"--dataset-name {dataset_name!r} could not be loaded from the Hugging Face Hub ({one_line(err)}); "
@@ -120,7 +123,7 @@ def load_text(text_files: str | None, dataset_name: str | None = None, dataset_c
         if "text" not in texts.column_names:
             raise ConfigError(f"{flag} has no 'text' column (columns: {', '.join(texts.column_names)})")
         texts = texts.select_columns(["text"])
-    if len(texts) == 0:
+    if (next(iter(texts.take(1)), None) is None) if streaming else len(texts) == 0:
         raise ConfigError(f"{flag} holds no text")
     return texts
 
@@ -247,6 +250,26 @@ def token_blocks(texts, tokenizer, *, block_size: int, num_proc: int | None = No
     """``texts`` tokenised (``num_proc`` processes, default :func:`default_num_proc`) and packed into rows
     of exactly ``block_size`` tokens."""
     num_proc = num_proc or default_num_proc(len(texts))
+    tokenize, pack = _tokenize_and_pack(tokenizer, block_size)
+
+    def build():
+        tokens = texts.map(tokenize, batched=True, num_proc=num_proc, remove_columns=texts.column_names, desc="tokenize")
+        # packing runs in one process: batches then start at the same rows whatever num_proc is
+        packed = tokens.with_format("numpy").map(pack, batched=True, batch_size=PACK_ROWS, desc=f"pack into blocks of {block_size}")
+        return packed, tokens
+
+    blocks, tokens = on_main_process_first(build)
+    if len(blocks) == 0:
+        total = sum(len(ids) for ids in tokens["input_ids"])
+        raise ConfigError(
+            f"--block-size {block_size} is too long for the text: it holds {total} tokens, packed {PACK_ROWS} lines at a time"
+        )
+    return blocks
+
+
+def _tokenize_and_pack(tokenizer, block_size: int) -> tuple[Callable, Callable]:
+    """The two batched maps from text rows to blocks: ``tokenize`` (row by row, an end-of-text token after a
+    document) and ``pack`` (concatenate, cut into ``block_size`` rows, drop the partial last block)."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # map and loader workers fork after the tokenizer ran
     end_of_text = tokenizer.eos_token_id
 
@@ -262,19 +285,24 @@ def token_blocks(texts, tokenizer, *, block_size: int, num_proc: int | None = No
         usable = len(stream) - len(stream) % block_size
         return {"input_ids": stream[:usable].reshape(-1, block_size)}
 
-    def build():
-        tokens = texts.map(tokenize, batched=True, num_proc=num_proc, remove_columns=texts.column_names, desc="tokenize")
-        # packing runs in one process: batches then start at the same rows whatever num_proc is
-        packed = tokens.with_format("numpy").map(pack, batched=True, batch_size=PACK_ROWS, desc=f"pack into blocks of {block_size}")
-        return packed, tokens
+    return tokenize, pack
 
-    blocks, tokens = on_main_process_first(build)
-    if len(blocks) == 0:
-        total = sum(len(ids) for ids in tokens["input_ids"])
-        raise ConfigError(
-            f"--block-size {block_size} is too long for the text: it holds {total} tokens, packed {PACK_ROWS} lines at a time"
-        )
-    return blocks
+
+def streamed_blocks(texts, tokenizer, *, block_size: int, seed: int, shuffle_buffer: int = STREAM_SHUFFLE_BUFFER):
+    """A text stream tokenised and packed on the fly, as :func:`token_blocks` packs (``PACK_ROWS`` lines at a
+    time, so the same blocks), shuffled by ``seed`` and pass through a buffer of ``shuffle_buffer`` blocks."""
+    tokenize, pack = _tokenize_and_pack(tokenizer, block_size)
+    tokens = texts.map(tokenize, batched=True, remove_columns=["text"])
+    blocks = tokens.map(pack, batched=True, batch_size=PACK_ROWS)
+    return blocks.shuffle(seed=seed, buffer_size=shuffle_buffer).with_format("torch")
+
+
+def held_out_lines(texts, count: int):
+    """(the first ``count`` lines of a text stream in memory, the stream after them)."""
+    import datasets
+
+    head = list(texts.take(count))
+    return datasets.Dataset.from_list(head) if head else None, texts.skip(count)
 
 
 def split_blocks(blocks, *, eval_fraction: float, seed: int):
