@@ -156,7 +156,8 @@ def test_alternating_flip_whitening_and_tta_train_the_same_on_one_and_two_proces
     assert ddp["samples_seen"] == single["samples_seen"] == 2 * 2048
     ddp_weights, single_weights = (load_file(str(tmp_path / run / "model.safetensors")) for run in ("ddp", "single"))
     for key in single_weights:
-        torch.testing.assert_close(ddp_weights[key].float(), single_weights[key].float(), rtol=1e-4, atol=1e-5)
+        # rounding: up to 1.5e-5 on an AMD EPYC (gloo's sum order), 10x below a wrong flip's 5e-4
+        torch.testing.assert_close(ddp_weights[key].float(), single_weights[key].float(), rtol=1e-4, atol=5e-5)
     assert ddp["eval_accuracy"] == pytest.approx(single["eval_accuracy"], abs=1 / 512)
 
 
