@@ -246,11 +246,16 @@ def main(argv: list[str] | None = None) -> int:
     env = commands.add_parser("env", help="what `accelerate env` reports, plus the training device, MFU and a bf16 speed probe")
     env.add_argument("--accelerate-config-file", help="the accelerate config file to report (default: accelerate's default one)")
     commands.add_parser("bench", help="speed ladder: fp32 -> mixed precision -> channels_last -> compile -> ... (see bench --help)", add_help=False)
+    commands.add_parser("ray", help="run a recipe on a Ray cluster through Ray Train (see ray --help)", add_help=False)
     args, rest = parser.parse_known_args(argv)
     if args.command == "bench":
         from .bench import main as bench_main
 
         return bench_main(rest)
+    if args.command == "ray":
+        from .ray_train import main as ray_main
+
+        return ray_main(rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     _print_nested(environment_report(args.accelerate_config_file))

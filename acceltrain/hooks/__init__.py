@@ -46,4 +46,8 @@ def builtin_hooks(cfg, *, evaluates: bool, trackers: list[str], run_config: dict
     hooks.append(Trackers(trackers, run_config))
     hooks.append(Console(cfg.progress))
     hooks.append(HubReady(push=cfg.push_to_hub))  # last: the model card and the upload see every summary entry
+    from ..ray_train import RayReport, in_ray_worker
+
+    if in_ray_worker():
+        hooks.append(RayReport())
     return hooks

@@ -103,7 +103,10 @@ class DieAt(Hook):
         self.step = step
 
     def on_step_end(self, run):
-        if run.step == self.step and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+        # the first attempt only: torchrun counts its restarts, Ray does not (a marker file per process)
+        marker = run.output_dir / f".died-{os.environ.get('RANK', '0')}"
+        if run.step == self.step and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" and not marker.exists():
+            marker.touch()
             os.kill(os.getpid(), signal.SIGKILL)
 
 
