@@ -59,8 +59,7 @@ from .logs import set_log_level
 from .metrics import peak_memory_mb
 from .optim import ScheduleProgress, build_scheduler
 from .run import TOKEN_NORMALISATION_UNDER_DEEPSPEED, Run, compatibility, left_as_found_unless_trained, setup_run
-from .speed import apply_batch_size, enable_activation_checkpointing, find_batch_size, peak_flops_per_device
-from .speed import to_channels_last, training_flops_per_sample
+from .speed import apply_batch_size, enable_activation_checkpointing, find_batch_size, peak_flops_per_device, training_flops_per_sample
 from .tasks import ClassificationTask, check_task
 from .tracking import active_trackers
 
@@ -123,42 +122,18 @@ def fit(cfg: TrainConfig, model: nn.Module, optimizer: torch.optim.Optimizer, tr
 def _train(run: Run) -> None:
     """The hot path: micro-batches, accumulation and the optimizer step; after each optimizer step the hooks,
     then one agreement on whether to save or stop."""
-    cfg, accelerator, model, task, hooks = run.cfg, run.accelerator, run.model, run.task, run._hooks
-    deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
-    window_targets = 0
+    accelerator, model, hooks = run.accelerator, run.model, run._hooks
     while run.step < run.total_steps:
         hooks.call("on_epoch_start", run)
         model.train()
         for batch in run._epoch_batches():
-            if cfg.channels_last:
-                batch = to_channels_last(batch)
             opens, window = run._window()
             if opens:
                 hooks.call("on_step_start", run)
             with accelerator.accumulate(model):
-                loss = task.train_loss(model, batch)
-                if isinstance(loss, tuple):  # (sum of per-target losses, target count): see the module docstring
-                    if deepspeed:
-                        raise ConfigError(TOKEN_NORMALISATION_UNDER_DEEPSPEED)
-                    loss, count = loss
-                    window_targets += count
-                    accelerator.backward(loss)
-                else:
-                    count = 1.0
-                    accelerator.backward(loss * (cfg.grad_accum / window))
+                loss, count = _backward(run, batch, window)
                 if accelerator.sync_gradients:
-                    if isinstance(window_targets, torch.Tensor):
-                        _divide_gradients(model, accelerator.reduce(window_targets, "sum") / (cfg.grad_accum * accelerator.num_processes))
-                        window_targets = 0
-                    _unscale_and_clip(run)
-                    run._lr = run.scheduler.get_last_lr()[0]
-                    hooks.call("on_before_optimizer_step", run)
-                    run.optimizer.step()
-                    if accelerator.optimizer_step_was_skipped:
-                        run._skipped_steps += 1
-                    else:
-                        run.scheduler.step()
-                    run.optimizer.zero_grad(set_to_none=True)
+                    _optimizer_step(run)
             run._loss_sum += loss.detach().float()
             run._loss_count += count
             if not accelerator.sync_gradients:
@@ -175,13 +150,54 @@ def _train(run: Run) -> None:
             if stop:
                 run._stop = stop
                 return
-        if run._stream:  # a pass ends where the stream does, maybe inside a window (else on_epoch_end has fired)
-            if not run.batch_in_epoch:
-                raise ConfigError(f"the training stream yielded no batch of {cfg.batch_size} per process in pass "
-                                  f"{run.epoch}: it holds fewer samples than one batch on each of {accelerator.num_processes} processes")
-            if not accelerator.sync_gradients:
-                hooks.call("on_epoch_end", run)
-            run._next_pass()
+        if run._stream:
+            _end_stream_pass(run)
+
+
+def _backward(run: Run, batch, window: int) -> tuple[torch.Tensor, float | torch.Tensor]:
+    """The micro-batch's loss and its weight in the logged mean, backpropagated: a mean loss scaled by
+    ``grad_accum / window`` (see the module docstring); a ``(loss sum, target count)`` summed, its count kept
+    for :func:`_optimizer_step` to normalise by."""
+    loss = run.task.train_loss(run.model, batch)
+    if not isinstance(loss, tuple):
+        run.accelerator.backward(loss * (run.cfg.grad_accum / window))
+        return loss, 1.0
+    if run.accelerator.distributed_type == DistributedType.DEEPSPEED:  # a task that did not say sums_losses
+        raise ConfigError(TOKEN_NORMALISATION_UNDER_DEEPSPEED)
+    loss, count = loss
+    run._window_targets += count
+    run.accelerator.backward(loss)
+    return loss, count
+
+
+def _optimizer_step(run: Run) -> None:
+    """The end of a window: normalise summed losses' gradients by the window's target count on all
+    processes, unscale and clip, ``on_before_optimizer_step``, then step (a grad-scaler skip leaves the
+    schedule where it is)."""
+    accelerator = run.accelerator
+    if isinstance(run._window_targets, torch.Tensor):
+        targets = accelerator.reduce(run._window_targets, "sum")
+        _divide_gradients(run.model, targets / (run.cfg.grad_accum * accelerator.num_processes))
+        run._window_targets = 0
+    _unscale_and_clip(run)
+    run._lr = run.scheduler.get_last_lr()[0]
+    run._hooks.call("on_before_optimizer_step", run)
+    run.optimizer.step()
+    if accelerator.optimizer_step_was_skipped:
+        run._skipped_steps += 1
+    else:
+        run.scheduler.step()
+    run.optimizer.zero_grad(set_to_none=True)
+
+
+def _end_stream_pass(run: Run) -> None:
+    """A stream's pass ends where the stream does, maybe inside a window (else ``on_epoch_end`` has fired)."""
+    if not run.batch_in_epoch:
+        raise ConfigError(f"the training stream yielded no batch of {run.cfg.batch_size} per process in pass "
+                          f"{run.epoch}: it holds fewer samples than one batch on each of {run.accelerator.num_processes} processes")
+    if not run.accelerator.sync_gradients:
+        run._hooks.call("on_epoch_end", run)
+    run._next_pass()
 
 
 def _unscale_and_clip(run: Run) -> None:
@@ -270,10 +286,46 @@ def _resolve_target(cfg: TrainConfig, task) -> TrainConfig:
 
 
 def _prepare(cfg: TrainConfig, accelerator, model: nn.Module, optimizer, train_set, eval_set, task) -> tuple[Run, list[str]]:
-    """Apply the speed flags in the order they must happen, then ``Accelerator.prepare``: FLOPs are counted
-    on the model as given (activation checkpointing would add its recomputed forward); memory format and
-    activation checkpointing change the module; the batch-size probe needs the final module on the
-    device; compilation happens before the DDP wrap. Returns the run and notes for the log."""
+    """The speed flags, the loaders, ``Accelerator.prepare``, the plan in optimizer steps and the schedule:
+    the run, and notes for the log."""
+    cfg, model, flops_per_sample, notes = _apply_speed_flags(cfg, accelerator, model, optimizer, train_set, task)
+    cfg, loaders, eval_set = _loaders(cfg, accelerator, train_set, eval_set)
+    prepared_model, prepared_optimizer, *loaders = accelerator.prepare(model, optimizer, *loaders)
+    if cfg.data_on_device:
+        loaders.insert(0, train_set.device_loader(
+            batch_size=cfg.batch_size, seed=cfg.seed, device=accelerator.device, process_index=accelerator.process_index,
+            num_processes=accelerator.num_processes, channels_last=cfg.channels_last,
+        ))
+    stream = is_stream(train_set)
+    batches_per_epoch = 0 if stream else len(loaders[0])  # a stream's passes end when they end
+    if batches_per_epoch == 0 and not stream:
+        raise ConfigError(
+            f"--batch-size {cfg.batch_size} is too large: the {len(train_set)} training samples do not fill one "
+            f"batch of {cfg.batch_size} on each of {accelerator.num_processes} processes"
+        )
+    steps_per_epoch = None if stream else math.ceil(batches_per_epoch / cfg.grad_accum)
+    total_steps = cfg.max_steps or max(1, math.ceil(cfg.epochs * steps_per_epoch))  # a stream has max_steps
+    # Not prepared: Accelerate would step it once per process (#1382) and, under DeepSpeed, leave it out
+    # of checkpoints; its state travels in the RunState instead. It drives the torch optimizer's param groups.
+    schedule_progress = ScheduleProgress()
+    scheduler = build_scheduler(optimizer, cfg, total_steps, schedule_progress)
+    peak_flops = peak_flops_per_device(accelerator.device, accelerator.mixed_precision, cfg.peak_tflops)
+    runtime = _runtime(cfg, accelerator, steps_per_epoch=steps_per_epoch, total_steps=total_steps,
+                       model_flops_per_sample=flops_per_sample, peak_flops_per_device=peak_flops)
+    run = Run(cfg=cfg, accelerator=accelerator, model=prepared_model, optimizer=prepared_optimizer, scheduler=scheduler,
+              schedule_progress=schedule_progress,
+              task=task, train_batches=loaders[0], eval_batches=loaders[1] if eval_set is not None else None,
+              output_dir=Path(cfg.output_dir), total_steps=total_steps, batches_per_epoch=batches_per_epoch,
+              train_samples=0 if stream else len(train_set),
+              flops_per_sample=flops_per_sample, peak_flops=peak_flops, runtime=runtime)
+    return run, notes
+
+
+def _apply_speed_flags(cfg: TrainConfig, accelerator, model: nn.Module, optimizer, train_set, task):
+    """The speed flags in the order they must happen: FLOPs are counted on the model as given (activation
+    checkpointing would add its recomputed forward); memory format and activation checkpointing change the
+    module; the batch-size probe needs the final module on the device; compilation happens before the DDP
+    wrap. Returns the config (a found batch size), the model, its training FLOPs per sample and notes."""
     notes = []
     flops_per_sample = getattr(task, "flops_per_sample", None)
     if flops_per_sample is None:
@@ -292,7 +344,12 @@ def _prepare(cfg: TrainConfig, accelerator, model: nn.Module, optimizer, train_s
         notes.append(note)
     if cfg.compile:
         model.compile(mode=cfg.compile_mode)  # in place: no OptimizedModule wrapper, no `_orig_mod.` keys
+    return cfg, model, flops_per_sample, notes
 
+
+def _loaders(cfg: TrainConfig, accelerator, train_set, eval_set):
+    """The loaders for ``Accelerator.prepare`` (none for training with ``--data-on-device``: the dataset's own
+    loader comes after), with the loader options resolved into the config; the eval set as evaluated."""
     num_workers = default_num_workers() if cfg.num_workers is None else cfg.num_workers
     pin_memory = accelerator.device.type == "cuda" if cfg.pin_memory is None else cfg.pin_memory
     options = {"num_workers": num_workers, "pin_memory": pin_memory, "prefetch_factor": cfg.prefetch_factor}
@@ -304,8 +361,7 @@ def _prepare(cfg: TrainConfig, accelerator, model: nn.Module, optimizer, train_s
                 f"has one); {type(train_set).__name__} has none"
             )
         eval_set = eval_set.decoded() if hasattr(eval_set, "decoded") else eval_set  # decode eval files once too
-    stream = is_stream(train_set)
-    if stream:
+    if is_stream(train_set):
         loaders = [stream_loader(train_set, batch_size=cfg.batch_size, **options)]
     else:
         loaders = [] if cfg.data_on_device else [train_loader(train_set, batch_size=cfg.batch_size, seed=cfg.seed, **options)]
@@ -315,27 +371,13 @@ def _prepare(cfg: TrainConfig, accelerator, model: nn.Module, optimizer, train_s
         eval_set = eval_subset(eval_set, cfg.eval_samples, cfg.seed)
     if eval_set is not None:
         loaders.append(eval_loader(eval_set, batch_size=cfg.batch_size, **options))
-    prepared_model, prepared_optimizer, *loaders = accelerator.prepare(model, optimizer, *loaders)
-    if cfg.data_on_device:
-        loaders.insert(0, train_set.device_loader(
-            batch_size=cfg.batch_size, seed=cfg.seed, device=accelerator.device, process_index=accelerator.process_index,
-            num_processes=accelerator.num_processes, channels_last=cfg.channels_last,
-        ))
-    batches_per_epoch = 0 if stream else len(loaders[0])  # a stream's passes end when they end
-    if batches_per_epoch == 0 and not stream:
-        raise ConfigError(
-            f"--batch-size {cfg.batch_size} is too large: the {len(train_set)} training samples do not fill one "
-            f"batch of {cfg.batch_size} on each of {accelerator.num_processes} processes"
-        )
-    steps_per_epoch = None if stream else math.ceil(batches_per_epoch / cfg.grad_accum)
-    total_steps = cfg.max_steps or max(1, math.ceil(cfg.epochs * steps_per_epoch))  # a stream has max_steps
-    # Not prepared: Accelerate would step it once per process (#1382) and, under DeepSpeed, leave it out
-    # of checkpoints; its state travels in the RunState instead. It drives the torch optimizer's param groups.
-    schedule_progress = ScheduleProgress()
-    scheduler = build_scheduler(optimizer, cfg, total_steps, schedule_progress)
-    peak_flops = peak_flops_per_device(accelerator.device, accelerator.mixed_precision, cfg.peak_tflops)
+    return cfg, loaders, eval_set
+
+
+def _runtime(cfg: TrainConfig, accelerator, **plan) -> dict:
+    """What this launch runs on, for the start-up print, the run config and the summary."""
     device = accelerator.device
-    runtime = {
+    return {
         "acceltrain": __version__,
         "torch": str(torch.__version__),
         "accelerate": accelerate.__version__,
@@ -344,19 +386,9 @@ def _prepare(cfg: TrainConfig, accelerator, model: nn.Module, optimizer, train_s
         "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
         "global_batch_size": cfg.batch_size * accelerator.num_processes * cfg.grad_accum,
-        "steps_per_epoch": steps_per_epoch,
-        "total_steps": total_steps,
-        "model_flops_per_sample": flops_per_sample,
-        "peak_flops_per_device": peak_flops,
+        **plan,
         **_backend_settings(accelerator),
     }
-    run = Run(cfg=cfg, accelerator=accelerator, model=prepared_model, optimizer=prepared_optimizer, scheduler=scheduler,
-              schedule_progress=schedule_progress,
-              task=task, train_batches=loaders[0], eval_batches=loaders[1] if eval_set is not None else None,
-              output_dir=Path(cfg.output_dir), total_steps=total_steps, batches_per_epoch=batches_per_epoch,
-              train_samples=0 if stream else len(train_set),
-              flops_per_sample=flops_per_sample, peak_flops=peak_flops, runtime=runtime)
-    return run, notes
 
 
 def _backend_settings(accelerator) -> dict:

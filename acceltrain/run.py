@@ -43,6 +43,7 @@ from .hooks.profiling import MEMORY_FILE
 from .hub import CARD_FILE, CONFIG_FILE, GENERATION_CONFIG_FILE, TRAIN_CONFIG_FILE
 from .logs import show_progress
 from .metrics import Throughput, synchronize
+from .speed import to_channels_last
 
 logger = get_logger(__name__)
 TOKEN_NORMALISATION_UNDER_DEEPSPEED = (
@@ -219,6 +220,7 @@ class Run:
         self._started = self._launch_started = 0.0
         self._loss_sum = torch.zeros((), device=accelerator.device)
         self._loss_count = 0  # micro-batches, or loss targets (tokens) for a task that returns (sum, count)
+        self._window_targets = 0  # the open window's loss targets, for a task that returns (sum, count)
         self._train_loss: float | None = None
         self._train_loss_step = 0  # the step at which the loss window was last closed
         self._lr = self._grad_norm = None
@@ -375,7 +377,7 @@ class Run:
                 break
             self._throughput.add_data_wait(time.perf_counter() - waited)
             state.batch_in_epoch += 1
-            yield batch
+            yield to_channels_last(batch) if self._cfg.channels_last else batch
         if not self._stream:  # a stream's pass ends in the loop, after on_epoch_end
             self._next_pass()
 

@@ -17,7 +17,7 @@ from torch.utils.data import TensorDataset
 from acceltrain import ConfigError, TrainConfig, fit
 from acceltrain.config import parse_config, run_changes
 from acceltrain.eval_subset import eval_subset, eval_subset_indices
-from acceltrain.hooks.logging import Console, evaluations_left
+from acceltrain.hooks import Console, Evaluation
 from acceltrain.vision import ImageClassification, image_datasets
 from acceltrain.vision.data import decode_image_file
 from acceltrain.vision.device_loader import decoded_images
@@ -103,7 +103,7 @@ def test_the_training_clock_leaves_evaluations_out(capsys):
     """So the bar's rate and time left are the steps' own, and the evaluations to come are added apart."""
     run = SimpleNamespace(accelerator=SimpleNamespace(is_main_process=True), cfg=SimpleNamespace(eval_every=2, grad_accum=1),
                           batches_per_epoch=10, step=2, total_steps=6)
-    console = Console(progress=True)
+    console = Console(progress=True, evaluation=Evaluation(2))
     console.on_fit_start(run)
     started = console.bar.start_t
     run.last_eval_seconds = 0.2  # as Run.evaluate measures it
@@ -113,11 +113,11 @@ def test_the_training_clock_leaves_evaluations_out(capsys):
 
 
 @pytest.mark.parametrize("eval_every, step, left", [(None, 0, 2), (None, 3, 1), (None, 6, 0), (4, 0, 3), (4, 8, 1), (4, 10, 0)])
-def test_evaluations_left_follows_the_evaluation_schedule(eval_every, step, left):
+def test_the_evaluation_component_counts_the_evaluations_left_on_its_schedule(eval_every, step, left):
     """12 batches per epoch in windows of 5: 3 steps per epoch; 10 steps with --eval-every 4: at 4, 8 and 10."""
     total = 6 if eval_every is None else 10
-    run = SimpleNamespace(cfg=SimpleNamespace(eval_every=eval_every, grad_accum=5), batches_per_epoch=12, step=step, total_steps=total)
-    assert evaluations_left(run) == left
+    run = SimpleNamespace(cfg=SimpleNamespace(grad_accum=5), batches_per_epoch=12, step=step, total_steps=total)
+    assert Evaluation(eval_every).left(run) == left
 
 
 # --------------------------------------------------------------------------- the decode cache

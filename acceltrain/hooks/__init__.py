@@ -31,12 +31,13 @@ def builtin_hooks(cfg, *, evaluates: bool, trackers: list[str], run_config: dict
     if cfg.memory_report:
         hooks.append(MemoryReport())
     hooks.append(TrainingLog(cfg.log_every))
-    if evaluates:
-        hooks.append(Evaluation(cfg.eval_every))
+    evaluation = Evaluation(cfg.eval_every) if evaluates else None  # asked by the time budget and the console
+    if evaluation:
+        hooks.append(evaluation)
         if cfg.target_metric is not None:
             hooks.append(TargetMetric(cfg.target_metric))
     if cfg.time_budget_minutes is not None:
-        hooks.append(TimeBudget(cfg.time_budget_minutes))
+        hooks.append(TimeBudget(cfg.time_budget_minutes, evaluation))
     scheduled = bool(cfg.save_every_steps or cfg.save_every_minutes or cfg.keep_best or cfg.stop_after_steps)
     hooks.append(CheckpointSchedule(cfg.save_every_steps, cfg.save_every_minutes, cfg.keep_last, cfg.keep_best, save_at_end=scheduled))
     hooks.append(Preemption(cfg.stop_after_steps))
@@ -44,7 +45,7 @@ def builtin_hooks(cfg, *, evaluates: bool, trackers: list[str], run_config: dict
     if cfg.plots:
         hooks.append(Curves())
     hooks.append(Trackers(trackers, run_config))
-    hooks.append(Console(cfg.progress))
+    hooks.append(Console(cfg.progress, evaluation))
     hooks.append(HubReady(push=cfg.push_to_hub))  # last: the model card and the upload see every summary entry
     from ..ray_train import RayReport, in_ray_worker
 

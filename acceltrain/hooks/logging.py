@@ -13,6 +13,7 @@ from ..logs import show_progress
 from ..metrics import EventLog, peak_memory_mb, synchronize
 from ..tracking import finish_tracking, start_tracking
 from .base import Hook
+from .evaluation import Evaluation
 
 logger = get_logger(__name__)
 
@@ -125,8 +126,9 @@ class Console(Hook):
     of its clock, and the evaluations still to come are shown next to it at the duration of the last one
     (``+4 evals ~01:20``), so the two estimates add up to when the run ends."""
 
-    def __init__(self, progress: bool | None):
+    def __init__(self, progress: bool | None, evaluation: Evaluation | None = None):
         self.progress = show_progress(progress)
+        self.evaluation = evaluation  # the run's schedule, which knows the evaluations to come
 
     def on_fit_start(self, run) -> None:
         from tqdm.auto import tqdm
@@ -142,7 +144,7 @@ class Console(Hook):
         if not self.bar.disable:  # the evaluation's time out of the training clock (tqdm's unpause() would drop the step's too)
             self.bar.start_t += seconds
             self.bar.last_print_t += seconds
-        left = evaluations_left(run)
+        left = self.evaluation.left(run) if self.evaluation else 0
         self.bar.set_postfix_str(f"+{left} eval{'s' if left != 1 else ''} ~{self.bar.format_interval(left * seconds)}" if left else "")
 
     def on_log(self, run, metrics: dict) -> None:
@@ -151,18 +153,6 @@ class Console(Hook):
 
     def on_train_end(self, run) -> None:
         self.bar.close()
-
-
-def evaluations_left(run) -> int:
-    """How many evaluations :class:`~acceltrain.hooks.Evaluation` will still run after this step: every
-    ``--eval-every`` steps (else at each epoch's end, every ``ceil(batches / grad_accum)`` steps), and
-    after the last step."""
-    if run.step >= run.total_steps:
-        return 0
-    every = run.cfg.eval_every or -(-run.batches_per_epoch // run.cfg.grad_accum)
-    if not every:  # a stream's passes end when the stream does: count the final one
-        return 1
-    return run.total_steps // every - run.step // every + (run.total_steps % every != 0)
 
 
 def _fmt(value) -> str:

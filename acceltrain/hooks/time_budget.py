@@ -9,11 +9,9 @@ import time
 import torch
 
 from .base import Hook
+from .evaluation import Evaluation
 
 RECENT_STEPS = 21  # the step time is the median of these: robust to a stalled step on a shared machine
-# An evaluation batch (forward only) as a share of a training step, for the estimate before the first
-# evaluation: a third in FLOPs, but 0.2-0.4 measured on a 2-core CPU (bf16), so planned with a half.
-FORWARD_SHARE = 0.5
 
 
 class TimeBudget(Hook):
@@ -24,12 +22,13 @@ class TimeBudget(Hook):
     ``--max-steps`` when those come first).
 
     Every process decides from the main process's clock (one broadcast per step on several processes),
-    so all stop at the same step with the same learning rate. The duration of the last evaluation is
-    kept in checkpoints; before the first evaluation it is estimated as ``FORWARD_SHARE`` of a training
-    step per evaluation batch (a forward pass without backward) and per view of the task's ``eval_views``."""
+    so all stop at the same step with the same learning rate. The final evaluation's duration is what
+    ``evaluation`` (the run's :class:`~acceltrain.hooks.Evaluation`; None: the run does not evaluate) says,
+    and the last one measured is kept in checkpoints."""
 
-    def __init__(self, minutes: float):
+    def __init__(self, minutes: float, evaluation: Evaluation | None = None):
         self.budget = minutes * 60.0
+        self.evaluation = evaluation
         self.eval_seconds: float | None = None
         self._last_step_end: float | None = None
         self._recent_steps: collections.deque[float] = collections.deque(maxlen=RECENT_STEPS)
@@ -72,10 +71,9 @@ class TimeBudget(Hook):
             run.request_stop(f"time budget of {self.budget / 60:g} min", finish=True)
 
     def _final_eval_seconds(self, run, step_seconds: float) -> float:
-        if self.eval_seconds is not None or run.eval_batches is None:
+        if self.eval_seconds is not None or self.evaluation is None:  # measured (maybe by an earlier launch)
             return self.eval_seconds or 0.0
-        views = getattr(run.task, "eval_views", 1)
-        return len(run.eval_batches) * views * step_seconds / run.cfg.grad_accum * FORWARD_SHARE
+        return self.evaluation.seconds(run, step_seconds)
 
     def _plan(self, run, elapsed: float, step_seconds: float, reserve: float) -> bool:
         """Set the schedule's time progress; True when the next step and the final evaluation would not fit."""
