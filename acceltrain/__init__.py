@@ -28,6 +28,7 @@ install_console_handler()  # the toolkit's lines show at info by default, as tra
 
 _HOME = {  # public name -> the submodule that defines it
     "ConfigError": "config", "TrainConfig": "config", "option": "config", "parse_config": "config", "require": "config",
+    "Options": "options",
     "on_main_process_first": "distributed",
     "EMA": "hooks", "Hook": "hooks", "Lookahead": "hooks",
     "fit": "loop",

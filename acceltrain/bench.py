@@ -275,7 +275,8 @@ def recipe_config_class(recipe: str) -> type:
     script is imported under another name than ``__main__``, so its ``cli()`` does not run."""
     import inspect
 
-    from .config import ConfigError, TrainConfig
+    from .config import TrainConfig
+    from .options import ConfigError
 
     module = _import_recipe(recipe)
     main = getattr(module, "main", None)
@@ -298,7 +299,7 @@ def _import_recipe(recipe: str):
     ConfigError (``--recipe /etc/passwd``)."""
     from importlib.machinery import SourceFileLoader
 
-    from .config import ConfigError, first_line
+    from .options import ConfigError, first_line
 
     try:
         if not _is_script(recipe):
@@ -317,7 +318,8 @@ def check_recipe_arguments(config_class: type, args, parser: argparse.ArgumentPa
     recipe knows, a ``--model`` the recipe does not offer, a bad value of a recipe flag."""
     import dataclasses
 
-    from .config import ConfigError, _with_suggestion, build_parser as recipe_parser, flag_name, parse_config
+    from .config import _with_suggestion, build_parser as recipe_parser, parse_config
+    from .options import ConfigError, flag_name
 
     recipe_flags = [f"--{flag_name(field.name)}" for field in dataclasses.fields(config_class)]
     missing = [flag for flag in ("--model", "--dataset") if flag not in recipe_flags]
@@ -335,7 +337,7 @@ def check_recipe_arguments(config_class: type, args, parser: argparse.ArgumentPa
 def make_output_dir(path: str) -> Path:
     """``--output-dir`` with its rows folder, made before any row runs: an existing file there, or a place
     that cannot hold a folder (``/proc``), is one line now rather than a traceback."""
-    from .config import ConfigError, first_line
+    from .options import ConfigError, first_line
 
     out = Path(path)
     try:
@@ -365,7 +367,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _processes(text: str) -> list[int]:
     """``--processes 1,2`` -> [1, 2]; anything else is a ConfigError."""
-    from .config import ConfigError
+    from .options import ConfigError
 
     try:
         processes = [int(part) for part in text.split(",")]
@@ -383,7 +385,7 @@ MIN_STABLE_STEPS = 20
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .config import ConfigError
+    from .options import ConfigError
 
     parser = build_parser()
     try:

@@ -17,7 +17,8 @@ import threading
 import time
 from pathlib import Path
 
-from .config import ConfigError, TrainConfig, first_line, shorten
+from .config import TrainConfig
+from .options import ConfigError, first_line, shorten
 
 SUMMARY_FILE = "summary.json"
 METRICS_FILE = "metrics.jsonl"

@@ -13,7 +13,8 @@ import typing
 from collections.abc import Callable
 from pathlib import Path
 
-from .config import ConfigError, TrainConfig, parse_config
+from .config import TrainConfig, parse_config
+from .options import ConfigError
 
 EXIT_BAD_INPUT = 2
 

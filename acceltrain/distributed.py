@@ -18,7 +18,8 @@ import torch.distributed as dist
 from accelerate.utils import DistributedType
 from torch import nn
 
-from .config import ConfigError, TrainConfig, read_small_file, shorten
+from .config import TrainConfig
+from .options import ConfigError, read_small_file, shorten
 
 T = TypeVar("T")
 

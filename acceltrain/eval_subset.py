@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 from torch.utils.data import Dataset, Subset
 
-from .config import ConfigError
 from .data import mix_seed
+from .options import ConfigError
 
 EVAL_SUBSET_STREAM = 0xE7A1  # keeps these draws apart from the training order's, which use the same seed
 

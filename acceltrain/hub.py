@@ -28,8 +28,9 @@ from torch.nn.modules.module import register_module_buffer_registration_hook, re
 
 from . import __version__
 from .checkpointing import WEIGHTS_FILE
-from .config import ConfigError, TrainConfig, first_line, shorten
+from .config import TrainConfig
 from .network import check_reachable
+from .options import ConfigError, first_line, shorten
 
 CONFIG_FILE = "config.json"
 CARD_FILE = "README.md"

@@ -49,17 +49,18 @@ from .checkpointing import (
     unlock_output_dir,
     write_summary,
 )
-from .config import ConfigError, TrainConfig, first_line, run_changes
+from .config import TrainConfig, run_changes
 from .data import default_num_workers, eval_loader, stop_workers, train_loader
-from .streams import check_stream, first_samples, is_stream, stream_loader
-from .eval_subset import eval_subset
 from .distributed import check_backend_honoured, convert_sync_batchnorm, deepspeed_plugin, main_process_only, use_cpu
+from .eval_subset import eval_subset
 from .hooks import Hooks, builtin_hooks
 from .logs import set_log_level
 from .metrics import peak_memory_mb
 from .optim import ScheduleProgress, build_scheduler
+from .options import ConfigError, first_line
 from .run import TOKEN_NORMALISATION_UNDER_DEEPSPEED, Run, compatibility, left_as_found_unless_trained, setup_run
 from .speed import apply_batch_size, enable_activation_checkpointing, find_batch_size, peak_flops_per_device, training_flops_per_sample
+from .streams import check_stream, first_samples, is_stream, stream_loader
 from .tasks import ClassificationTask, check_task
 from .tracking import active_trackers
 

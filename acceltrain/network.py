@@ -7,7 +7,7 @@ from __future__ import annotations
 import urllib.error
 import urllib.request
 
-from .config import ConfigError
+from .options import ConfigError
 
 PROBE_SECONDS = 5
 

@@ -8,7 +8,8 @@ from functools import partial
 import torch
 from torch import nn
 
-from .config import ConfigError, TrainConfig, require
+from .config import TrainConfig
+from .options import ConfigError, require
 
 
 NORMALISATIONS = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)

@@ -16,7 +16,7 @@ import runpy
 import sys
 from pathlib import Path
 
-from .config import ConfigError
+from .options import ConfigError
 from .hooks.base import Hook
 
 _IN_WORKER = False  # set in a Ray Train worker: builtin_hooks adds RayReport

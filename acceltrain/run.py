@@ -36,8 +36,9 @@ from .checkpointing import (
     save_checkpoint,
     unlock_output_dir,
 )
-from .config import ConfigError, TrainConfig
+from .config import TrainConfig
 from .distributed import init_process_state, main_process_only
+from .options import ConfigError
 from .hooks.plots import CURVES_FILE
 from .hooks.profiling import MEMORY_FILE
 from .hub import CARD_FILE, CONFIG_FILE, GENERATION_CONFIG_FILE, TRAIN_CONFIG_FILE

@@ -11,7 +11,8 @@ import math
 import torch
 from torch import nn
 
-from .config import ConfigError, TrainConfig
+from .config import TrainConfig
+from .options import ConfigError
 
 # Dense peak TFLOP/s of one device from the vendors' datasheets (no sparsity). "tf32" applies to fp32
 # runs where cuDNN/cuBLAS may use TF32 tensor cores (PyTorch's default for convolutions).

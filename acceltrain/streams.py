@@ -31,8 +31,9 @@ import itertools
 
 from torch.utils.data import DataLoader, IterableDataset
 
-from .config import ConfigError, TrainConfig
+from .config import TrainConfig
 from .data import loader_options
+from .options import ConfigError
 
 
 def is_stream(dataset) -> bool:

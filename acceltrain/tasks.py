@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import ConfigError
+from .options import ConfigError
 from .vision.names import TTA_MODES
 
 

@@ -17,8 +17,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlparse
 
-from .config import ConfigError, TrainConfig, WandbMode, first_line, shorten
+from .config import TrainConfig
 from .network import PROBE_SECONDS, check_reachable
+from .options import ConfigError, WandbMode, first_line, shorten
 
 TRACKER_PACKAGES = {"wandb": "wandb", "tensorboard": "tensorboard"}
 

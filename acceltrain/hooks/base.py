@@ -59,7 +59,7 @@ from typing import Any
 
 import torch
 
-from ..config import ConfigError, first_line
+from ..options import ConfigError, first_line
 
 EVENTS = (
     "on_fit_start", "on_epoch_start", "on_step_start", "on_before_optimizer_step", "on_step_end", "on_epoch_end",

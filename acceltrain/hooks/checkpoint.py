@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 from ..checkpointing import PreemptionSignals, checkpoint_dir, rotate_checkpoints
+from ..options import CheckpointOptions
 from .base import Hook
 
 
@@ -20,6 +21,11 @@ class CheckpointSchedule(Hook):
         self.every_steps, self.every_minutes, self.keep_last, self.keep_best = every_steps, every_minutes, keep_last, keep_best
         self.save_at_end = save_at_end
         self.best_checkpoint: str | None = None  # the folder name of the best checkpoint (keep_best), never rotated away
+
+    @classmethod
+    def from_config(cls, cfg: CheckpointOptions) -> CheckpointSchedule:
+        scheduled = bool(cfg.save_every_steps or cfg.save_every_minutes or cfg.keep_best or cfg.stop_after_steps)
+        return cls(cfg.save_every_steps, cfg.save_every_minutes, cfg.keep_last, cfg.keep_best, save_at_end=scheduled)
 
     def state_dict(self) -> dict:
         return {"best_checkpoint": self.best_checkpoint}
@@ -61,6 +67,10 @@ class Preemption(Hook):
     def __init__(self, stop_after_steps: int | None):
         self.stop_after_steps = stop_after_steps
         self.signals = PreemptionSignals()
+
+    @classmethod
+    def from_config(cls, cfg: CheckpointOptions) -> Preemption:
+        return cls(cfg.stop_after_steps)
 
     def on_fit_start(self, run) -> None:
         self.signals.install()

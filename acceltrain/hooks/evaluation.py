@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from accelerate.logging import get_logger
 
+from ..options import EvaluationOptions
 from .base import Hook
 
 logger = get_logger(__name__)
@@ -21,6 +22,10 @@ class Evaluation(Hook):
 
     def __init__(self, every: int | None):
         self.every = every
+
+    @classmethod
+    def from_config(cls, cfg: EvaluationOptions, *, evaluates: bool) -> Evaluation | None:
+        return cls(cfg.eval_every) if evaluates else None  # None: the run has no eval set
 
     def on_step_end(self, run) -> None:
         if (self.every and run.step % self.every == 0) or run.step == run.total_steps:
@@ -61,6 +66,11 @@ class TargetMetric(Hook):
     def __init__(self, target: float):
         self.target = target
         self.seconds: float | None = None
+
+    @classmethod
+    def from_config(cls, cfg: EvaluationOptions, evaluation: Evaluation | None) -> TargetMetric | None:
+        # --target-accuracy is resolved into --target-metric before the hooks are built
+        return cls(cfg.target_metric) if evaluation is not None and cfg.target_metric is not None else None
 
     def on_eval_end(self, run, metrics: dict) -> None:
         name = f"eval_{run.task.primary_metric}"

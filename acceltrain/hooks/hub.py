@@ -7,9 +7,9 @@ from __future__ import annotations
 from accelerate.logging import get_logger
 
 from ..checkpointing import write_summary
-from ..config import first_line
 from ..distributed import main_process_only
 from ..hub import CARD_FILE, model_card, prepare_repo, push_folder, upload_command, write_model_files, write_train_config
+from ..options import HubOptions, first_line
 from .base import Hook
 
 logger = get_logger(__name__)
@@ -21,6 +21,10 @@ class HubReady(Hook):
     def __init__(self, push: bool):
         self.push = push
         self.repo_id: str | None = None
+
+    @classmethod
+    def from_config(cls, cfg: HubOptions) -> HubReady:
+        return cls(push=cfg.push_to_hub)
 
     def on_fit_start(self, run) -> None:
         if not self.push:

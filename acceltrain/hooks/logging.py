@@ -11,6 +11,7 @@ from accelerate.logging import get_logger
 from ..checkpointing import METRICS_FILE
 from ..logs import show_progress
 from ..metrics import EventLog, peak_memory_mb, synchronize
+from ..options import LoggingOptions
 from ..tracking import finish_tracking, start_tracking
 from .base import Hook
 from .evaluation import Evaluation
@@ -26,6 +27,10 @@ class TrainingLog(Hook):
     def __init__(self, every: int):
         self.every = every
         self.first_step_seconds: float | None = None
+
+    @classmethod
+    def from_config(cls, cfg: LoggingOptions) -> TrainingLog:
+        return cls(cfg.log_every)
 
     def on_step_end(self, run) -> None:
         if self.first_step_seconds is None:
@@ -129,6 +134,10 @@ class Console(Hook):
     def __init__(self, progress: bool | None, evaluation: Evaluation | None = None):
         self.progress = show_progress(progress)
         self.evaluation = evaluation  # the run's schedule, which knows the evaluations to come
+
+    @classmethod
+    def from_config(cls, cfg: LoggingOptions, evaluation: Evaluation | None) -> Console:
+        return cls(cfg.progress, evaluation)
 
     def on_fit_start(self, run) -> None:
         from tqdm.auto import tqdm

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from accelerate.utils import DistributedType
 
-from ..config import ConfigError
+from ..options import ConfigError
 from .ema import EMA
 
 

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from ..checkpointing import METRICS_FILE
-from ..config import ConfigError
+from ..options import ConfigError, PlotOptions
 from .base import Hook
 
 CURVES_FILE = "curves.png"
@@ -22,6 +22,10 @@ class Curves(Hook):
     def __init__(self):
         if importlib.util.find_spec("matplotlib") is None:  # said before training, not after it
             raise ConfigError("curves.png needs matplotlib: pip install matplotlib, or pass --no-plots")
+
+    @classmethod
+    def from_config(cls, cfg: PlotOptions) -> Curves | None:
+        return cls() if cfg.plots else None
 
     def on_train_end(self, run) -> None:
         if run.stop is not None and not run.stop.finish:

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from accelerate.logging import get_logger
 
-from ..config import ConfigError, parse_step_range
+from ..options import ConfigError, ProfilingOptions, parse_step_range
 from .base import Hook
 
 MEMORY_FILE = "memory.json"  # --memory-report's rows, at the top of the output folder
@@ -30,6 +30,10 @@ class Profiler(Hook):
         self.range = parse_step_range(steps)
         self.with_stack = with_stack
         self._profiler = None
+
+    @classmethod
+    def from_config(cls, cfg: ProfilingOptions) -> Profiler | None:
+        return cls(cfg.profile_steps, cfg.profile_with_stack) if cfg.profile_steps else None
 
     def on_fit_start(self, run) -> None:
         if self.range[0] > run.total_steps:
@@ -96,6 +100,10 @@ class MemoryReport(Hook):
     optimizer step), after the first optimizer step; printed and written to ``memory.json`` by the main
     process. CUDA: allocated / reserved / max allocated; CPU: the process's resident set. The points
     are one-shot forward and optimizer-step hooks, so the loop's hot path carries nothing for them."""
+
+    @classmethod
+    def from_config(cls, cfg: ProfilingOptions) -> MemoryReport | None:
+        return cls() if cfg.memory_report else None
 
     def on_fit_start(self, run) -> None:
         self.device = run.accelerator.device

@@ -8,6 +8,7 @@ import time
 
 import torch
 
+from ..options import TimeBudgetOptions
 from .base import Hook
 from .evaluation import Evaluation
 
@@ -32,6 +33,10 @@ class TimeBudget(Hook):
         self.eval_seconds: float | None = None
         self._last_step_end: float | None = None
         self._recent_steps: collections.deque[float] = collections.deque(maxlen=RECENT_STEPS)
+
+    @classmethod
+    def from_config(cls, cfg: TimeBudgetOptions, evaluation: Evaluation | None) -> TimeBudget | None:
+        return cls(cfg.time_budget_minutes, evaluation) if cfg.time_budget_minutes is not None else None
 
     def state_dict(self) -> dict:
         return {"eval_seconds": self.eval_seconds}

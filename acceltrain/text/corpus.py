@@ -25,9 +25,9 @@ import numpy as np
 import torch
 from accelerate.logging import get_logger
 
-from ..config import ConfigError
 from ..data import available_cpus, mix_seed
 from ..distributed import on_main_process_first
+from ..options import ConfigError
 
 logger = get_logger(__name__)
 

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import ConfigError
+from ..options import ConfigError
 from ..tasks import Task
 from .names import ARCHITECTURES, MODEL_PRESETS, MODEL_SIZES
 

@@ -12,10 +12,10 @@ from pathlib import Path
 import torch
 from torch.utils.data import Dataset
 
-from ..config import ConfigError, first_line
 from ..data import mix_seed
 from ..distributed import on_main_process_first
 from ..logs import show_progress
+from ..options import ConfigError, first_line
 from .names import FLIPS, IMAGE_DATASETS, PADDING_MODES, is_hub_dataset
 
 # the plain logger: a recipe reads its data before Accelerate's state exists, which accelerate's logger needs

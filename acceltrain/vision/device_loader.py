@@ -24,11 +24,11 @@ from accelerate.data_loader import DataLoaderStateMixin
 from accelerate.logging import get_logger
 from accelerate.state import GradientState
 
-from ..config import ConfigError, first_line
 from ..data import EpochSampler
-from .data import CropFlip, ImageClassification, decode_image_file
 from ..distributed import on_main_process_first
 from ..logs import show_progress
+from ..options import ConfigError, first_line
+from .data import CropFlip, ImageClassification, decode_image_file
 
 logger = get_logger(__name__)
 

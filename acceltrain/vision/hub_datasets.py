@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from ..config import ConfigError, first_line
 from ..distributed import on_main_process_first
+from ..options import ConfigError, first_line
 
 EVAL_SPLITS = ("test", "validation")
 

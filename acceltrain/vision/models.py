@@ -7,8 +7,8 @@ import torch
 from torch import nn
 from torchvision.models.resnet import BasicBlock
 
-from ..config import ConfigError
 from ..hub import loadable
+from ..options import ConfigError
 from .fast_net import FastCifarNet
 from .names import MODELS, RESNETS, STEMS
 

@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import ConfigError
 from ..data import mix_seed
+from ..options import ConfigError
 
 
 def whitening_images(dataset, count: int, *, seed: int) -> torch.Tensor:

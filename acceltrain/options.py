@@ -1,0 +1,255 @@
+"""What a config is made of, free of torch and Accelerate so that a recipe's ``--help`` answers at once:
+a field with its flag help (:func:`option`), the one-line error (:class:`ConfigError`, :func:`require`),
+the group base (:class:`Options`), and the option group of each built-in hook, which the hook's
+``from_config`` reads. :class:`acceltrain.TrainConfig` is the loop's own group and these."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import stat
+from typing import Any, Literal
+
+__all__ = [
+    "CheckpointOptions", "ConfigError", "EvaluationOptions", "HubOptions", "LoggingOptions", "Options", "PlotOptions", "ProfilingOptions",
+    "ReportTo", "TimeBudgetOptions", "TrackingOptions", "WandbMode", "first_line", "flag_name", "option", "parse_step_range",
+    "read_small_file", "require", "shorten",
+]
+
+
+class ConfigError(ValueError):
+    """Bad user input: reported as one line and exit code 2, before any training starts."""
+
+
+def first_line(err: object, limit: int = 300) -> str:
+    """An exception (or a reason) inside a one-line message: its OS reason or text, first line, at most
+    ``limit`` characters; its type's name when it has no text."""
+    text = str(getattr(err, "strerror", None) or err).strip()
+    return text.splitlines()[0][:limit] if text else type(err).__name__
+
+
+def shorten(value: object, limit: int = 80) -> str:
+    """``repr(value)`` for a one-line message, cut to ``limit`` characters: a bad value may be megabytes
+    (a YAML alias bomb, a pasted file), and echoing it whole is no longer one line."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit - 5]}...{text[-2:]}"
+
+
+def option(default: Any, help: str, **metadata: Any) -> Any:
+    """A dataclass field with its CLI help text (and optional ``choices``). ``free_on_resume=True``: a
+    setting that does not change the run's maths (speed, logging, outputs) and may differ on ``--resume``;
+    ``list_like=True``: comma-separated values, also given as a YAML list; ``aliases={old: new}``: old
+    names still accepted, stored as the new one."""
+    return dataclasses.field(default=default, metadata={"help": help, **metadata})
+
+
+@dataclasses.dataclass
+class Options:
+    """A group of config fields and their checks, declared next to what they configure. Each group's
+    :meth:`validate` checks its own fields and calls ``super().validate()`` first, so a config made of many
+    groups checks them all."""
+
+    def validate(self) -> None:
+        """Raise :class:`ConfigError` on the first bad value."""
+
+
+def require(ok: bool, name: str, value: Any, allowed: str) -> None:
+    """Raise the standard one-line error for field ``name`` unless ``ok``."""
+    if not ok:
+        raise ConfigError(f"--{flag_name(name)} {shorten(value)} is invalid: must be {allowed}")
+
+
+def flag_name(field_name: str) -> str:
+    return field_name.replace("_", "-")
+
+
+MAX_FILE_BYTES = 1_000_000  # a preset or a DeepSpeed JSON is a few kilobytes at most
+
+_FILE_KINDS = {stat.S_IFDIR: "a directory", stat.S_IFIFO: "a named pipe (FIFO)", stat.S_IFCHR: "a character device",
+               stat.S_IFBLK: "a block device", stat.S_IFSOCK: "a socket"}
+
+
+def read_small_file(path: str, what: str, limit: int = MAX_FILE_BYTES) -> str:
+    """The UTF-8 text of the regular file ``path`` of at most ``limit`` bytes, else a ConfigError that starts with
+    ``what`` and the path. Opened without blocking and checked on the open descriptor: a FIFO would block the
+    read for good, and /dev/zero never ends."""
+    shown = f"{what} {shorten(path, 200)}"
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except OSError as err:
+        raise ConfigError(f"{shown} cannot be read: {first_line(err)}") from None
+    kind = stat.S_IFMT(os.fstat(fd).st_mode)
+    if kind != stat.S_IFREG:
+        os.close(fd)
+        raise ConfigError(f"{shown} is {_FILE_KINDS.get(kind, 'a special file')}, not a regular file")
+    with os.fdopen(fd, "rb") as file:
+        data = file.read(limit + 1)
+    if len(data) > limit:
+        raise ConfigError(f"{shown} is larger than {limit // 1_000_000} MB: not a config file")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{shown} is not UTF-8 text (byte 0x{data[err.start]:02x} at offset {err.start})") from None
+
+
+# --------------------------------------------------------------------------- the built-in hooks' groups
+# One group per built-in hook (each hook's ``from_config`` reads its own), kept here, free of torch and
+# Accelerate, so that a recipe's --help answers at once; ``TrainConfig`` is the loop's group and these.
+
+ReportTo = Literal["wandb", "tensorboard", "all", "none"]
+WandbMode = Literal["online", "offline", "disabled"]
+
+
+@dataclasses.dataclass
+class EvaluationOptions(Options):
+    """When to evaluate and on how much (``Evaluation``), and the metric that ends a run early
+    (``TargetMetric``)."""
+
+    eval_every: int | None = option(
+        None, "evaluate every N optimizer steps; unset: at the end of each epoch and of the run", free_on_resume=True
+    )
+    eval_samples: int | None = option(
+        None, "evaluate on a seeded random subset of N eval samples (stratified by label), the same on any number of "
+        "processes; unset: all of them", free_on_resume=True,
+    )
+    target_metric: float | None = option(
+        None, "finish as soon as the task's primary metric reaches this (accuracy: >=, loss: <=); records time_to_target_seconds", free_on_resume=True
+    )
+    target_accuracy: float | None = option(
+        None, "--target-metric for tasks whose primary metric is accuracy (classification), as a fraction", free_on_resume=True
+    )
+
+    def validate(self) -> None:
+        super().validate()
+        if self.eval_every is not None:
+            require(self.eval_every >= 1, "eval_every", self.eval_every, "an integer >= 1")
+        if self.eval_samples is not None:
+            require(self.eval_samples >= 1, "eval_samples", self.eval_samples, "an integer >= 1")
+        if self.target_accuracy is not None:
+            require(0 < self.target_accuracy <= 1, "target_accuracy", self.target_accuracy, "a fraction in (0, 1]")
+            if self.target_metric is not None:
+                raise ConfigError("give one of --target-metric and --target-accuracy, not both")
+        if self.target_metric is not None:
+            require(math.isfinite(self.target_metric), "target_metric", self.target_metric, "a finite number")
+
+
+@dataclasses.dataclass
+class TimeBudgetOptions(Options):
+    """``TimeBudget``'s wall-clock budget."""
+
+    time_budget_minutes: float | None = option(
+        None, "finish when the next step and the final evaluation would pass this much wall clock (from the first step, "
+        "evaluations included); the LR schedule decays over the budget, or over --epochs/--max-steps when they end first",
+    )
+
+    def validate(self) -> None:
+        super().validate()
+        if self.time_budget_minutes is not None:
+            require(self.time_budget_minutes > 0, "time_budget_minutes", self.time_budget_minutes, "a number > 0")
+
+
+def parse_step_range(text: str) -> tuple[int, int]:
+    """``"A:B"`` -> (A, B), optimizer steps counted from 1, A <= B; else ConfigError."""
+    try:
+        first, last = (int(part) for part in text.split(":"))
+    except ValueError:
+        first = last = -1
+    if not 1 <= first <= last:
+        raise ConfigError(f"--profile-steps {text!r} is invalid: must be A:B with 1 <= A <= B (optimizer steps)")
+    return first, last
+
+
+@dataclasses.dataclass
+class ProfilingOptions(Options):
+    """``Profiler``'s step range and ``MemoryReport``'s switch."""
+
+    profile_steps: str | None = option(None, "A:B: torch.profiler over optimizer steps A..B, trace and top ops in <output_dir>/profile/", free_on_resume=True)
+    profile_with_stack: bool = option(False, "record Python stacks in the profile (slower, bigger trace)", free_on_resume=True)
+    memory_report: bool = option(
+        False, "print memory after model build, first forward, first backward, first optimizer step (memory.json)", free_on_resume=True
+    )
+
+    def validate(self) -> None:
+        super().validate()
+        if self.profile_steps is not None:
+            parse_step_range(self.profile_steps)
+
+
+@dataclasses.dataclass
+class CheckpointOptions(Options):
+    """When to checkpoint and what to keep (``CheckpointSchedule``), and time slices (``Preemption``)."""
+
+    save_every_steps: int | None = option(None, "save a checkpoint every N optimizer steps", free_on_resume=True)
+    save_every_minutes: float | None = option(None, "save a checkpoint once N minutes have passed since the last one", free_on_resume=True)
+    keep_last: int | None = option(None, "keep only the newest N checkpoints (never deleting the best one); unset: keep all", free_on_resume=True)
+    keep_best: bool = option(False, "checkpoint whenever the eval metric improves, and never delete the best checkpoint", free_on_resume=True)
+    stop_after_steps: int | None = option(
+        None, "checkpoint and stop after N optimizer steps of this launch (time-sliced jobs); continue with --resume auto", free_on_resume=True
+    )
+
+    def validate(self) -> None:
+        super().validate()
+        for name in ("save_every_steps", "keep_last", "stop_after_steps"):
+            if getattr(self, name) is not None:
+                require(getattr(self, name) >= 1, name, getattr(self, name), "an integer >= 1")
+        if self.save_every_minutes is not None:
+            require(self.save_every_minutes > 0, "save_every_minutes", self.save_every_minutes, "a number > 0")
+
+
+@dataclasses.dataclass
+class LoggingOptions(Options):
+    """How often ``TrainingLog`` writes a row, and whether ``Console`` draws progress bars."""
+
+    log_every: int = option(50, "log loss, lr and samples/s every N optimizer steps", free_on_resume=True)
+    progress: bool | None = option(
+        None, "progress bars on the main process: --progress always, --no-progress never (default: only when stderr is a "
+        "terminal, so a log file gets no bar updates)", free_on_resume=True,
+    )
+
+    def validate(self) -> None:
+        super().validate()
+        require(self.log_every >= 1, "log_every", self.log_every, "an integer >= 1")
+
+
+@dataclasses.dataclass
+class PlotOptions(Options):
+    """Whether ``Curves`` draws curves.png."""
+
+    plots: bool = option(
+        True, "draw <output_dir>/curves.png (loss and eval metric against step and seconds) when each launch ends", free_on_resume=True
+    )
+
+
+@dataclasses.dataclass
+class TrackingOptions(Options):
+    """The trackers a run reports to (the ``Trackers`` hook) and the W&B run's settings."""
+
+    report_to: ReportTo = option("wandb", "experiment tracker: wandb, tensorboard, all (both) or none", free_on_resume=True)
+    wandb_project: str | None = option(None, "W&B project (default: $WANDB_PROJECT, else 'acceltrain'); also TensorBoard's subfolder", free_on_resume=True)
+    run_name: str | None = option(None, "tracker run name (default: the output folder's name)", free_on_resume=True)
+    wandb_group: str | None = option(None, "W&B group, e.g. to gather the runs of a sweep", free_on_resume=True)
+    wandb_tags: str | None = option(None, "comma-separated W&B tags (a list in YAML)", free_on_resume=True, list_like=True)
+    wandb_notes: str | None = option(None, "W&B run notes", free_on_resume=True)
+    wandb_mode: WandbMode | None = option(
+        None, "online, offline or disabled (default: $WANDB_MODE, else online with an API key, offline without)", free_on_resume=True
+    )
+    log_model: bool = option(False, "upload the final model.safetensors as a W&B artifact (offline: kept for wandb sync)", free_on_resume=True)
+
+
+@dataclasses.dataclass
+class HubOptions(Options):
+    """``HubReady``'s upload to the Hugging Face Hub."""
+
+    push_to_hub: bool = option(
+        False, "upload the finished run folder (weights, config.json, model card, summary) to the Hub; token and repo checked before training",
+        free_on_resume=True,
+    )
+    hub_model_id: str | None = option(None, "Hub repo for --push-to-hub, 'name' or 'namespace/name' (default: the output folder's name)", free_on_resume=True)
+    hub_private: bool = option(False, "with --push-to-hub: create the repo private (default: the namespace's default visibility)", free_on_resume=True)
+
+    def validate(self) -> None:
+        super().validate()
+        for name in ("hub_model_id", "hub_private"):
+            if getattr(self, name) not in (None, False) and not self.push_to_hub:
+                raise ConfigError(f"--{flag_name(name)} needs --push-to-hub")
