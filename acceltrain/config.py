@@ -42,7 +42,7 @@ LogLevel = Literal["debug", "info", "warning", "error"]
 @dataclasses.dataclass
 class LoopOptions(Options):
     """The loop's own settings: length and batch, optimizer and schedule, hardware, the speed toolkit,
-    resuming and outputs. Each built-in hook's settings are declared next to it."""
+    resuming and outputs. Each built-in hook's settings are its own group (:mod:`acceltrain.options`)."""
 
     config: str | None = option(None, "YAML preset to load; explicit flags override its values", free_on_resume=True)
     # -- length and batch
