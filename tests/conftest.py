@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -125,6 +126,53 @@ def image_folder(tmp_path: Path) -> Path:
                 image = torch.randint(0, 60, (3, 40, 40), generator=generator, dtype=torch.uint8) + 80 * label
                 Image.fromarray(image.permute(1, 2, 0).numpy()).save(folder / f"{index:03d}.jpg")
     return root
+
+
+def docs_block(page: str, marker: str) -> str:
+    """The python block of ``docs/<page>`` that contains ``marker``."""
+    blocks = re.findall(r"```python\n(.*?)```", (REPO / "docs" / page).read_text(), re.S)
+    return next(block for block in blocks if marker in block)
+
+
+def docs_example(page: str, marker: str) -> dict:
+    """The namespace of that block, run as written."""
+    namespace: dict = {"__name__": "docs_example"}
+    exec(compile(docs_block(page, marker), f"docs/{page}", "exec", dont_inherit=True), namespace)  # noqa: S102
+    return namespace
+
+
+class EventRecorder:
+    """A hook that records the events of the original protocol with where the run stands at each."""
+
+    def __init__(self):
+        self.events = []
+
+    def on_fit_start(self, run):
+        self.events.append(("fit_start", run.step))
+
+    def on_epoch_start(self, run):
+        self.events.append(("epoch_start", run.epoch))
+
+    def on_step_end(self, run):
+        self.events.append(("step_end", run.step))
+
+    def on_log(self, run, metrics):
+        self.events.append(("log", metrics["step"], "loss" in metrics))
+
+    def on_eval_start(self, run):
+        self.events.append(("eval_start", run.step))
+
+    def on_eval_end(self, run, metrics):
+        self.events.append(("eval_end", run.step))
+
+    def on_save(self, run, folder):
+        self.events.append(("save", Path(folder).name))
+
+    def on_train_end(self, run):
+        self.events.append(("train_end", run.step))
+
+    def on_fit_end(self, run, summary):
+        self.events.append(("fit_end", summary["steps"]))
 
 
 def pytest_collection_modifyitems(config, items):

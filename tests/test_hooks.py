@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from acceltrain import EMA, ClassificationTask, ConfigError, Hook, Lookahead
 from acceltrain.checkpointing import EXIT_PREEMPTED, complete_checkpoints
-from conftest import read_events, read_summary, run_tiny_in_process
+from conftest import EventRecorder, read_events, read_summary, run_tiny_in_process
 
 sys.path.insert(0, str(Path(__file__).parent / "helpers"))
 import tiny_recipe  # noqa: E402
@@ -29,36 +29,8 @@ def run_tiny(output_dir: Path, *args: str, hooks=(), task=None) -> int:
     return run_tiny_in_process(output_dir, *RUN, *args, hooks=hooks, task=task)
 
 
-class Recorder(Hook):
-    def __init__(self):
-        self.events = []
-
-    def on_fit_start(self, run):
-        self.events.append(("fit_start", run.step))
-
-    def on_epoch_start(self, run):
-        self.events.append(("epoch_start", run.epoch))
-
-    def on_step_end(self, run):
-        self.events.append(("step_end", run.step))
-
-    def on_log(self, run, metrics):
-        self.events.append(("log", metrics["step"], "loss" in metrics))
-
-    def on_eval_start(self, run):
-        self.events.append(("eval_start", run.step))
-
-    def on_eval_end(self, run, metrics):
-        self.events.append(("eval_end", run.step))
-
-    def on_save(self, run, folder):
-        self.events.append(("save", Path(folder).name))
-
-    def on_train_end(self, run):
-        self.events.append(("train_end", run.step))
-
-    def on_fit_end(self, run, summary):
-        self.events.append(("fit_end", summary["steps"]))
+class Recorder(EventRecorder, Hook):
+    pass
 
 
 def test_hooks_are_called_in_the_documented_order(tmp_path):

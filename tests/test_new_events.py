@@ -6,43 +6,30 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from pathlib import Path
 
 import pytest
 
 from acceltrain import Hook
-from conftest import REPO, TINY_RECIPE, check, launch, read_events, read_summary, run_tiny_in_process
+from conftest import TINY_RECIPE, EventRecorder, check, docs_block, docs_example, launch, read_events, read_summary, run_tiny_in_process
 
 # 40 samples, batch 4, accumulate 3: 10 batches an epoch in windows of 3, 3, 3 and 1, so 4 optimizer steps.
 RUN = ["--num-train", "40", "--batch-size", "4", "--grad-accum", "3", "--epochs", "2", "--lr", "0.05",
        "--no-progress", "--log-every", "4", "--num-workers", "0", "--report-to", "none"]
 
-GRAD_NORM_EXAMPLE = next(block for block in re.findall(r"```python\n(.*?)```", (REPO / "docs" / "hooks.md").read_text(), re.S)
-                         if "class GradNorm" in block)  # the docs' example, run as written
+GRAD_NORM_EXAMPLE = docs_block("hooks.md", "class GradNorm")  # the docs' example, run as written
 
 
 def grad_norm_hook(every: int):
-    namespace: dict = {}
-    exec(GRAD_NORM_EXAMPLE, namespace)
-    return namespace["GradNorm"](every)
+    return docs_example("hooks.md", "class GradNorm")["GradNorm"](every)
 
 
 def run_tiny(output_dir: Path, *args: str, hooks=()) -> int:
     return run_tiny_in_process(output_dir, *RUN, *args, hooks=hooks)
 
 
-class Recorder(Hook):
-    """Every event with where the run stands at it."""
-
-    def __init__(self):
-        self.events = []
-
-    def on_fit_start(self, run):
-        self.events.append(("fit_start", run.step))
-
-    def on_epoch_start(self, run):
-        self.events.append(("epoch_start", run.epoch))
+class Recorder(EventRecorder, Hook):
+    """Every event with where the run stands at it; saves are test_hooks.py's."""
 
     def on_step_start(self, run):
         self.events.append(("step_start", run.step, run.batch_in_epoch))
@@ -50,26 +37,11 @@ class Recorder(Hook):
     def on_before_optimizer_step(self, run):
         self.events.append(("before_optimizer_step", run.step, run.batch_in_epoch))
 
-    def on_step_end(self, run):
-        self.events.append(("step_end", run.step))
-
     def on_epoch_end(self, run):
         self.events.append(("epoch_end", run.epoch, run.step))
 
-    def on_log(self, run, metrics):
-        self.events.append(("log", metrics["step"], "loss" in metrics))
-
-    def on_eval_start(self, run):
-        self.events.append(("eval_start", run.step))
-
-    def on_eval_end(self, run, metrics):
-        self.events.append(("eval_end", run.step))
-
-    def on_train_end(self, run):
-        self.events.append(("train_end", run.step))
-
-    def on_fit_end(self, run, summary):
-        self.events.append(("fit_end", summary["steps"]))
+    def on_save(self, run, folder):
+        pass
 
 
 def steps(first: int, batches: list[tuple[int, int]]) -> list[tuple]:

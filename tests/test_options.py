@@ -15,7 +15,7 @@ from acceltrain.options import (
     CheckpointOptions, ConfigError, EvaluationOptions, HubOptions, LoggingOptions, Options, PlotOptions, ProfilingOptions, TimeBudgetOptions,
     TrackingOptions,
 )
-from conftest import REPO
+from conftest import docs_example
 
 # every field TrainConfig had before the options moved next to their hooks: what users type stays the same
 FIELDS_BEFORE = """
@@ -91,17 +91,8 @@ def test_each_builtin_is_built_from_its_own_group_alone():
     assert HubReady.from_config(HubOptions(push_to_hub=True)).push is True
 
 
-def docs_example() -> dict:
-    """The option group of docs/hooks.md's "Options" section, run as written."""
-    text = (REPO / "docs" / "hooks.md").read_text().split("## Options\n")[1]
-    code = text.split("```python\n")[1].split("```")[0]
-    namespace: dict = {"__name__": "docs_example"}
-    exec(compile(code, "docs/hooks.md", "exec", dont_inherit=True), namespace)  # noqa: S102 (our own docs)
-    return namespace
-
-
 def test_a_hook_of_ones_own_brings_its_options_as_one_more_group(tmp_path):
-    MyConfig = docs_example()["MyConfig"]
+    MyConfig = docs_example("hooks.md", "class WeightNormOptions")["MyConfig"]
     assert parse_config(MyConfig, ["--weight-norm-every", "5", "--eval-every", "2"]).weight_norm_every == 5
     preset = tmp_path / "preset.yaml"
     preset.write_text("weight_norm_every: 7\nlog_every: 3\n")
