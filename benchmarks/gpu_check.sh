@@ -8,7 +8,8 @@
 #   4. GPT-2 small (124M, 1,024-token blocks) through recipes/causal_lm.py in bf16 with torch.compile on
 #      generated text: tokens/s and MFU;
 #   5. time to 94% on the real CIFAR-10 (the JPEG copy carried in .device): the cifar10_fast preset through
-#      accelerate launch on one GPU, evaluated every epoch until 94% (target: <= 3 s, <= 10 epochs).
+#      accelerate launch on one GPU, evaluated every epoch until 94% (target: <= 2.5 s, <= 10 epochs);
+#   6. airbench94's own code on the same GPU, the ratio's baseline (benchmarks/peers.py --rows airbench).
 # Prepare once on a machine with network: bash benchmarks/gpu_wheels.sh  (wheels into .device/wheels)
 # Then, with the device tool:  run(command="bash benchmarks/gpu_check.sh", carry=[".device"], timeout_s=590)
 # Results: $OUT (the device tool's output folder) or benchmarks/results/gpu/.
@@ -18,7 +19,7 @@ RESULTS=${OUT:-benchmarks/results/gpu}
 mkdir -p "$RESULTS"
 export PYTHONPATH=$PWD WANDB_MODE=disabled TOKENIZERS_PARALLELISM=false
 if [ -d .device/wheels ]; then
-    python3 -m pip install -q --no-index --find-links .device/wheels deepspeed hjson 2>&1 | tail -1
+    python3 -m pip install -q --no-index --find-links .device/wheels deepspeed hjson airbench 2>&1 | tail -1
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$RESULTS/gpu.txt"
 
@@ -70,3 +71,8 @@ if [ -f .device/cifar10-jpeg.tar.gz ]; then
 else
     echo "skipped: .device/cifar10-jpeg.tar.gz absent (bash benchmarks/gpu_wheels.sh copies it there)"
 fi
+
+echo "== 6. airbench94's own train94 next to cifar10_fast on this GPU (peers.py's airbench row, 10 epochs)"
+timeout 240 python3 benchmarks/peers.py --rows airbench --epochs 10 > "$RESULTS/peers_airbench.log" 2>&1 \
+    || echo "peers airbench: failed, see peers_airbench.log"
+tail -4 "$RESULTS/peers_airbench.log"; cp benchmarks/results/peers.json "$RESULTS/" 2>/dev/null
