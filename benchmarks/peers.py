@@ -9,21 +9,25 @@ per-round ratios acceltrain/peer is reported with its min and max.
                         airbench's, samples/s >= 1.0x). airbench reads ``cifar10/{train,test}.pt`` (torchvision's
                         uint8 arrays): they are made from the JPEGs by the toolkit's decoder, under
                         benchmarks/.data. Without a GPU it runs with these run-time patches, in its own process:
-                        ``.cuda()`` is the identity, ``.half()`` gives fp32 (the toolkit runs with
-                        ``--mixed-precision no`` on a CPU), ``torch.load`` maps to the CPU, and
-                        ``torch.cuda.Event``/``synchronize`` are host clocks. Its own timers give its samples/s
-                        (epochs only: not the whitening set-up, not the evaluations); the toolkit's figure is its
-                        loop's own, timed from the first step (``--timing-warmup-steps 0``) without evaluations.
+                        ``.cuda()`` is the identity; ``.half()`` gives fp32 weights (``--precision fp32``, the
+                        toolkit with ``--mixed-precision no``) or fp32 weights under bf16 autocast
+                        (``--precision bf16``, the toolkit with ``--mixed-precision bf16``: faster on a CPU
+                        with bf16 instructions, and nearer airbench's fp16 on a GPU); ``torch.load`` maps to
+                        the CPU; ``torch.cuda.Event``/``synchronize`` are host clocks. Its own timers give its
+                        samples/s (epochs only: not the whitening set-up, not the evaluations); the toolkit's
+                        figure is its loop's own, timed from the first step (``--timing-warmup-steps 0``)
+                        without evaluations.
   transformers Trainer  ``transformers.Trainer`` vs ``recipes/causal_lm.py --config lm_tiny_cpu``: the same
                         GPT-2-style tiny model (built after set_seed(seed), as the recipe does), BPE tokenizer
                         (trained once, passed to both), packed blocks of tinyshakespeare with the same held-out
-                        blocks, batch,
-                        AdamW settings, warm-up steps + cosine schedule (the same lr at every step after the
-                        warm-up; in it, the Trainer's rises from 0 at step 1, the toolkit's from 1/(W+1): at
-                        most 1/(W+1) of the peak apart), gradient clipping, loader workers and steps.
-                        Tokens/s from the end of step 5 to the last step (target >= 1.1x) and the eval loss at
-                        the last step, seeds 0 and 1 alternating by round (target: equal within the run-to-run
-                        noise, the larger spread between the two seeds).
+                        blocks, batch, AdamW settings (fused: the Trainer's default and the toolkit's),
+                        warm-up steps + cosine schedule (the same lr at every step after the warm-up; in it,
+                        the Trainer's rises from 0 at step 1, the toolkit's from 1/(W+1): at most 1/(W+1) of
+                        the peak apart), gradient clipping, loader workers and steps. Tokens/s from the end of
+                        step 5 to the last step (target >= 1.1x) and the eval loss at the last step; round r
+                        runs seed r in both legs (target: equal within the run-to-run noise: the legs' mean
+                        eval losses differ by at most two standard errors of the difference, Welch's, from
+                        the seeds' spread in each leg; judged from 3 rounds).
   plain PyTorch loop    ``benchmarks/overhead.py`` (its legs, its alternation), its JSON kept in this file's.
 
 Each leg runs in a fresh process, but the plain loop, which overhead.py runs in-process. Rows not run keep
@@ -32,6 +36,7 @@ their earlier results (each row records its machine); the JSON is written after 
     python benchmarks/peers.py                       # -> benchmarks/results/peers.json, peers.png
     python benchmarks/peers.py --rows trainer,plain --rounds 5 --steps 600
     python benchmarks/peers.py --rows airbench --epochs 10 --airbench-rounds 2
+    python benchmarks/peers.py --rows airbench --epochs 10 --precision bf16   # a CPU: both legs under bf16 autocast
     python benchmarks/peers.py --quick               # tiny sizes, every row end to end: peers_quick.json/.png
 """
 
@@ -63,11 +68,12 @@ TEXT = REPO.parent / "shared" / "datasets" / "tinyshakespeare.txt"
 AIRBENCH_INSTALL = "pip install airbench==0.1.8"
 AIRBENCH_PEAK = 0.23  # airbench's triangle schedule peaks at 23% of the steps (the preset's 110 warm-up steps of 480)
 TIMING_WARMUP = 5  # LM row: steps left out of tokens/s in both legs (the toolkit's default)
-SEEDS = (0, 1)  # LM row: round r uses SEEDS[r % 2]
+NOISE_Z = 2  # LM row: eval losses are equal within the noise when they differ by at most 2 standard errors
 # --quick: every row end to end (3.5 minutes on 2 cores at load 6); its figures say nothing about speed or accuracy
 QUICK = {"train_per_class": 64, "test_per_class": 50, "cifar_batch": 128, "epochs": 1, "steps": 8, "rounds": 2,
          "plain": ["--steps", "8", "--warmup", "3", "--batch-size", "32"]}
 HOST = not torch.cuda.is_available()
+PRECISIONS = {"fp32": "fp32 weights and compute", "bf16": "fp32 weights, bf16 autocast forward passes"}  # airbench row, CPU
 
 
 # --------------------------------------------------------------------------- rounds, ratios, targets
@@ -175,14 +181,23 @@ class HostEvent:
         return 1000 * (end.seconds - self.seconds)
 
 
-def patch_airbench_for_cpu() -> None:
-    """Where airbench assumes CUDA, its host equivalent (this process only: the leg's own)."""
+def patch_airbench_for_cpu(precision: str) -> None:
+    """Where airbench assumes CUDA, its host equivalent (this process only: the leg's own). Its fp16 net
+    becomes fp32 weights, run under bf16 autocast with ``precision`` bf16, its logits returned in fp32 (as
+    Accelerate's ``--mixed-precision bf16`` returns the toolkit's): the loss and the optimizer stay fp32."""
     from torch import nn
 
-    torch.Tensor.cuda = lambda self, *args, **kwargs: self  # make_net94: net.half().cuda()
+    def half(module: nn.Module) -> nn.Module:  # make_net94: net.half().cuda(); then its BatchNorms .float()
+        module.float()
+        if precision == "bf16":
+            forward = torch.autocast("cpu", dtype=torch.bfloat16)(module.forward)
+            module.forward = lambda *args, **kwargs: forward(*args, **kwargs).float()
+        return module
+
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
     nn.Module.cuda = lambda self, *args, **kwargs: self
-    torch.Tensor.half = lambda self, *args, **kwargs: self.float(*args, **kwargs)  # fp32, as the toolkit's leg
-    nn.Module.half = lambda self: self.float()
+    torch.Tensor.half = lambda self, *args, **kwargs: self.float(*args, **kwargs)  # its loader's images: fp32
+    nn.Module.half = half
     load = torch.load
     torch.load = lambda *args, **kwargs: load(*args, **{**kwargs, "map_location": "cpu"})  # CifarLoader: torch.device(0)
     torch.cuda.Event = HostEvent
@@ -197,7 +212,7 @@ def airbench_leg(spec: dict) -> dict:
     from airbench import lib_airbench94, utils
 
     if HOST:
-        patch_airbench_for_cpu()
+        patch_airbench_for_cpu(spec["precision"])
     intervals = []  # every starter.elapsed_time(ender) it adds to its total: whitening, each epoch, the final TTA
 
     class TimedEvent(torch.cuda.Event):
@@ -230,14 +245,14 @@ def airbench_leg(spec: dict) -> dict:
             "val_accuracy_by_epoch": [row["val_acc"] for row in rows[:-1]], "airbench": version("airbench")}
 
 
-def toolkit_cifar_leg(data_dir: Path, images: int, epochs: int, batch_size: int, seed: int, out: Path) -> dict:
+def toolkit_cifar_leg(data_dir: Path, images: int, epochs: int, batch_size: int, seed: int, precision: str, out: Path) -> dict:
     preset = yaml.safe_load(CIFAR_PRESET.read_text())
     steps = images // batch_size * epochs
     flags = ["--config", str(CIFAR_PRESET), "--dataset", "imagefolder", "--data-dir", str(data_dir), "--epochs", str(epochs),
              "--warmup-steps", str(int(AIRBENCH_PEAK * steps)), "--eval-every", str(10**9), "--timing-warmup-steps", "0",
              "--seed", str(seed)]
     if HOST:
-        flags += ["--mixed-precision", "no"]
+        flags += ["--mixed-precision", "no" if precision == "fp32" else "bf16"]
     if batch_size != preset["batch_size"]:  # --quick: the same lr per sample (the loss is a mean)
         flags += ["--batch-size", str(batch_size), "--lr", str(preset["lr"] * batch_size / preset["batch_size"])]
     summary = run_recipe_process(out, flags)
@@ -258,15 +273,15 @@ def airbench_row(args, work: Path) -> dict:
     batch_size = QUICK["cifar_batch"] if args.quick else yaml.safe_load(CIFAR_PRESET.read_text())["batch_size"]
     root, count = airbench_data(data_dir)
     print(f"{ROWS['airbench']}: {count} training images, {args.epochs} epochs, batch {batch_size}, "
-          f"{args.airbench_rounds} round(s){', CPU patches' if HOST else ''}", flush=True)
+          f"{args.airbench_rounds} round(s){f', CPU patches, {args.precision}' if HOST else ''}", flush=True)
 
     def peer(r):
         spec = {"root": str(root), "epochs": args.epochs, "batch_size": batch_size, "seed": r, "train_images": count,
-                "out": str(work / f"airbench-{r}.json")}
+                "precision": args.precision, "out": str(work / f"airbench-{r}.json")}
         return run_leg_process("airbench", spec)
 
     def toolkit(r):
-        return toolkit_cifar_leg(data_dir, count, args.epochs, batch_size, r, work / f"cifar-{r}")
+        return toolkit_cifar_leg(data_dir, count, args.epochs, batch_size, r, args.precision, work / f"cifar-{r}")
 
     rounds = paired_rounds(args.airbench_rounds, peer, toolkit,
                            lambda leg: f"TTA accuracy {leg['tta_accuracy']:.4f}, {leg['samples_per_second']:.0f} samples/s")
@@ -276,8 +291,9 @@ def airbench_row(args, work: Path) -> dict:
         "peer": f"airbench {rounds[0]['peer']['airbench']}: train94, its hyperparameters"
                 + (f" (but batch {batch_size}: --quick)" if args.quick else ""),
         "toolkit": f"recipes/resnet_cifar.py --config {CIFAR_PRESET.relative_to(REPO)}",
-        "peer_changes": ("without CUDA: .cuda() identity, .half() -> fp32, torch.load to the CPU, torch.cuda.Event/"
-                         "synchronize as host clocks" if HOST else "none (a GPU: airbench.warmup94() first, as published)"),
+        "peer_changes": (f"without CUDA: .cuda() identity, .half() -> {PRECISIONS[args.precision]}, torch.load to the CPU, "
+                         "torch.cuda.Event/synchronize as host clocks" if HOST else "none (a GPU: airbench.warmup94() first, as published)"),
+        "precision": PRECISIONS[args.precision] if HOST else "airbench fp16 (its own); acceltrain the preset's bf16",
         "data": str(data_dir.relative_to(REPO)), "train_images": count, "epochs": args.epochs, "batch_size": batch_size,
         "rounds": rounds, "samples_per_second_ratio": speed, "tta_accuracy": accuracy,
         "targets": [target("samples/s ratio >= 1.0", speed["median"], 1.0, speed["median"] >= 1.0),
@@ -358,8 +374,9 @@ def toolkit_lm_leg(tokenizer: Path, steps: int, warmup: int, seed: int, out: Pat
 
 
 def loss_noise(rounds: list[dict]) -> dict:
-    """Per leg, the eval loss of each seed (mean over its rounds), their mean and their spread; the target:
-    the legs' means differ by no more than the larger spread."""
+    """Per leg, the eval loss of each seed, their mean and sample standard deviation; the target: the legs'
+    means differ by at most ``NOISE_Z`` standard errors of the difference (Welch's: each leg's variance over
+    its seeds), judged from 3 seeds per leg (2 give no usable variance)."""
     legs = {}
     for leg in ("peer", "acceltrain"):
         by_seed = {}
@@ -367,12 +384,17 @@ def loss_noise(rounds: list[dict]) -> dict:
             by_seed.setdefault(r[leg]["seed"], []).append(r[leg]["eval_loss"])
         losses = {seed: statistics.mean(values) for seed, values in by_seed.items()}
         legs[leg] = {"by_seed": losses, "mean": statistics.mean(losses.values()),
-                     "spread": max(losses.values()) - min(losses.values())}
+                     "std": statistics.stdev(losses.values()) if len(losses) > 1 else None}
     difference = legs["acceltrain"]["mean"] - legs["peer"]["mean"]
-    noise = max(legs["peer"]["spread"], legs["acceltrain"]["spread"])
-    judged = len(legs["peer"]["by_seed"]) > 1
-    return {**legs, "difference": difference, "noise": noise if judged else None,
-            "met": abs(difference) <= noise if judged else None}
+    judged = min(len(legs[leg]["by_seed"]) for leg in legs) >= 3
+    if not judged:
+        return {**legs, "difference": difference, "standard_error": None, "noise": None, "met": None}
+    error = math.sqrt(sum(legs[leg]["std"] ** 2 / len(legs[leg]["by_seed"]) for leg in legs))
+    by_seed = [legs["acceltrain"]["by_seed"][seed] - loss for seed, loss in legs["peer"]["by_seed"].items()]
+    paired = {"differences": by_seed, "acceltrain_higher": sum(d > 0 for d in by_seed), "seeds": len(by_seed),
+              "standard_error": statistics.stdev(by_seed) / math.sqrt(len(by_seed))}  # context: seed for seed
+    return {**legs, "difference": difference, "standard_error": error, "noise": NOISE_Z * error,
+            "met": abs(difference) <= NOISE_Z * error, "paired": paired}
 
 
 def trainer_row(args, work: Path) -> dict:
@@ -389,18 +411,18 @@ def trainer_row(args, work: Path) -> dict:
     tokenizer = lm_tokenizer(work / "tokenizer", preset["vocab_size"])
 
     def peer(r):
-        spec = {"preset": preset, "steps": args.steps, "warmup_steps": warmup, "seed": SEEDS[r % 2], "text": str(TEXT),
+        spec = {"preset": preset, "steps": args.steps, "warmup_steps": warmup, "seed": r, "text": str(TEXT),
                 "tokenizer": str(tokenizer), "work": str(work / f"trainer-{r}"), "out": str(work / f"trainer-{r}.json")}
         return run_leg_process("trainer", spec)
 
     def toolkit(r):
-        return toolkit_lm_leg(tokenizer, args.steps, warmup, SEEDS[r % 2], work / f"lm-{r}")
+        return toolkit_lm_leg(tokenizer, args.steps, warmup, r, work / f"lm-{r}")
 
     rounds = paired_rounds(args.rounds, peer, toolkit,
                            lambda leg: f"seed {leg['seed']}: {leg['tokens_per_second']:.0f} tokens/s, eval loss {leg['eval_loss']:.4f}")
     speed = ratio_of(rounds, "tokens_per_second")
     loss = loss_noise(rounds)
-    note = "value: eval-loss difference acceltrain - peer; threshold: the larger spread between seeds"
+    note = f"value: eval-loss difference acceltrain - peer; threshold: {NOISE_Z} standard errors of that difference"
     return {
         "peer": f"transformers {transformers.__version__} Trainer (optim {rounds[0]['peer']['optim']})",
         "toolkit": f"recipes/causal_lm.py --config {LM_PRESET.relative_to(REPO)}",
@@ -410,7 +432,7 @@ def trainer_row(args, work: Path) -> dict:
         "eval_loss": loss,
         "targets": [target("tokens/s ratio >= 1.1", speed["median"], 1.1, speed["median"] >= 1.1),
                     target("eval loss equal within run-to-run noise", loss["difference"], loss["noise"], loss["met"],
-                           note if loss["met"] is not None else "not judged: one seed (use --rounds >= 2)")],
+                           note if loss["met"] is not None else "not judged: fewer than 3 seeds (use --rounds >= 3)")],
     }
 
 
@@ -464,7 +486,7 @@ def table(rows: dict) -> list[str]:
         if key == "trainer":
             loss = row["eval_loss"]
             seeds = ",".join(str(seed) for seed in loss["peer"]["by_seed"])
-            noise = f"noise {loss['noise']:.4f}" if loss["noise"] is not None else "one seed"
+            noise = f"noise {loss['noise']:.4f}" if loss["noise"] is not None else "< 3 seeds"
             lines.append(f"{'':22} {f'eval loss (seeds {seeds})':26} {loss['peer']['mean']:10.4f} {loss['acceltrain']['mean']:10.4f}  "
                          f"{loss['difference']:+.4f} ({noise}){'':4} {verdicts[1]}")
     return lines
@@ -500,8 +522,8 @@ def plot(rows: dict, path: Path, quick: bool) -> None:
         for x, (leg, label) in enumerate((("peer", "Trainer"), ("acceltrain", "acceltrain"))):
             seeds = losses[leg]["by_seed"]
             loss.scatter([x] * len(seeds), list(seeds.values()), color="tab:grey" if leg == "peer" else "tab:blue")
-            for seed, value in seeds.items():
-                loss.text(x + 0.05, value, f"seed {seed}", fontsize=7)
+            loss.hlines(losses[leg]["mean"], x - 0.15, x + 0.15, color="black")
+            loss.text(x + 0.18, losses[leg]["mean"], f"mean of {len(seeds)} seeds", fontsize=7, va="center")
         loss.set_xticks([0, 1], ["Trainer", "acceltrain\ncausal_lm"])
         loss.set_xlim(-0.5, 1.7)
         loss.set_title(f"tinyshakespeare eval loss at step {measured['trainer']['steps']}", fontsize=9)
@@ -519,6 +541,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, help="paired rounds of the trainer and plain rows (default 3; --quick 2)")
     parser.add_argument("--airbench-rounds", type=int, help="paired rounds of the airbench row (default 1)")
     parser.add_argument("--epochs", type=int, help="epochs of the airbench row (default 10; --quick 1)")
+    parser.add_argument("--precision", choices=list(PRECISIONS), default="fp32",
+                        help="airbench row without a GPU, both legs: fp32, or bf16 autocast (default fp32; "
+                             "a GPU runs each as published: airbench fp16, the preset bf16)")
     parser.add_argument("--steps", type=int, help="optimizer steps of the trainer row (default: the preset's 600; --quick 8)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, every row end to end: peers_quick.json, not figures")
     parser.add_argument("--leg", choices=["airbench", "trainer"], help=argparse.SUPPRESS)  # a leg in its own process

@@ -95,3 +95,33 @@ def test_the_warm_up_can_start_and_the_decay_end_above_zero():
     assert lr[0] == pytest.approx(0.2 + 0.8 / 21) and max(lr) == pytest.approx(1.0)
     assert lr[60] == pytest.approx(0.07 + 0.93 * 0.5) and lr[100] == pytest.approx(0.07)
     assert lr_multiplier(100, total_steps=100, warmup_steps=20, schedule="cosine", floor=0.07) == pytest.approx(0.07)
+
+
+
+def test_adamw_is_torchs_fused_kernel_and_steps_as_the_default_one():
+    """The one-kernel AdamW (Transformers' Trainer's default too): the same updates as torch's default AdamW
+    on the same groups within float rounding, and a checkpoint's optimizer state loads back fused."""
+    from acceltrain import build_optimizer
+
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 2))
+
+    cfg = TrainConfig(optimizer="adamw", lr=0.01, weight_decay=0.1)
+    fused_model, default_model = model(), model()
+    fused = build_optimizer(fused_model, cfg)
+    assert all(group["fused"] for group in fused.param_groups)
+    same = dict(zip((id(p) for p in fused_model.parameters()), default_model.parameters()))
+    default = torch.optim.AdamW([{**{k: v for k, v in group.items() if k not in ("params", "fused")},
+                                  "params": [same[id(p)] for p in group["params"]]} for group in fused.param_groups])
+    inputs = torch.randn(16, 4)
+    for _ in range(5):
+        for net, optimizer in ((fused_model, fused), (default_model, default)):
+            optimizer.zero_grad()
+            net(inputs).square().mean().backward()
+            optimizer.step()
+    for ours, theirs in zip(fused_model.parameters(), default_model.parameters()):
+        torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-7)
+    again = build_optimizer(fused_model, cfg)
+    again.load_state_dict(fused.state_dict())
+    assert all(group["fused"] for group in again.param_groups)
