@@ -16,7 +16,7 @@ NORMALISATIONS = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
-    """SGD (Nesterov) or AdamW (fused) at ``cfg.lr``; or Muon on the hidden matrices (:class:`MuonWithSGD`) with
+    """SGD (Nesterov) or AdamW (fused: :func:`fused_adamw`) at ``cfg.lr``; or Muon on the hidden matrices (:class:`MuonWithSGD`) with
     SGD on the rest. Weight decay applies to weight matrices and conv kernels
     only, not to biases and normalisation scales (the usual choice), unless ``cfg.decay_all_parameters``:
     then every parameter decays by the same fraction per step (airbench94), so the group with the scaled
@@ -40,13 +40,24 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer
                               "embeddings, the last Linear and vectors to SGD): use --optimizer sgd or adamw")
         groups[0]["params"] = [param for param in decay if id(param) not in muon]
     groups = [group for group in groups if group["params"]]  # a model without norms or biases: no empty group
-    if cfg.optimizer == "adamw":  # torch's one-kernel AdamW (CPU and GPUs; Transformers' Trainer's default): on 2 CPU
-        # cores it steps the tiny GPT-2's 0.87M parameters in 0.6 ms, against 2.9 ms for the default (foreach)
-        return torch.optim.AdamW(groups, lr=cfg.lr, fused=True)
+    if cfg.optimizer == "adamw":
+        return torch.optim.AdamW(groups, lr=cfg.lr, fused=fused_adamw(cfg.mixed_precision))
     sgd = torch.optim.SGD(groups or [{"params": []}], lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.momentum > 0)
     if cfg.optimizer == "sgd":
         return sgd
     return MuonWithSGD(matrices, sgd, lr=cfg.muon_lr, momentum=cfg.muon_momentum, weight_decay=cfg.muon_weight_decay)
+
+
+def fused_adamw(mixed_precision: str) -> bool | None:
+    """torch's one-kernel AdamW (Transformers' Trainer's default) where it is safe, else torch's default:
+    - not under fp16: a fused optimizer skips an overflowed step inside its kernel, so the grad scaler calls
+      ``step()`` every time and Accelerate 1.16 never reports ``optimizer_step_was_skipped``
+      (accelerate#4242): the schedule would advance on skipped steps;
+    - not where torch_xla is installed: torch has no fused kernel for XLA devices.
+    A checkpoint keeps the choice it was saved with (``load_state_dict`` restores ``fused``)."""
+    from accelerate.utils import is_torch_xla_available
+
+    return None if mixed_precision == "fp16" or is_torch_xla_available() else True
 
 
 def muon_parameters(model: nn.Module) -> set[int]:

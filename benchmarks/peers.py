@@ -369,8 +369,11 @@ def toolkit_lm_leg(tokenizer: Path, steps: int, warmup: int, seed: int, out: Pat
              "--warmup-steps", str(warmup), "--eval-every", str(10**9), "--timing-warmup-steps", str(TIMING_WARMUP),
              "--seed", str(seed)]
     summary = run_recipe_process(out, flags, recipe=LM_RECIPE)
+    from acceltrain.optim import fused_adamw
+
     return {"tokens_per_second": summary["tokens_per_second"], "eval_loss": summary["eval_loss"], "seed": seed,
-            "steps": summary["steps"], "train_loss": summary["train_loss"], "num_workers": summary["config"]["num_workers"]}
+            "steps": summary["steps"], "train_loss": summary["train_loss"], "num_workers": summary["config"]["num_workers"],
+            "optim": f"AdamW (fused={fused_adamw(summary['config']['mixed_precision'])})"}
 
 
 def loss_noise(rounds: list[dict]) -> dict:

@@ -125,3 +125,20 @@ def test_adamw_is_torchs_fused_kernel_and_steps_as_the_default_one():
     again = build_optimizer(fused_model, cfg)
     again.load_state_dict(fused.state_dict())
     assert all(group["fused"] for group in again.param_groups)
+    older = build_optimizer(default_model, cfg)  # a checkpoint written before AdamW was fused: resumes as it ran
+    older.load_state_dict(default.state_dict())
+    assert not any(group["fused"] for group in older.param_groups)
+    default_model(inputs).square().mean().backward()
+    older.step()
+
+
+def test_adamw_under_fp16_is_one_whose_overflowed_steps_the_grad_scaler_skips():
+    """A fused AdamW skips an overflowed fp16 step inside its kernel, so the grad scaler calls its step()
+    anyway and Accelerate reports no skipped step (accelerate#4242): the schedule would move on. Under fp16
+    the AdamW is torch's default one, whose step() the grad scaler does not call on an overflow."""
+    from acceltrain import build_optimizer
+
+    model = torch.nn.Linear(4, 2)
+    fp16 = build_optimizer(model, TrainConfig(optimizer="adamw", mixed_precision="fp16"))
+    assert not getattr(fp16, "_step_supports_amp_scaling", False)
+    assert getattr(build_optimizer(model, TrainConfig(optimizer="adamw", mixed_precision="bf16")), "_step_supports_amp_scaling", False)
