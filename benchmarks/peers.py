@@ -365,12 +365,12 @@ def trainer_leg(spec: dict) -> dict:
 
 
 def toolkit_lm_leg(tokenizer: Path, steps: int, warmup: int, seed: int, out: Path) -> dict:
+    from acceltrain.optim import fused_adamw
+
     flags = ["--config", str(LM_PRESET), "--text-files", str(TEXT), "--tokenizer", str(tokenizer), "--max-steps", str(steps),
              "--warmup-steps", str(warmup), "--eval-every", str(10**9), "--timing-warmup-steps", str(TIMING_WARMUP),
              "--seed", str(seed)]
     summary = run_recipe_process(out, flags, recipe=LM_RECIPE)
-    from acceltrain.optim import fused_adamw
-
     return {"tokens_per_second": summary["tokens_per_second"], "eval_loss": summary["eval_loss"], "seed": seed,
             "steps": summary["steps"], "train_loss": summary["train_loss"], "num_workers": summary["config"]["num_workers"],
             "optim": f"AdamW (fused={fused_adamw(summary['config']['mixed_precision'])})"}

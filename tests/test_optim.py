@@ -97,7 +97,6 @@ def test_the_warm_up_can_start_and_the_decay_end_above_zero():
     assert lr_multiplier(100, total_steps=100, warmup_steps=20, schedule="cosine", floor=0.07) == pytest.approx(0.07)
 
 
-
 def test_adamw_is_torchs_fused_kernel_and_steps_as_the_default_one():
     """The one-kernel AdamW (Transformers' Trainer's default too): the same updates as torch's default AdamW
     on the same groups within float rounding, and a checkpoint's optimizer state loads back fused."""
