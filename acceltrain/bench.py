@@ -366,7 +366,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _processes(text: str) -> list[int]:
-    """``--processes 1,2`` -> [1, 2]; anything else is a ConfigError."""
+    """``--processes 1,2`` -> [1, 2]; anything else, or more processes than :func:`most_processes`, is a ConfigError
+    (torchrun would start them all, each row after the whole ladder had run)."""
     from .options import ConfigError
 
     try:
@@ -375,7 +376,24 @@ def _processes(text: str) -> list[int]:
         processes = [0]
     if min(processes) < 1:
         raise ConfigError(f"--processes {text!r} is invalid: a comma list of integers >= 1, e.g. 1,2")
+    if max(processes) > 1:
+        most, unit = most_processes()
+        if max(processes) > most:
+            raise ConfigError(f"--processes {text!r} asks for {max(processes)} processes: this machine runs at most "
+                              f"{most} (one per {unit})")
     return processes
+
+
+def most_processes() -> tuple[int, str]:
+    """How many processes a scaling row can run here, and per what: one per GPU under CUDA (torchrun gives each
+    process a device of its own), else one per CPU core this process may use (more gloo processes than cores
+    share them: the row would measure the sharing, not the scaling)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.device_count(), "GPU"
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return cores or 1, "CPU core"
 
 
 # Steady step times vary by about 10% from step to step on a quiet machine (resnet_tiny on 2 CPU cores:

@@ -138,3 +138,18 @@ def test_bench_runs_the_rows_of_a_valid_recipe_with_its_own_flags(tmp_path, no_r
             "--output-dir", str(tmp_path / "bench")]
     assert bench_main(argv) == 0
     assert no_rows == ["fp32"]
+
+
+@pytest.mark.parametrize(("cuda", "expected"), [
+    (False, "error: --processes '1,10000' asks for 10000 processes: this machine runs at most 2 (one per CPU core)"),
+    (True, "error: --processes '1,10000' asks for 10000 processes: this machine runs at most 1 (one per GPU)"),
+])
+def test_bench_refuses_more_processes_than_the_machine_runs_before_any_row(tmp_path, capsys, monkeypatch, no_rows,
+                                                                           cuda, expected):
+    """Issue 31 item 12: --processes 10000 on 2 cores started the ladder, then torchrun's 10000 processes."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    assert refusal(capsys, "--processes", "1,10000", output_dir=tmp_path / "bench") == expected
+    assert no_rows == [] and not (tmp_path / "bench").exists()
