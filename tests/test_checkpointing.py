@@ -103,8 +103,10 @@ def long_uninterrupted(tmp_path_factory):
 def test_sigterm_checkpoints_exits_75_and_resume_is_identical(tmp_path, long_uninterrupted):
     out = tmp_path / "run"
     process = _start([*LONG, "--output-dir", str(out)])
-    _wait_for(lambda: (out / "metrics.jsonl").exists() and (out / "metrics.jsonl").stat().st_size > 0)
-    time.sleep(random.uniform(0.0, 0.5))  # an unpredictable step, often inside an accumulation window
+    # an unpredictable step, often inside an accumulation window; counted, not timed: on any machine well
+    # before the last of 256 (a fixed sleep could outlast a fast machine's whole run)
+    logged = random.randint(1, 20)
+    _wait_for(lambda: (out / "metrics.jsonl").exists() and len((out / "metrics.jsonl").read_text().splitlines()) >= logged)
     process.send_signal(signal.SIGTERM)
     time.sleep(0.05)
     process.send_signal(signal.SIGTERM)  # a second signal while stopping/saving changes nothing

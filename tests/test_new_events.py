@@ -175,7 +175,7 @@ class StopAt(Hook):
     ((), (), 8, None),
     ((), (StopAt(5, finish=True),), 5, "enough"),
     (("--eval-every", "2", "--target-metric", "0"), (), 2, "eval_accuracy reached 0.0"),
-    (("--time-budget-minutes", "0.0001"), (), 1, "time budget of 0.0001 min"),
+    (("--time-budget-minutes", "1e-07"), (), 1, "time budget of 1e-07 min"),  # 6 us: over after any first step
 ], ids=["to-the-end", "a-hook", "target", "time-budget"])
 def test_why_a_run_stopped_is_in_the_summary_and_the_done_line(tmp_path, capsys, args, hooks, steps, reason):
     out = tmp_path / "run"

@@ -174,7 +174,9 @@ def assert_one_line_error_before_training(result, tmp_path: Path, seconds: float
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1, result.stderr[-3000:]
     assert all(phrase in errors[0] for phrase in phrases), errors[0]
-    assert seconds < 45, f"{seconds:.0f} s: before the probe it took about 105 s"
+    # a hang guard, not a speed test: without the probe wandb.init waits out its init_timeout (90 s) on any
+    # machine; with it, the launch takes 3-8 s here (a silent port: the 5 s probe)
+    assert seconds < 90, f"{seconds:.0f} s: before the probe it took about 105 s"
     assert not (tmp_path / "run").exists(), "refused before anything was written"
     assert SECRET not in output
     for file in tmp_path.rglob("*"):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import collections
 import statistics
-import time
 
 import torch
 
@@ -22,7 +21,9 @@ class TimeBudget(Hook):
     elapsed fraction of the time left for training, so the decay ends at the budget (or at ``--epochs`` /
     ``--max-steps`` when those come first).
 
-    Every process decides from the main process's clock (one broadcast per step on several processes),
+    It reads time from the run's clock alone, :meth:`~acceltrain.Run.elapsed` (what the logs and checkpoints
+    record), steps' durations included, so its plan follows that clock (a test's fake one too). Every
+    process decides from the main process's clock (one broadcast per step on several processes),
     so all stop at the same step with the same learning rate. The final evaluation's duration is what
     ``evaluation`` (the run's :class:`~acceltrain.hooks.Evaluation`; None: the run does not evaluate) says,
     and the last one measured is kept in checkpoints."""
@@ -31,7 +32,8 @@ class TimeBudget(Hook):
         self.budget = minutes * 60.0
         self.evaluation = evaluation
         self.eval_seconds: float | None = None
-        self._last_step_end: float | None = None
+        self._last_step_end: float | None = None  # run.elapsed() then
+        self._evaluated = False  # since then: that interval was no training step
         self._recent_steps: collections.deque[float] = collections.deque(maxlen=RECENT_STEPS)
 
     @classmethod
@@ -51,19 +53,23 @@ class TimeBudget(Hook):
 
     def on_eval_end(self, run, metrics: dict) -> None:
         self.eval_seconds = run.last_eval_seconds
+        self._evaluated = True
 
     def on_step_end(self, run) -> None:
-        now = time.perf_counter()
-        if self._last_step_end is not None and run.last_eval_started < self._last_step_end:  # no evaluation in between
+        now = run.elapsed()
+        if self._last_step_end is not None and not self._evaluated:
             self._recent_steps.append(now - self._last_step_end)
-        self._last_step_end = now
+        self._restart_step_timer(now)
         self._decide(run)
 
     def on_epoch_end(self, run) -> None:
         """An epoch's end may evaluate after ``on_step_end``: decide again with that time spent, and time the
         next step from here."""
-        self._last_step_end = time.perf_counter()
+        self._restart_step_timer(run.elapsed())
         self._decide(run)
+
+    def _restart_step_timer(self, now: float) -> None:
+        self._last_step_end, self._evaluated = now, False
 
     def _decide(self, run) -> None:
         step_seconds = statistics.median(self._recent_steps) if self._recent_steps else 0.0  # one stall is no trend
