@@ -318,7 +318,7 @@ def check_recipe_arguments(config_class: type, args, parser: argparse.ArgumentPa
     recipe knows, a ``--model`` the recipe does not offer, a bad value of a recipe flag."""
     import dataclasses
 
-    from .config import _with_suggestion, build_parser as recipe_parser, parse_config
+    from .config import build_parser as recipe_parser, parse_config
     from .options import ConfigError, flag_name
 
     recipe_flags = [f"--{flag_name(field.name)}" for field in dataclasses.fields(config_class)]
@@ -328,10 +328,19 @@ def check_recipe_arguments(config_class: type, args, parser: argparse.ArgumentPa
                           f"--dataset (as {DEFAULT_RECIPE} takes them)")
     _, unknown = recipe_parser(config_class).parse_known_args(args.recipe_args)
     if unknown:
-        flags = [flag for action in parser._actions for flag in action.option_strings] + recipe_flags
-        raise ConfigError("unrecognized arguments: " + " ".join(_with_suggestion(token, flags) for token in unknown)
-                          + " (neither a bench flag nor one of the recipe's: acceltrain bench --help, and the recipe's --help)")
+        raise unrecognized_arguments(unknown, parser, recipe_flags,
+                                     "neither a bench flag nor one of the recipe's: acceltrain bench --help, and the recipe's --help")
     parse_config(config_class, [*recipe_arguments(args, out / "rows"), *args.recipe_args])
+
+
+def unrecognized_arguments(tokens: list[str], parser: argparse.ArgumentParser, more_flags: list[str], hint: str) -> Exception:
+    """The one line for the tokens no parser took (``acceltrain bench`` and ``acceltrain ray``): each flag with the
+    closest one ``parser`` or ``more_flags`` knows (a typo's likely meaning), then ``hint``: where flags are listed."""
+    from .config import _with_suggestion
+    from .options import ConfigError
+
+    flags = [flag for action in parser._actions for flag in action.option_strings] + more_flags
+    return ConfigError("unrecognized arguments: " + " ".join(_with_suggestion(token, flags) for token in tokens) + f" ({hint})")
 
 
 def make_output_dir(path: str) -> Path:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import math
 import os
 import sys
@@ -241,9 +242,10 @@ def _print_nested(report: dict, indent: str = "") -> None:
 def main(argv: list[str] | None = None) -> int:
     from . import __version__
 
-    parser = argparse.ArgumentParser(prog="acceltrain", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser_class = functools.partial(argparse.ArgumentParser, allow_abbrev=False)  # --vers is a typo, not --version
+    parser = parser_class(prog="acceltrain", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"acceltrain {__version__}")
-    commands = parser.add_subparsers(dest="command", required=True)
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=parser_class)
     env = commands.add_parser("env", help="what `accelerate env` reports, plus the training device, MFU and a bf16 speed probe")
     env.add_argument("--accelerate-config-file", help="the accelerate config file to report (default: accelerate's default one)")
     commands.add_parser("bench", help="speed ladder: fp32 -> mixed precision -> channels_last -> compile -> ... (see bench --help)", add_help=False)

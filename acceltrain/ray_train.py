@@ -57,17 +57,32 @@ def _worker(config: dict) -> None:
             raise RuntimeError(f"{Path(config['recipe']).name} exited with code {stop.code}") from None
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="acceltrain ray", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--num-workers", type=int, required=True, help="training processes (one per GPU with --use-gpu)")
+def build_parser() -> argparse.ArgumentParser:
+    """Bad flags raise ConfigError (one line); an abbreviation is refused as the recipes refuse one (--num-w is a
+    typo); --num-workers is checked by :func:`_check`, so that a mistyped flag is named before a missing one."""
+    from .config import _OneLineParser
+
+    parser = _OneLineParser(prog="acceltrain ray", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                            allow_abbrev=False)
+    parser.add_argument("--num-workers", type=int, help="training processes (one per GPU with --use-gpu); required")
     parser.add_argument("--use-gpu", action="store_true", help="one GPU per worker, NCCL (default: CPU workers, gloo)")
     parser.add_argument("--address", default=None, help="the Ray cluster to join ('auto': the running one); default: a local one")
     parser.add_argument("--max-failures", type=int, default=0, help="restarts after a worker dies, each resuming the newest checkpoint")
     parser.add_argument("--storage-path", default=None, help="where Ray keeps its run records and reported checkpoints (default: Ray's)")
     parser.add_argument("recipe", help="the recipe script, e.g. recipes/resnet_cifar.py")
     parser.add_argument("recipe_args", nargs=argparse.REMAINDER, help="the recipe's own flags")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .bench import unrecognized_arguments
+
+    parser = build_parser()
     try:
+        args, unknown = parser.parse_known_args(argv)
+        if unknown:
+            raise unrecognized_arguments(unknown, parser, [], "acceltrain ray's flags go before the recipe, the recipe's "
+                                                              "after it: acceltrain ray --help")
         _check(args)
         import ray
     except ConfigError as err:
@@ -99,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _check(args) -> None:
+    if args.num_workers is None:
+        raise ConfigError("--num-workers is required: how many training processes Ray starts (one per GPU with --use-gpu)")
     if args.num_workers < 1:
         raise ConfigError(f"--num-workers {args.num_workers}: it must be an integer >= 1")
     if args.max_failures < 0:

@@ -26,7 +26,7 @@ TARGET = 1.05
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     parser.add_argument("--batch-size", type=int, default=32, help="b")
     parser.add_argument("--steps", type=int, default=3, help="optimizer steps per run")
     parser.add_argument("--repeats", type=int, default=2)

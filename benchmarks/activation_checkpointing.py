@@ -77,7 +77,7 @@ def step_seconds(model: torch.nn.Module, inputs: torch.Tensor, labels: torch.Ten
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--steps", type=int, default=6, help="timed steps per model")
     parser.add_argument("--warmup", type=int, default=2)

@@ -116,7 +116,7 @@ def leg(name: str, flags: list[str], data_dir: Path, tmp: Path, args: argparse.N
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     parser.add_argument("--budget-minutes", type=float, default=10.0, help="per leg")
     parser.add_argument("--evals", type=int, default=None,
                         help="evaluations per leg (default: one per 2 minutes, 2 to 8, fewer if over half the budget)")

@@ -97,7 +97,7 @@ def baselines(run_dir: Path, config: dict) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     parser.add_argument("--budget-minutes", type=float, default=10.0, help="wall-clock budget of the measured launch")
     parser.add_argument("--warmup-steps", type=int, default=100, help="optimizer steps of the throughput warm-up launch")
     options = parser.parse_args()

@@ -86,7 +86,7 @@ def plain_leg(cfg: TrainConfig) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=50, help="optimizer steps per leg, warm-up included")
     parser.add_argument("--warmup", type=int, default=5)

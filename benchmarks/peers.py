@@ -539,7 +539,7 @@ def plot(rows: dict, path: Path, quick: bool) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     parser.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, of {', '.join(ROWS)}")
     parser.add_argument("--rounds", type=int, help="paired rounds of the trainer and plain rows (default 3; --quick 2)")
     parser.add_argument("--airbench-rounds", type=int, help="paired rounds of the airbench row (default 1)")

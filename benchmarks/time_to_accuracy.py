@@ -145,7 +145,7 @@ def plot(results: dict, path: Path, budget_minutes: float) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     parser.add_argument("--legs", default=",".join(LEGS), help=f"comma-separated, of {', '.join(LEGS)}")
     parser.add_argument("--budget-minutes", type=float, default=10.0, help="the budget legs' --time-budget-minutes")
     parser.add_argument("--extra", default="", help="flags added to every leg (e.g. '--mixed-precision bf16')")
