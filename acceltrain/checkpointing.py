@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from .config import TrainConfig
-from .options import ConfigError, first_line, shorten
+from .options import ConfigError, first_line, parse_json, shorten
 
 SUMMARY_FILE = "summary.json"
 METRICS_FILE = "metrics.jsonl"
@@ -107,25 +107,9 @@ def move_previous_run_aside(output_dir: Path) -> Path | None:
 def finished_steps(output_dir: Path) -> int | None:
     """The step count of the finished run in ``output_dir`` (its summary.json), or None."""
     try:
-        return int(json.loads((output_dir / SUMMARY_FILE).read_text())["steps"])
+        return int(parse_json((output_dir / SUMMARY_FILE).read_text())["steps"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
-
-
-def export_weights(accelerator, model, output_dir: Path, weights: dict | None = None) -> Path:
-    """Final full weights, loadable by the plain model: ``Accelerator.get_state_dict`` gathers DeepSpeed
-    ZeRO-3 / FSDP shards and unwraps DDP and compilation (no ``module.``/``_orig_mod.`` prefix). Written
-    by hand rather than with ``save_model``, which drops every tensor that shares storage with another
-    as an "alias" (a logger warning only), and ZeRO-3's gathered weights are views of one flat buffer."""
-    from safetensors.torch import save_file
-
-    state_dict = accelerator.get_state_dict(model) if weights is None else weights
-    path = output_dir / WEIGHTS_FILE
-    if accelerator.is_main_process:
-        tensors = {name: tensor.detach().to("cpu").contiguous().clone() for name, tensor in state_dict.items()}
-        save_file(tensors, str(path), metadata={"format": "pt"})
-    accelerator.wait_for_everyone()
-    return path
 
 
 def write_summary(output_dir: Path, summary: dict) -> None:
@@ -187,6 +171,7 @@ class RunState:
     global_batch_size: int = 0  # samples of one micro-step over all processes: batch size x processes
     grad_accum: int = 1
     train_samples: int = 0
+    data_fingerprint: str | None = None  # the training set's fingerprint, when it has one (acceltrain 0.3)
     num_processes: int = 0  # 0: not recorded (written before acceltrain 0.2)
     batches_per_epoch: int = 0  # per process; 0: not recorded
 
@@ -203,6 +188,12 @@ class RunState:
         """Refuse what would not continue the same run. Another layout (process count, batch size,
         accumulation) continues it when every optimizer step covers the same samples: equal samples per
         step and per epoch (so the same steps per epoch, the same short last window)."""
+        if None not in (self.data_fingerprint, current.data_fingerprint) and self.data_fingerprint != current.data_fingerprint:
+            raise CheckpointError(
+                f"checkpoint {str(path)!r} was trained on data whose fingerprint is {shorten(self.data_fingerprint, 24)}, this "
+                f"run's training data has {shorten(current.data_fingerprint, 24)}: its content changed since; resuming would not "
+                "continue the same run: restore the data, or start a new --output-dir"
+            )
         for name in ("seed", "train_samples"):
             saved, now = getattr(self, name), getattr(current, name)
             if saved != now:
@@ -249,6 +240,32 @@ class RunState:
         position = self.batch_in_epoch * self.global_batch_size // current.global_batch_size
         layout = {name: getattr(current, name) for name in ("global_batch_size", "grad_accum", "num_processes", "batches_per_epoch")}
         return dataclasses.replace(self, batch_in_epoch=position, **layout)
+
+    def contradiction(self) -> str | None:
+        """What in these fields contradicts the rest (a hand-edited trainer_state.json), or None. A checkpoint
+        sits at an optimizer-step boundary, so its place in the data and its sample count follow from its step."""
+        if not self.num_processes:  # written before acceltrain 0.2: no batches_per_epoch to check against
+            return None
+        micro_batches = self.step * self.grad_accum
+        if not self.batches_per_epoch:  # a stream: every step a full window; a pass holds at least one batch
+            if self.samples_seen != self.step * self.samples_per_step:
+                return f"samples_seen {self.samples_seen} is not step {self.step} x {self.samples_per_step} samples per step"
+            if max(self.epoch, self.batch_in_epoch) > micro_batches:
+                return (f"epoch {self.epoch} and batch_in_epoch {self.batch_in_epoch} lie beyond the {micro_batches} "
+                        f"micro-batches of step {self.step}")
+            return None
+        if self.batch_in_epoch >= self.batches_per_epoch or self.batch_in_epoch % self.grad_accum:
+            return (f"batch_in_epoch {self.batch_in_epoch} is not an optimizer-step boundary inside an epoch of "
+                    f"{self.batches_per_epoch} batches (grad_accum {self.grad_accum})")
+        steps_per_epoch = -(-self.batches_per_epoch // self.grad_accum)
+        step = self.epoch * steps_per_epoch + self.batch_in_epoch // self.grad_accum
+        if self.step != step:
+            return (f"step {self.step} does not follow from epoch {self.epoch} and batch_in_epoch {self.batch_in_epoch} "
+                    f"({steps_per_epoch} optimizer steps per epoch make step {step})")
+        samples = (self.epoch * self.batches_per_epoch + self.batch_in_epoch) * self.global_batch_size
+        if self.samples_seen != samples:
+            return f"samples_seen {self.samples_seen} does not follow from its position in the data ({samples} samples)"
+        return None
 
 
 def checkpoint_dir(output_dir: Path, step: int) -> Path:
@@ -325,7 +342,7 @@ def verify_checkpoint(path: Path) -> tuple[RunState, dict[str, dict]]:
     if not marker.is_file():
         raise CheckpointError(f"checkpoint {str(path)!r} is incomplete: {COMPLETE_FILE} is missing (the save did not finish)")
     try:
-        manifest = json.loads(marker.read_text())
+        manifest = parse_json(marker.read_text())
     except (OSError, ValueError):
         raise CheckpointError(f"checkpoint file {str(marker)!r} is unreadable") from None
     for name, expected in _manifest_entries(manifest, marker):
@@ -338,7 +355,7 @@ def verify_checkpoint(path: Path) -> tuple[RunState, dict[str, dict]]:
             raise CheckpointError(f"checkpoint file {str(file)!r} is corrupted (sha256 differs from the manifest)")
     state_file = path / STATE_FILE
     try:
-        fields = json.loads(state_file.read_text())
+        fields = parse_json(state_file.read_text())
     except (OSError, ValueError):
         raise CheckpointError(f"checkpoint file {str(state_file)!r} is unreadable") from None
     return _run_state(fields, state_file)
@@ -387,10 +404,17 @@ _FIELD_CHECKS = {
     "loss_count": (_finite_non_negative, "a finite number >= 0"),
     "loss_sum": (lambda v: _is_number(v) and math.isfinite(v), "a finite number"),
     "best_metric": (lambda v: v is None or _is_number(v), "a number or null"),
-    **{name: (lambda v: v is None or isinstance(v, str), "a string or null") for name in MOVED_TO_HOOKS},
+    **{name: (lambda v: v is None or isinstance(v, str), "a string or null") for name in (*MOVED_TO_HOOKS, "data_fingerprint")},
     **{name: (lambda v: isinstance(v, dict), "a JSON object") for name in ("last_eval", "scheduler", "config", "config_changes")},
     "hooks": (lambda v: isinstance(v, list) and all(isinstance(n, str) for n in v), "a list of hook names"),
 }
+# Every trainer_state.json since acceltrain 0.1 holds these (0.2 added num_processes and batches_per_epoch, whose
+# 0 means "not recorded", 0.3 data_fingerprint): a missing one is tampering, never a default (a step-4 checkpoint "at step 0").
+REQUIRED_FIELDS = tuple(name for name in (field.name for field in dataclasses.fields(RunState))
+                        if name not in ("num_processes", "batches_per_epoch", "data_fingerprint"))
+# The settings that change the maths, in every checkpoint's config since 0.1: "config": {} would skip the comparison
+REQUIRED_CONFIG = ("seed", "batch_size", "grad_accum", "epochs", "max_steps", "optimizer", "lr", "momentum", "weight_decay",
+                   "lr_schedule", "warmup_steps", "max_grad_norm", "mixed_precision")
 
 
 def _run_state(fields, state_file: Path) -> tuple[RunState, dict[str, dict]]:
@@ -408,11 +432,65 @@ def _run_state(fields, state_file: Path) -> tuple[RunState, dict[str, dict]]:
     for old, new in RENAMED_FIELDS.items():
         if old in fields and new in fields:
             raise CheckpointError(f"checkpoint file {str(state_file)!r} has both {new} and {old}, its older name: keep one")
+    named = {RENAMED_FIELDS.get(name, name) for name in fields}
+    missing = [name for name in REQUIRED_FIELDS if name not in named]
+    if missing:
+        raise CheckpointError(f"checkpoint file {str(state_file)!r} lacks {', '.join(missing)}: every checkpoint since acceltrain 0.1 holds them")
+    missing = [name for name in REQUIRED_CONFIG if name not in fields["config"]]
+    if missing:
+        raise CheckpointError(f"checkpoint file {str(state_file)!r}: config lacks {', '.join(missing[:5])}: it must hold the resolved "
+                              "config the checkpoint was written with (a resume compares it)")
     hook_states: dict[str, dict] = {}
     for field, (hook, key) in MOVED_TO_HOOKS.items():
         if field in fields:
             hook_states.setdefault(hook, {})[key] = fields.pop(field)
-    return RunState(**{RENAMED_FIELDS.get(name, name): value for name, value in fields.items()}), hook_states
+    state = RunState(**{RENAMED_FIELDS.get(name, name): value for name, value in fields.items()})
+    contradiction = state.contradiction()
+    if contradiction:
+        raise CheckpointError(f"checkpoint file {str(state_file)!r} contradicts itself: {contradiction}")
+    return state, hook_states
+
+
+def checkpoint_engine(path: Path) -> str:
+    """The engine whose layout ``Accelerator.save_state`` wrote the model and optimizer in: "DeepSpeed" (the
+    engine's own ``pytorch_model/`` folder), "FSDP" (``pytorch_model_fsdp*``), else "DDP" (whole state dicts, as
+    DDP and one process write them). Each loads only under its own engine."""
+    if (path / "pytorch_model").is_dir():
+        return "DeepSpeed"
+    if any(path.glob("pytorch_model_fsdp*")):
+        return "FSDP"
+    return "DDP"
+
+
+def check_scheduler_state(saved: dict, fresh: dict, step: int, path: Path) -> None:
+    """A checkpoint's LR-scheduler state must look like this run's fresh one (the same keys, lengths and kinds of
+    value) and count at most ``step`` steps: torch's ``load_state_dict`` takes any dict, and an edited one fails
+    later, deep inside torch (``KeyError: 'lr_lambdas'``), or trains on another schedule."""
+    problem = _unlike(saved, fresh, "scheduler")
+    if problem is None and not 0 <= saved["last_epoch"] <= step:
+        problem = f"scheduler.last_epoch is {saved['last_epoch']}; it must be in [0, {step}], the steps taken"
+    if problem:
+        raise CheckpointError(f"checkpoint file {str(path / STATE_FILE)!r}: {problem}")
+
+
+def _unlike(saved, fresh, where: str) -> str | None:
+    """Where ``saved`` (read from JSON) differs in shape from ``fresh`` (a state_dict), or None."""
+    if isinstance(fresh, dict):
+        if not isinstance(saved, dict) or set(saved) != set(fresh):
+            keys = sorted(saved) if isinstance(saved, dict) else saved
+            return f"{where} is {shorten(keys)}; it must have the keys {', '.join(map(str, sorted(fresh)))}"
+        return next((found for key in fresh if (found := _unlike(saved[key], fresh[key], f"{where}.{key}"))), None)
+    if isinstance(fresh, (list, tuple)):
+        if not isinstance(saved, list) or len(saved) != len(fresh):
+            return f"{where} is {shorten(saved)}; it must be a list of {len(fresh)}"
+        return next((found for i, item in enumerate(fresh) if (found := _unlike(saved[i], item, f"{where}[{i}]"))), None)
+    if _is_number(fresh):
+        if not (_is_number(saved) and math.isfinite(saved)) or (isinstance(fresh, int) and not isinstance(saved, int)):
+            return f"{where} is {shorten(saved)}; it must be a finite {'integer' if isinstance(fresh, int) else 'number'}"
+        return None
+    if type(saved) is not type(fresh):
+        return f"{where} is {shorten(saved)}; it must be {shorten(fresh)}"
+    return None
 
 
 _CHECKPOINT_NAME = re.compile(r"step_(\d+)")

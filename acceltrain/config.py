@@ -22,7 +22,7 @@ import yaml
 
 from .options import (  # noqa: F401 (ConfigError, option, require, ...: also importable from here, their first home)
     CheckpointOptions, ConfigError, EvaluationOptions, HubOptions, LoggingOptions, Options, PlotOptions, ProfilingOptions, ReportTo,
-    TimeBudgetOptions, TrackingOptions, WandbMode, first_line, flag_name, option, parse_step_range, read_small_file, require, shorten,
+    TimeBudgetOptions, TrackingOptions, WandbMode, check_option_groups, first_line, flag_name, option, parse_step_range, read_small_file, require, shorten,
 )
 
 __all__ = [
@@ -278,6 +278,7 @@ def _help_with_default(field: dataclasses.Field) -> str:
 
 
 def build_parser(cls: type[TrainConfig], description: str | None = None) -> argparse.ArgumentParser:
+    check_option_groups(cls)  # --help too: a clashing group would document the wrong flag
     parser = _OneLineParser(
         description=description, argument_default=argparse.SUPPRESS, formatter_class=argparse.RawDescriptionHelpFormatter,
         allow_abbrev=False,  # --max-step is a typo, not --max-steps

@@ -102,10 +102,11 @@ def default_num_workers() -> int:
     return max(0, min(8, available_cpus() // local_processes - 1))
 
 
-def loader_options(num_workers: int, pin_memory: bool, prefetch_factor: int = 4) -> dict:
+def loader_options(num_workers: int, pin_memory: bool, prefetch_factor: int = 4, collate_fn=None) -> dict:
     """Worker processes stay alive across epochs, prefetch, and leave stop signals to the main process; host
-    memory is pinned for CUDA copies."""
-    options = {"num_workers": num_workers, "pin_memory": pin_memory}
+    memory is pinned for CUDA copies; ``collate_fn`` (default: torch's) makes a batch of samples, e.g. padded
+    to its longest (``transformers.DataCollatorWithPadding``)."""
+    options = {"num_workers": num_workers, "pin_memory": pin_memory, "collate_fn": collate_fn}
     if num_workers > 0:
         options.update(persistent_workers=True, prefetch_factor=prefetch_factor, worker_init_fn=ignore_stop_signals)
     return options

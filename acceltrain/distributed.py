@@ -10,6 +10,8 @@ Accelerate joined.
 from __future__ import annotations
 
 import os
+import signal
+import sys
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -19,7 +21,7 @@ from accelerate.utils import DistributedType
 from torch import nn
 
 from .config import TrainConfig
-from .options import ConfigError, read_small_file, shorten
+from .options import ConfigError, parse_json, read_small_file, shorten
 
 T = TypeVar("T")
 
@@ -36,11 +38,29 @@ def use_cpu(force_cpu: bool) -> bool:
     return not torch.cuda.is_available()
 
 
+def die_with_launcher() -> None:
+    """A worker started by torchrun (or ``accelerate launch``, which runs it) ends when its launcher dies. A
+    launcher that is alive stops its workers itself (SIGTERM, then SIGKILL after 30 s); one killed outright
+    (SIGKILL, a job step's or a test's timeout) cannot, and a worker waiting in a collective would then wait for
+    good. Linux's ``PR_SET_PDEATHSIG``; elsewhere nothing changes."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+
+
 def init_process_state(cfg: TrainConfig):
     """Create Accelerate's shared ``PartialState`` once, with the CPU decision, and check that every
     launched process joined it and that the hardware can do what ``cfg`` asks."""
     from accelerate import PartialState
 
+    die_with_launcher()
+
+    engine = requested_engine()
+    if cfg.optimizer == "muon" and engine:  # before the process group: DeepSpeed's start-up takes minutes on a CPU
+        raise ConfigError(f"--optimizer muon needs every weight matrix whole on each process, and {ENGINES[engine]} flattens or "
+                          "shards them: use DDP (multi_gpu.yaml, multi_cpu.yaml) or one process, or --optimizer sgd / adamw")
     on_cpu = use_cpu(cfg.cpu)
     precision = cfg.mixed_precision or os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
     if precision == "fp16" and on_cpu:
@@ -55,10 +75,6 @@ def init_process_state(cfg: TrainConfig):
             f"(distributed_type={state.distributed_type.value}): this would be {launched} independent runs; "
             "check the accelerate config (FSDP and DeepSpeed need a GPU for more than one process)"
         )
-    sharding = {DistributedType.DEEPSPEED: "DeepSpeed", DistributedType.FSDP: "FSDP"}.get(state.distributed_type)
-    if cfg.optimizer == "muon" and sharding:
-        raise ConfigError(f"--optimizer muon needs every weight matrix whole on each process, and {sharding} flattens or "
-                          "shards them: use DDP (multi_gpu.yaml, multi_cpu.yaml) or one process, or --optimizer sgd / adamw")
     return state
 
 
@@ -105,6 +121,20 @@ def main_process_only(work: Callable[[], None]) -> None:
         broadcast_object_list(error, from_process=0)
     if error[0] is not None:
         raise ConfigError(error[0])
+
+
+def control_group():
+    """A process group for control flags (:func:`any_process`): the default one when it is gloo, else a new gloo
+    group over all processes (a collective: every process calls it at the same point)."""
+    return None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+
+
+def any_process(*flags: bool, group=None) -> list[bool]:
+    """Each flag true on any process (a collective), on the CPU over ``group`` (:func:`control_group`): a decision
+    made per micro-batch must not wait for the device's queued work, as a flag on an NCCL group would."""
+    values = torch.tensor(flags, dtype=torch.int32)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
+    return [bool(value) for value in values.tolist()]
 
 
 class _SumAcrossProcesses(torch.autograd.Function):
@@ -178,19 +208,25 @@ def convert_sync_batchnorm(model: nn.Module, on_cpu: bool) -> nn.Module:
     return model
 
 
+ENGINES = {DistributedType.DEEPSPEED: "DeepSpeed", DistributedType.FSDP: "FSDP"}  # the sharding engines; the rest is "DDP"
 _REQUESTED_BACKENDS = {"ACCELERATE_USE_FSDP": DistributedType.FSDP, "ACCELERATE_USE_DEEPSPEED": DistributedType.DEEPSPEED}
+
+
+def requested_engine() -> DistributedType | None:
+    """The sharding engine that ``accelerate launch`` asks for (in its environment), known before any process group."""
+    return next((backend for variable, backend in _REQUESTED_BACKENDS.items() if os.environ.get(variable, "").lower() == "true"), None)
 
 
 def check_backend_honoured(distributed_type) -> None:
     """Refuse to train when the accelerate config asked for FSDP or DeepSpeed and Accelerate quietly set up
     something else (on CPU it drops FSDP for plain DDP, or runs N independent copies)."""
-    for variable, backend in _REQUESTED_BACKENDS.items():
-        if os.environ.get(variable, "").lower() == "true" and distributed_type != backend:
-            raise ConfigError(
-                f"the accelerate config asks for {backend.value} but Accelerate set up {distributed_type.value} here "
-                f"({'no GPU' if use_cpu(False) else 'check the config'}); refusing to fall back silently: "
-                f"use a GPU machine or a config without {backend.value} (accelerate_configs/multi_cpu.yaml on CPU)"
-            )
+    backend = requested_engine()
+    if backend is not None and distributed_type != backend:
+        raise ConfigError(
+            f"the accelerate config asks for {backend.value} but Accelerate set up {distributed_type.value} here "
+            f"({'no GPU' if use_cpu(False) else 'check the config'}); refusing to fall back silently: "
+            f"use a GPU machine or a config without {backend.value} (accelerate_configs/multi_cpu.yaml on CPU)"
+        )
 
 
 # --------------------------------------------------------------------------- DeepSpeed: one source of truth
@@ -227,13 +263,11 @@ def deepspeed_config(cfg: TrainConfig) -> dict | None:
     None when the launch is not a DeepSpeed one."""
     if os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() != "true":
         return None
-    import json
-
     path = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")
     if path == "none":
         raise ConfigError("the accelerate config asks for DeepSpeed without deepspeed_config_file: use accelerate_configs/deepspeed_zero{2,3}.yaml")
     try:
-        config = json.loads(read_small_file(path, "DeepSpeed config"))
+        config = parse_json(read_small_file(path, "DeepSpeed config"))
     except ValueError as err:
         raise ConfigError(f"DeepSpeed config {path!r} is not valid JSON: {err}") from None
     if not isinstance(config, dict):

@@ -30,7 +30,7 @@ from . import __version__
 from .checkpointing import WEIGHTS_FILE
 from .config import TrainConfig
 from .network import check_reachable
-from .options import ConfigError, first_line, shorten
+from .options import ConfigError, first_line, parse_json, shorten
 
 CONFIG_FILE = "config.json"
 CARD_FILE = "README.md"
@@ -105,7 +105,7 @@ def _model_folder(name_or_path: str) -> Path:
 
 def _read_config(folder: Path) -> dict:
     try:
-        config = json.loads((folder / CONFIG_FILE).read_text())
+        config = parse_json((folder / CONFIG_FILE).read_text())
     except (OSError, ValueError) as err:
         raise ConfigError(f"{str(folder)!r} has no readable {CONFIG_FILE} ({first_line(err)}): not a run folder of a finished run") from None
     if not isinstance(config, dict):

@@ -19,7 +19,6 @@ once per optimizer step, on every process, whatever the process count and accumu
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import platform
 from pathlib import Path
@@ -41,7 +40,8 @@ from .checkpointing import (
     RunState,
     StoppedToResume,
     check_loadable_without_code,
-    export_weights,
+    check_scheduler_state,
+    checkpoint_engine,
     find_resume_checkpoint,
     finished_steps,
     loading_without_code,
@@ -51,14 +51,15 @@ from .checkpointing import (
 )
 from .config import TrainConfig, run_changes
 from .data import default_num_workers, eval_loader, stop_workers, train_loader
-from .distributed import check_backend_honoured, convert_sync_batchnorm, deepspeed_plugin, main_process_only, use_cpu
+from .distributed import ENGINES, check_backend_honoured, convert_sync_batchnorm, deepspeed_plugin, main_process_only, use_cpu
 from .eval_subset import eval_subset
+from .export import export_weights
 from .hooks import Hooks, builtin_hooks
 from .logs import set_log_level
 from .metrics import peak_memory_mb
 from .optim import ScheduleProgress, build_scheduler
-from .options import ConfigError, first_line
-from .run import TOKEN_NORMALISATION_UNDER_DEEPSPEED, Run, compatibility, left_as_found_unless_trained, setup_run
+from .options import ConfigError, first_line, parse_json
+from .run import TOKEN_NORMALISATION_UNDER_DEEPSPEED, Run, left_as_found_unless_trained, setup_run
 from .speed import apply_batch_size, enable_activation_checkpointing, find_batch_size, peak_flops_per_device, training_flops_per_sample
 from .streams import check_stream, first_samples, is_stream, stream_loader
 from .tasks import ClassificationTask, check_task
@@ -68,15 +69,18 @@ logger = get_logger(__name__)
 
 
 def fit(cfg: TrainConfig, model: nn.Module, optimizer: torch.optim.Optimizer, train_set: Dataset,
-        eval_set: Dataset | None = None, *, task=None, hooks=(), name: str = "run") -> dict:
+        eval_set: Dataset | None = None, *, task=None, hooks=(), name: str = "run", collate_fn=None) -> dict:
     """Train ``model`` on ``train_set`` as ``cfg`` says; returns the summary also written to
     ``<output_dir>/summary.json``. ``task`` turns batches into losses and eval values (default:
     :class:`ClassificationTask`; see :class:`acceltrain.Task`); ``hooks`` are your own
-    :class:`acceltrain.Hook` objects, run before the built-in ones; ``name`` names the default output folder."""
+    :class:`acceltrain.Hook` objects, run before the built-in ones; ``name`` names the default output folder;
+    ``collate_fn`` makes each batch of samples, training and eval (default: torch's ``default_collate``; padding
+    per batch: ``transformers.DataCollatorWithPadding(tokenizer)``)."""
     from accelerate import Accelerator
     from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin, ProjectConfiguration
 
     set_log_level(cfg.log_level)  # run_recipe did; code that calls fit() directly has not
+    cfg.validate()  # likewise: a config built in code has not been checked
     task = ClassificationTask() if task is None else task
     check_task(task, evaluates=eval_set is not None)
     cfg = _resolve_target(cfg, task)
@@ -96,7 +100,7 @@ def fit(cfg: TrainConfig, model: nn.Module, optimizer: torch.optim.Optimizer, tr
             project_config=ProjectConfiguration(project_dir=str(output_dir), logging_dir=str(output_dir / "logs")),
         )
         check_backend_honoured(accelerator.distributed_type)
-        run, notes = _prepare(cfg, accelerator, model, optimizer, train_set, eval_set, task)
+        run, notes = _prepare(cfg, accelerator, model, optimizer, train_set, eval_set, task, collate_fn)
         run_config = {**run.cfg.to_dict(), "runtime": run.runtime}
         run._hooks = Hooks(hooks, builtin_hooks(run.cfg, evaluates=eval_set is not None, trackers=trackers, run_config=run_config))
         main_process_only(lambda: lock_output_dir(output_dir))  # one live run per folder
@@ -240,7 +244,7 @@ def _finish(run: Run) -> dict:
 
 def _already_finished(run: Run) -> dict:
     """``--resume`` of a run that has finished at its newest checkpoint: nothing to train, nothing rewritten."""
-    summary = json.loads((run.output_dir / SUMMARY_FILE).read_text())
+    summary = parse_json((run.output_dir / SUMMARY_FILE).read_text())
     logger.info(f"the run in {run.output_dir} already finished at step {summary['steps']}; nothing to do")
     run.accelerator.end_training()
     return summary
@@ -286,11 +290,12 @@ def _resolve_target(cfg: TrainConfig, task) -> TrainConfig:
     return dataclasses.replace(cfg, target_metric=cfg.target_accuracy, target_accuracy=None)
 
 
-def _prepare(cfg: TrainConfig, accelerator, model: nn.Module, optimizer, train_set, eval_set, task) -> tuple[Run, list[str]]:
+def _prepare(cfg: TrainConfig, accelerator, model: nn.Module, optimizer, train_set, eval_set, task, collate_fn) -> tuple[Run, list[str]]:
     """The speed flags, the loaders, ``Accelerator.prepare``, the plan in optimizer steps and the schedule:
     the run, and notes for the log."""
-    cfg, model, flops_per_sample, notes = _apply_speed_flags(cfg, accelerator, model, optimizer, train_set, task)
-    cfg, loaders, eval_set = _loaders(cfg, accelerator, train_set, eval_set)
+    collate_fn = collate_fn or default_collate
+    cfg, model, flops_per_sample, notes = _apply_speed_flags(cfg, accelerator, model, optimizer, train_set, task, collate_fn)
+    cfg, loaders, eval_set = _loaders(cfg, accelerator, train_set, eval_set, collate_fn)
     prepared_model, prepared_optimizer, *loaders = accelerator.prepare(model, optimizer, *loaders)
     if cfg.data_on_device:
         loaders.insert(0, train_set.device_loader(
@@ -317,12 +322,21 @@ def _prepare(cfg: TrainConfig, accelerator, model: nn.Module, optimizer, train_s
               schedule_progress=schedule_progress,
               task=task, train_batches=loaders[0], eval_batches=loaders[1] if eval_set is not None else None,
               output_dir=Path(cfg.output_dir), total_steps=total_steps, batches_per_epoch=batches_per_epoch,
-              train_samples=0 if stream else len(train_set),
+              train_samples=0 if stream else len(train_set), data_fingerprint=_data_fingerprint(train_set),
               flops_per_sample=flops_per_sample, peak_flops=peak_flops, runtime=runtime)
     return run, notes
 
 
-def _apply_speed_flags(cfg: TrainConfig, accelerator, model: nn.Module, optimizer, train_set, task):
+def _data_fingerprint(train_set) -> str | None:
+    """The training set's ``fingerprint`` attribute, if it has one: a string that changes with its content, recorded
+    in each checkpoint so that a resume refuses other data (a stream has no length to compare)."""
+    fingerprint = getattr(train_set, "fingerprint", None)
+    if fingerprint is not None and not isinstance(fingerprint, str):
+        raise ConfigError(f"the training set's fingerprint is a {type(fingerprint).__name__}: it must be a string (or absent)")
+    return fingerprint
+
+
+def _apply_speed_flags(cfg: TrainConfig, accelerator, model: nn.Module, optimizer, train_set, task, collate_fn):
     """The speed flags in the order they must happen: FLOPs are counted on the model as given (activation
     checkpointing would add its recomputed forward); memory format and activation checkpointing change the
     module; the batch-size probe needs the final module on the device; compilation happens before the DDP
@@ -330,7 +344,7 @@ def _apply_speed_flags(cfg: TrainConfig, accelerator, model: nn.Module, optimize
     notes = []
     flops_per_sample = getattr(task, "flops_per_sample", None)
     if flops_per_sample is None:
-        sample_batch = default_collate(first_samples(train_set, 2))
+        sample_batch = collate_fn(first_samples(train_set, 2))
         flops_per_sample = training_flops_per_sample(model, task, sample_batch)
     if cfg.channels_last:
         model = model.to(memory_format=torch.channels_last)
@@ -339,7 +353,7 @@ def _apply_speed_flags(cfg: TrainConfig, accelerator, model: nn.Module, optimize
     if cfg.sync_bn and accelerator.num_processes > 1:
         model = convert_sync_batchnorm(model, on_cpu=accelerator.device.type == "cpu")
     if cfg.auto_batch_size:
-        found = find_batch_size(accelerator, model, optimizer, task, train_set, start=cfg.batch_size)
+        found = find_batch_size(accelerator, model, optimizer, task, train_set, start=cfg.batch_size, collate_fn=collate_fn)
         cfg, note = apply_batch_size(cfg, found, optimizer)
         accelerator.gradient_accumulation_steps = cfg.grad_accum
         notes.append(note)
@@ -348,12 +362,12 @@ def _apply_speed_flags(cfg: TrainConfig, accelerator, model: nn.Module, optimize
     return cfg, model, flops_per_sample, notes
 
 
-def _loaders(cfg: TrainConfig, accelerator, train_set, eval_set):
+def _loaders(cfg: TrainConfig, accelerator, train_set, eval_set, collate_fn):
     """The loaders for ``Accelerator.prepare`` (none for training with ``--data-on-device``: the dataset's own
     loader comes after), with the loader options resolved into the config; the eval set as evaluated."""
     num_workers = default_num_workers() if cfg.num_workers is None else cfg.num_workers
     pin_memory = accelerator.device.type == "cuda" if cfg.pin_memory is None else cfg.pin_memory
-    options = {"num_workers": num_workers, "pin_memory": pin_memory, "prefetch_factor": cfg.prefetch_factor}
+    options = {"num_workers": num_workers, "pin_memory": pin_memory, "prefetch_factor": cfg.prefetch_factor, "collate_fn": collate_fn}
     cfg = dataclasses.replace(cfg, num_workers=num_workers, pin_memory=pin_memory, mixed_precision=accelerator.mixed_precision)
     if cfg.data_on_device:
         if not hasattr(train_set, "device_loader"):
@@ -429,7 +443,8 @@ def _resume(run: Run, resume: str) -> bool:
         logger.info(f"--resume auto: no complete checkpoint in {run.output_dir / CHECKPOINTS_DIR}; starting fresh")
         return True
     saved = RunState(**fields)
-    current = RunState(**compatibility(run.cfg, accelerator.num_processes, run.train_samples, run.batches_per_epoch))
+    _check_engine(accelerator, path)
+    current = RunState(**run._layout())
     saved.check_compatible(current, Path(path))
     relayout = saved.relayout(current)
     if relayout:
@@ -448,6 +463,10 @@ def _resume(run: Run, resume: str) -> bool:
             f"checkpoint {path!r} was written with other settings: {described}; resume with the same settings, "
             "or pass --allow-config-change to apply the new ones"
         )
+    if saved.step > run.total_steps:
+        raise CheckpointError(f"checkpoint {path!r} is at step {saved.step}, past the {run.total_steps} optimizer steps of this "
+                              "run: resume with the --max-steps or --epochs it was written with, or start a new --output-dir")
+    check_scheduler_state(saved.scheduler, run.scheduler.state_dict(), saved.step, Path(path))
     check_loadable_without_code(Path(path))
     run._hooks.load_states(Path(path), saved.hooks, kept_in_state)
     fresh = [{key: value for key, value in group.items() if key != "params"} for group in run.optimizer.param_groups]
@@ -463,7 +482,22 @@ def _resume(run: Run, resume: str) -> bool:
         _apply_changes(run, fresh, changes)
         logger.info(f"--allow-config-change: applying {described}")
     logger.info(f"resumed from {path} at step {saved.step} (epoch {saved.epoch}, {saved.batch_in_epoch} batches into it)")
+    if run._stream and current.data_fingerprint is None:
+        logger.info("the training stream has no fingerprint attribute: whether it still holds the data the checkpoint was "
+                    "trained on cannot be checked")
     return True
+
+
+def _check_engine(accelerator, path: str) -> None:
+    """A checkpoint loads under the engine that wrote it (Accelerate would look for files that are not there)."""
+    wrote, now = checkpoint_engine(Path(path)), ENGINES.get(accelerator.distributed_type, "DDP")
+    if wrote != now:
+        weights = " (its weights alone: DeepSpeed's zero_to_fp32.py in that folder)" if wrote == "DeepSpeed" else ""
+        shown = "DDP or single-process" if wrote == "DDP" else wrote
+        raise CheckpointError(
+            f"checkpoint {path!r} holds {shown} model and optimizer state and this run is {accelerator.distributed_type.value}: "
+            f"resume it under {shown}, as it was written{weights}, or start a new --output-dir"
+        )
 
 
 def _check_relayout_supported(accelerator, saved: RunState, current: RunState, path: str) -> None:
@@ -474,8 +508,8 @@ def _check_relayout_supported(accelerator, saved: RunState, current: RunState, p
                    "support, outside acceltrain)" if sharding == "DeepSpeed ZeRO" else "")
         raise CheckpointError(
             f"checkpoint {path!r} holds {sharding} state partitioned over {saved.num_processes} processes and this run "
-            f"has {current.num_processes}: resume on {saved.num_processes} processes{way_out}, or under DDP, which "
-            "resumes on another process count"
+            f"has {current.num_processes}: resume on {saved.num_processes} processes{way_out} (a run trained under DDP "
+            "resumes on another process count)"
         )
 
 

@@ -12,6 +12,8 @@ from pathlib import Path
 import torch
 from accelerate.logging import get_logger
 
+from .options import parse_json
+
 logger = get_logger(__name__)
 
 
@@ -127,7 +129,7 @@ class EventLog:
             kept, unreadable = [], 0
             for line in path.read_text().splitlines():
                 try:
-                    if json.loads(line)["step"] <= keep_until_step:
+                    if parse_json(line)["step"] <= keep_until_step:
                         kept.append(line)
                 except (ValueError, KeyError, TypeError):  # a line cut short by a crash mid-write
                     unreadable += bool(line.strip())

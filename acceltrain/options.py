@@ -6,6 +6,7 @@ the group base (:class:`Options`), and the option group of each built-in hook, w
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import stat
@@ -13,8 +14,8 @@ from typing import Any, Literal
 
 __all__ = [
     "CheckpointOptions", "ConfigError", "EvaluationOptions", "HubOptions", "LoggingOptions", "Options", "PlotOptions", "ProfilingOptions",
-    "ReportTo", "TimeBudgetOptions", "TrackingOptions", "WandbMode", "first_line", "flag_name", "option", "parse_step_range",
-    "read_small_file", "require", "shorten",
+    "ReportTo", "TimeBudgetOptions", "TrackingOptions", "WandbMode", "check_option_groups", "first_line", "flag_name", "option", "parse_step_range",
+    "file_kind", "parse_json", "read_small_file", "require", "shorten",
 ]
 
 
@@ -51,7 +52,40 @@ class Options:
     groups checks them all."""
 
     def validate(self) -> None:
-        """Raise :class:`ConfigError` on the first bad value."""
+        """Raise :class:`ConfigError` on the first bad value (the base: on groups that clash)."""
+        check_option_groups(type(self))
+
+    def read_only(self):
+        """This config, its fields unchangeable from now on (the run's ``run.cfg``: a hook that set ``run.cfg.lr``
+        would train on the old value while train_config.yaml and the checkpoints record the new one). Returns it;
+        ``dataclasses.replace`` still makes a changeable copy."""
+        object.__setattr__(self, "_read_only", True)
+        return self
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if self.__dict__.get("_read_only"):
+            raise dataclasses.FrozenInstanceError(
+                f"cannot set {name!r}: the run's config is read-only once training starts (settings change before fit(), "
+                "or on --resume with --allow-config-change)"
+            )
+        super().__setattr__(name, value)
+
+
+def check_option_groups(config_class: type) -> None:
+    """Each field belongs to one option group. A group that declares a field of another group it does not extend
+    (a hook's ``max_steps`` beside the loop's) would silently take over that flag, its help and its default; a
+    subclass may redeclare its own bases' fields (a recipe's defaults)."""
+    import inspect
+
+    fields = {field.name for field in dataclasses.fields(config_class)}
+    owners: dict[str, type] = {}
+    for group in reversed(config_class.__mro__):  # bases first
+        for name in inspect.get_annotations(group):
+            owner = owners.get(name)
+            if owner is not None and name in fields and not issubclass(group, owner):
+                raise ConfigError(f"option groups {owner.__name__} and {group.__name__} both declare {name} (--{flag_name(name)}): "
+                                  f"rename the field of {group.__name__}")
+            owners[name] = group
 
 
 def require(ok: bool, name: str, value: Any, allowed: str) -> None:
@@ -70,6 +104,21 @@ _FILE_KINDS = {stat.S_IFDIR: "a directory", stat.S_IFIFO: "a named pipe (FIFO)",
                stat.S_IFBLK: "a block device", stat.S_IFSOCK: "a socket"}
 
 
+def file_kind(mode: int) -> str | None:
+    """What an ``st_mode`` names when it is not a regular file ("a named pipe (FIFO)"), else None."""
+    kind = stat.S_IFMT(mode)
+    return None if kind == stat.S_IFREG else _FILE_KINDS.get(kind, "a special file")
+
+
+def parse_json(text: str | bytes):
+    """``json.loads``, with JSON nested too deeply for Python's decoder (``[`` repeated 200,000 times: a
+    RecursionError) reported as the ValueError that any other malformed JSON raises."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
+
+
 def read_small_file(path: str, what: str, limit: int = MAX_FILE_BYTES) -> str:
     """The UTF-8 text of the regular file ``path`` of at most ``limit`` bytes, else a ConfigError that starts with
     ``what`` and the path. Opened without blocking and checked on the open descriptor: a FIFO would block the
@@ -79,10 +128,10 @@ def read_small_file(path: str, what: str, limit: int = MAX_FILE_BYTES) -> str:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     except OSError as err:
         raise ConfigError(f"{shown} cannot be read: {first_line(err)}") from None
-    kind = stat.S_IFMT(os.fstat(fd).st_mode)
-    if kind != stat.S_IFREG:
+    kind = file_kind(os.fstat(fd).st_mode)
+    if kind:
         os.close(fd)
-        raise ConfigError(f"{shown} is {_FILE_KINDS.get(kind, 'a special file')}, not a regular file")
+        raise ConfigError(f"{shown} is {kind}, not a regular file")
     with os.fdopen(fd, "rb") as file:
         data = file.read(limit + 1)
     if len(data) > limit:

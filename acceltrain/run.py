@@ -37,7 +37,7 @@ from .checkpointing import (
     unlock_output_dir,
 )
 from .config import TrainConfig
-from .distributed import init_process_state, main_process_only
+from .distributed import any_process, control_group, init_process_state, main_process_only
 from .options import ConfigError
 from .hooks.plots import CURVES_FILE
 from .hooks.profiling import MEMORY_FILE
@@ -199,17 +199,19 @@ class Run:
     stop = _view("_stop", "why training ended early (a Stop: reason, finish), else None")
 
     def __init__(self, *, cfg, accelerator, model, optimizer, scheduler, schedule_progress, task, train_batches, eval_batches,
-                 output_dir: Path, total_steps: int, batches_per_epoch: int, train_samples: int, flops_per_sample,
-                 peak_flops, runtime: dict):
-        self._cfg, self._accelerator, self._task = cfg, accelerator, task
+                 output_dir: Path, total_steps: int, batches_per_epoch: int, train_samples: int, data_fingerprint: str | None,
+                 flops_per_sample, peak_flops, runtime: dict):
+        self._cfg, self._accelerator, self._task = cfg.read_only(), accelerator, task
         self._model, self._optimizer, self._scheduler = model, optimizer, scheduler
         self._schedule_progress = schedule_progress
         self._train_batches, self._eval_batches = train_batches, eval_batches
         self._output_dir, self._runtime = output_dir, runtime
         self._batches_per_epoch = batches_per_epoch  # 0: a stream, whose passes end when the stream does
         self._stream = batches_per_epoch == 0
+        self._pass_end = False  # a stream's current batch ends its pass (on every process)
+        self._control_group = control_group() if self._stream and accelerator.num_processes > 1 else False
         self._global_batch_size = cfg.batch_size * accelerator.num_processes  # of one micro-step
-        self._total_steps, self._train_samples = total_steps, train_samples
+        self._total_steps, self._train_samples, self._data_fingerprint = total_steps, train_samples, data_fingerprint
         self._flops_per_sample, self._peak_flops = flops_per_sample, peak_flops
         self._hooks = None  # acceltrain.hooks.Hooks, set by fit()
         self._state = RunState()
@@ -369,23 +371,70 @@ class Run:
             # position, the on-device loader skips by itself)
             skip = getattr(batches, "skip_first", None)
             batches = skip(state.batch_in_epoch) if skip else self._accelerator.skip_first_batches(batches, state.batch_in_epoch)
-        iterator = iter(batches)
+        iterator, resumed_at, self._pass_end = iter(batches), state.batch_in_epoch, False
         while True:
             waited = time.perf_counter()
-            try:
-                batch = next(iterator)
-            except StopIteration:
+            batch = self._next_batch(iterator, resumed_at)
+            if self._stream and self._agree_on_pass_ends(iterator, batch):
+                break
+            if batch is None:
                 break
             self._throughput.add_data_wait(time.perf_counter() - waited)
             state.batch_in_epoch += 1
             yield to_channels_last(batch) if self._cfg.channels_last else batch
+            if self._pass_end:  # a stream's pass ends with this batch on every process
+                self._leave_pass(iterator)
+                break
         if not self._stream:  # a stream's pass ends in the loop, after on_epoch_end
             self._next_pass()
 
+    def _next_batch(self, iterator, resumed_at: int):
+        """The next batch, or None at the epoch's end. A resumed stream that ends before the checkpoint's place
+        in it (the loader's fast-forward runs dry) held more data when the checkpoint was written."""
+        try:
+            return next(iterator)
+        except StopIteration:
+            return None
+        except RuntimeError as err:  # "generator raised StopIteration": Accelerate's loader around the fast-forward
+            if not (self._stream and resumed_at and isinstance(err.__cause__, StopIteration)):
+                raise
+            raise ConfigError(
+                f"the training stream ended before the checkpoint's place in it (batch {resumed_at} of pass {self.epoch} on "
+                "each process): it holds less data than when the checkpoint was written; restore it, or start a new --output-dir"
+            ) from None
+
+    def _agree_on_pass_ends(self, iterator, batch) -> bool:
+        """Whether the stream's pass has ended before ``batch``; sets ``_pass_end`` when it ends with it. On several
+        processes all agree, once per micro-batch: a stream sharded unevenly (more samples on one process than
+        on another) ends its pass everywhere with the first process's end, so that no process waits for good in
+        a collective the others never reach."""
+        self._pass_end = batch is None or self._train_batches.end_of_dataloader
+        if self._control_group is False:  # one process
+            return batch is None
+        missing, self._pass_end = any_process(batch is None, self._pass_end, group=self._control_group)
+        if self._pass_end and not self._train_batches.end_of_dataloader:  # ended by another process's stream
+            # what a checkpoint taken from now on records: a finished pass (torchdata starts the next one afresh)
+            self._train_batches.dl_state_dict["_iterator_finished"] = True
+        if missing and batch is not None:  # another process has no batch left: this one drops its own
+            self._leave_pass(iterator)
+        return missing
+
+    def _leave_pass(self, iterator) -> None:
+        """End this process's pass of the stream: as the loader ends it, or, when another process's stream ended
+        first, by leaving the rest untrained (a resume starts the next pass)."""
+        if self._train_batches.end_of_dataloader:
+            next(iterator, None)  # the loader has no batch left: let it finish its pass
+            return
+        iterator.close()
+        self._train_batches.end()  # what the closed generator would have done at its end
+        logger.warning(f"process {self._accelerator.process_index}: pass {self.epoch} of the training stream ended on another "
+                       f"process after {self.batch_in_epoch} batches; the rest of this process's pass is left out (the stream "
+                       "holds more samples here than there)", main_process_only=False)
+
     def _epoch_ended(self) -> bool:
-        """Whether the batch just trained was its epoch's last (a stream's: as its loader has found)."""
+        """Whether the batch just trained was its epoch's last (a stream's: as all processes agreed)."""
         if self._stream:
-            return self._train_batches.end_of_dataloader
+            return self._pass_end
         return self.batch_in_epoch == self._batches_per_epoch
 
     def _next_pass(self) -> None:
@@ -453,8 +502,16 @@ class Run:
         return dataclasses.replace(
             self._state, epoch=epoch, batch_in_epoch=position, train_seconds=self.elapsed(), loss_sum=loss_window[0],
             loss_count=loss_window[1], scheduler=self._scheduler.state_dict(), hooks=list(self._hooks.stateful),
-            config=self._cfg.to_dict(), **compatibility(self._cfg, self._accelerator.num_processes, self._train_samples, self._batches_per_epoch),
+            config=self._cfg.to_dict(), **self._layout(),
         )
+
+    def _layout(self) -> dict:
+        """What a checkpoint records of the data and layout it trained on: what a resume must keep (seed, data),
+        or map onto another process count."""
+        processes = self._accelerator.num_processes
+        return {"seed": self._cfg.seed, "global_batch_size": self._cfg.batch_size * processes, "grad_accum": self._cfg.grad_accum,
+                "train_samples": self._train_samples, "data_fingerprint": self._data_fingerprint, "num_processes": processes,
+                "batches_per_epoch": self._batches_per_epoch}
 
     def _restore(self, state: RunState) -> None:
         """Continue from a checkpoint's run state (Accelerate has loaded model, optimizer and RNG)."""
@@ -497,10 +554,6 @@ RUN_PUBLIC = (
 RUN_DEPRECATED = ("weights_to_export",)  # kept for one release, with a DeprecationWarning
 
 
-def compatibility(cfg: TrainConfig, num_processes: int, train_samples: int, batches_per_epoch: int) -> dict:
-    """The layout a checkpoint records: what a resume must keep, or map onto another process count."""
-    return {"seed": cfg.seed, "global_batch_size": cfg.batch_size * num_processes, "grad_accum": cfg.grad_accum,
-            "train_samples": train_samples, "num_processes": num_processes, "batches_per_epoch": batches_per_epoch}
 
 
 def _improves(value: float, best: float | None, higher_is_better: bool) -> bool:

@@ -144,7 +144,7 @@ def _frozen_batchnorm_statistics(block: nn.Module):
 # --------------------------------------------------------------------------- automatic batch size
 
 
-def find_batch_size(accelerator, model: nn.Module, optimizer, task, dataset, start: int) -> int:
+def find_batch_size(accelerator, model: nn.Module, optimizer, task, dataset, start: int, collate_fn=None) -> int:
     """The largest batch size from ``start`` down (halving) whose forward, backward and optimizer step fit,
     through Accelerate's ``find_executable_batch_size``. Probed on the unwrapped model (no collective can
     hang on one process's out-of-memory), weights and optimizer state restored afterwards; all processes
@@ -163,7 +163,7 @@ def find_batch_size(accelerator, model: nn.Module, optimizer, task, dataset, sta
     @find_executable_batch_size(starting_batch_size=current[0], reduce_batch_size_fn=halve)
     def probe(batch_size: int) -> int:
         samples = [dataset.sample(i, 0) if hasattr(dataset, "sample") else dataset[i] for i in range(batch_size)]
-        batch = _map_tensors(torch.utils.data.default_collate(samples), lambda t: t.to(accelerator.device))
+        batch = _map_tensors((collate_fn or torch.utils.data.default_collate)(samples), lambda t: t.to(accelerator.device))
         with accelerator.autocast():
             loss = task.train_loss(model, batch)
         loss = loss[0] if isinstance(loss, tuple) else loss

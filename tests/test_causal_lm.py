@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import random
 import sys
 from pathlib import Path
@@ -229,6 +230,7 @@ def test_presets_are_valid(preset, text_file):
 BAD_INPUTS = [
     (["--text-files", "{tmp}/nothing/*.txt"], "matches no file"),
     (["--text-files", "{tmp}/empty.txt"], "the files are empty"),
+    (["--text-files", "{tmp}/fifo"], "fifo' is a named pipe (FIFO), not a regular file"),  # was "the files are empty"
     (["--text-files", "{text}", "--block-size", "100000"], "--block-size 100000 is too long for the text"),
     (["--text-files", "{text}", "--eval-fraction", "0.99", "--block-size", "512"], "--eval-fraction 0.99 leaves no training data"),
     ([], "exactly one of --text-files FILES and --dataset-name NAME"),
@@ -245,6 +247,7 @@ BAD_INPUTS = [
 @pytest.mark.parametrize("argv,message", BAD_INPUTS, ids=[m.split()[0] + "-" + str(i) for i, (_, m) in enumerate(BAD_INPUTS)])
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, text_file, capsys, argv, message):
     (tmp_path / "empty.txt").write_text("")
+    os.mkfifo(tmp_path / "fifo")
     out = tmp_path / "out"
     argv = [arg.format(tmp=tmp_path, text=text_file) for arg in argv]
     assert run(causal_lm.main, out, *SMALL, *argv) == 2
@@ -313,6 +316,26 @@ def test_streaming_resumes_byte_identically_across_passes(tmp_path, workers):
     assert run(causal_lm.main, part, *args, "--stop-after-steps", "5") == EXIT_PREEMPTED
     assert run(causal_lm.main, part, *args, "--resume", "auto") == 0
     assert (part / "model.safetensors").read_bytes() == (full / "model.safetensors").read_bytes()
+
+
+def test_a_resume_refuses_text_that_changed_since_the_checkpoint(tmp_path, capsys):
+    """Round 4 (issue 31, items 5 and 11): text replaced by other text of the same size resumed silently (stream and
+    held-out lines both changed), and text that shrank failed deep in the loader; the text's fingerprint is recorded
+    in each checkpoint and compared."""
+    text = write_text(tmp_path / "short.txt", lines=60, seed=1)
+    args = [*SMALL, "--text-files", str(text), "--streaming", "--eval-lines", "10", "--batch-size", "4", "--max-steps", "8"]
+    part = tmp_path / "part"
+    assert run(causal_lm.main, part, *args, "--stop-after-steps", "5") == EXIT_PREEMPTED
+    original = text.read_text()
+    lines = original.splitlines(keepends=True)
+    for changed in ("".join(reversed(lines)), "".join(lines[:20])):  # the same size; shorter than the checkpoint's place
+        text.write_text(changed)
+        capsys.readouterr()
+        assert run(causal_lm.main, part, *args, "--resume", "auto") == 2
+        err = capsys.readouterr().err.strip()
+        assert "was trained on data whose fingerprint is" in err and "its content changed since" in err and "\n" not in err, err
+    text.write_text(original)
+    assert run(causal_lm.main, part, *args, "--resume", "auto") == 0
 
 
 def test_streaming_without_max_steps_is_one_line(tmp_path, text_file, capsys):

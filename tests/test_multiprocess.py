@@ -6,7 +6,6 @@ import json
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -124,18 +123,19 @@ def test_under_torchrun_the_launchers_failure_report_names_the_one_line_error(ma
 def test_a_failing_process_other_than_the_main_one_waits_only_until_the_launcher_stops_it(code, ends):
     """Its wait for the main process ends with the launcher's SIGTERM even while the loop's preemption handler
     (which only sets a flag) is still installed, as after a divergence inside fit; a second Ctrl-C does not wait."""
-    probe = ("import os, sys; os.environ['RANK'] = '1'\n"
+    probe = ("import os, sys, time; os.environ['RANK'] = '1'\n"
+             "import acceltrain.cli; acceltrain.cli.MAIN_PROCESS_GRACE_SECONDS = 3600\n"  # only the SIGTERM can end the wait
+             "sleep = time.sleep; time.sleep = lambda s: (print('waiting', flush=True), sleep(s))\n"
              "from acceltrain.checkpointing import PreemptionSignals; PreemptionSignals().install()\n"
              f"from acceltrain.cli import _fail; print('failing', flush=True); _fail('boom', {code})")
     process = subprocess.Popen([sys.executable, "-c", probe], cwd=REPO, env=subprocess_env(), stdout=subprocess.PIPE, text=True)
     assert process.stdout.readline() == "failing\n"
-    started = time.monotonic()
     if code == 2:
-        time.sleep(0.5)
+        assert process.stdout.readline() == "waiting\n"
         process.send_signal(signal.SIGTERM)
-    returncode = process.wait(timeout=30)
-    assert time.monotonic() - started < 4.5, f"exit {returncode}: the wait did not end {ends}"
-    assert returncode == (-signal.SIGTERM if code == 2 else code)
+    returncode = process.wait(timeout=120)  # a hang guard: the wait would last an hour
+    assert returncode == (-signal.SIGTERM if code == 2 else code), f"exit {returncode}: the wait did not end {ends}"
+    assert code == 2 or "waiting" not in process.stdout.read()
 
 
 def test_a_time_budget_stops_every_process_at_the_same_step_with_the_same_learning_rates(tmp_path):
@@ -144,4 +144,4 @@ def test_a_time_budget_stops_every_process_at_the_same_step_with_the_same_learni
                                "--no-progress", "--num-workers", "0", "--output-dir", str(tmp_path)], processes=2, launcher="accelerate"))
     rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     assert rank0["lrs"] == rank1["lrs"] and rank0["steps"] == read_summary(tmp_path)["steps"] < 1000
-    assert read_summary(tmp_path)["final_lr"] < 0.3 * rank0["lrs"][0]
+    assert read_summary(tmp_path)["final_lr"] < rank0["lrs"][0], "the schedule decays over the budget"  # how far: test_time_budget

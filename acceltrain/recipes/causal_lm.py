@@ -84,6 +84,7 @@ def main(cfg: CausalLMConfig, task_class: type | None = None) -> dict:
     from acceltrain.text import (
         CausalLMTask,
         build_causal_lm,
+        expand_text_files,
         flops_per_block,
         held_out_lines,
         load_causal_lm,
@@ -93,6 +94,7 @@ def main(cfg: CausalLMConfig, task_class: type | None = None) -> dict:
         show_progress_bars,
         split_blocks,
         streamed_blocks,
+        text_fingerprint,
         token_blocks,
         tokenizer_for_run,
     )
@@ -116,6 +118,8 @@ def main(cfg: CausalLMConfig, task_class: type | None = None) -> dict:
         else:
             blocks = token_blocks(texts, tokenizer, block_size=cfg.block_size, num_proc=cfg.num_proc)
             train_set, eval_set = split_blocks(blocks, eval_fraction=cfg.eval_fraction, seed=cfg.seed)
+        if cfg.text_files:  # a resume refuses text that changed since (a Hub dataset has no fingerprint here)
+            train_set.fingerprint = text_fingerprint(expand_text_files(cfg.text_files))
         shape = {"vocab_size": len(tokenizer), "block_size": cfg.block_size}
         if cfg.model_name_or_path:
             model = on_main_process_first(lambda: load_causal_lm(cfg.model_name_or_path, **shape))

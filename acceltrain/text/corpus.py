@@ -27,7 +27,7 @@ from accelerate.logging import get_logger
 
 from ..data import available_cpus, mix_seed
 from ..distributed import on_main_process_first
-from ..options import ConfigError
+from ..options import ConfigError, file_kind
 
 logger = get_logger(__name__)
 
@@ -79,8 +79,14 @@ def expand_text_files(spec: str) -> list[str]:
         if not matches:
             raise ConfigError(f"--text-files {pattern!r} matches no file")
         for match in matches:
-            if Path(match).is_dir():
+            try:
+                kind = file_kind(os.stat(match).st_mode)
+            except OSError as err:  # a dangling link
+                raise ConfigError(f"--text-files {match!r} cannot be read: {err.strerror}") from None
+            if kind == "a directory":
                 raise ConfigError(f"--text-files {match!r} is a directory: name the files, e.g. {os.path.join(match, '*.txt')!r}")
+            if kind:  # a FIFO would block the reader for good, or read as empty
+                raise ConfigError(f"--text-files {match!r} is {kind}, not a regular file")
             if match not in files:
                 files.append(match)
     if not files:
@@ -126,6 +132,34 @@ def load_text(text_files: str | None, dataset_name: str | None = None, dataset_c
     if (next(iter(texts.take(1)), None) is None) if streaming else len(texts) == 0:
         raise ConfigError(f"{flag} holds no text")
     return texts
+
+
+FINGERPRINT_WHOLE_BYTES = 1 << 30  # text hashed whole up to 1 GiB; beyond, each file's size and ends
+FINGERPRINT_END_BYTES = 1 << 20
+
+
+def text_fingerprint(files: list[str]) -> str:
+    """A sha256 of the text files' sizes and contents, in order: a resume refuses text that changed (a stream has no
+    length to compare). Past 1 GiB in all, each file's size and first and last MiB: hashing all of it would take
+    minutes each launch."""
+    import hashlib
+
+    sizes = [os.path.getsize(path) for path in files]
+    whole = sum(sizes) <= FINGERPRINT_WHOLE_BYTES
+    digest = hashlib.sha256(f"{whole}:{sizes}".encode())
+    for path, size in zip(files, sizes):
+        with open(path, "rb") as file:
+            if whole or size <= 2 * FINGERPRINT_END_BYTES:
+                for block in iter(lambda: file.read(FINGERPRINT_END_BYTES), b""):
+                    digest.update(block)
+            else:
+                digest.update(file.read(FINGERPRINT_END_BYTES))
+                file.seek(size - FINGERPRINT_END_BYTES)
+                digest.update(file.read())
+    if not whole:
+        logger.info(f"the text's fingerprint covers each file's size and first and last MiB ({sum(sizes) / 2**30:.1f} GiB "
+                    "in all): a change elsewhere with the same size would not be noticed on resume")
+    return digest.hexdigest()
 
 
 # --------------------------------------------------------------------------- tokenizer

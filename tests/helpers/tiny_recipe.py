@@ -28,6 +28,8 @@ class TinyConfig(TrainConfig):
     die_at_step: int | None = option(None, "every process kills itself (SIGKILL) at this step, on torchrun's first attempt only")
     sleep_per_step: float = option(0.0, "seconds to sleep after each optimizer step: a slow run to signal (the maths unchanged)")
     stream: str | None = option(None, "train on the images as a stream", choices=("torch", "hf"))
+    stream_drop: str = option("0", "with --stream torch: comma list, by rank, of samples each process's stream leaves out at "
+                                   "its end (a stream sharded unevenly across processes)")
 
 
 class ImageStream(torch.utils.data.IterableDataset):
@@ -35,8 +37,8 @@ class ImageStream(torch.utils.data.IterableDataset):
     workers by index, no state of its own (the stateful loader fast-forwards it). The pass is shared memory,
     so that set_epoch reaches persistent workers."""
 
-    def __init__(self, images: ImageClassification):
-        self.images = images
+    def __init__(self, images: ImageClassification, drop: int = 0):
+        self.images, self.length = images, len(images) - drop
         self.epoch = torch.zeros(1, dtype=torch.int64).share_memory_()
 
     def set_epoch(self, epoch: int) -> None:
@@ -46,7 +48,7 @@ class ImageStream(torch.utils.data.IterableDataset):
         worker = torch.utils.data.get_worker_info()
         start, step = (worker.id, worker.num_workers) if worker else (0, 1)
         epoch = int(self.epoch)
-        for index in range(start, len(self.images), step):
+        for index in range(start, self.length, step):
             yield self.images.sample(index, epoch)
 
 
@@ -157,7 +159,8 @@ def main(cfg: TinyConfig, hooks=(), task=None) -> None:
     if cfg.sleep_per_step:
         hooks = [*hooks, SleepPerStep(cfg.sleep_per_step)]
     if cfg.stream == "torch":
-        train_set = ImageStream(train_set)
+        drops = [int(n) for n in cfg.stream_drop.split(",")]
+        train_set = ImageStream(train_set, drop=drops[min(int(os.environ.get("RANK", "0")), len(drops) - 1)])
     elif cfg.stream == "hf":
         train_set, task = hf_stream(train_set, cfg.seed), RowsClassification()
     summary = fit(cfg, model, optimizer, train_set, eval_set, task=task, hooks=hooks, name="tiny")
