@@ -269,19 +269,20 @@ def _module_exists(name: str) -> bool:
 RECIPE_MODULE = "acceltrain_bench_recipe"  # a --recipe script imported to read its config class, not run
 
 
-def recipe_config_class(recipe: str) -> type:
-    """The config class of ``--recipe``, to check the rows' command line before any row runs: the class its
-    ``main(cfg)`` is annotated with, else the one TrainConfig subclass the recipe defines or imports. A
-    script is imported under another name than ``__main__``, so its ``cli()`` does not run."""
+def recipe_config_class(recipe: str, what: str = "--recipe") -> type:
+    """The config class of ``--recipe``, to check the rows' command line before any row runs (and ``acceltrain ray``'s
+    recipe, named ``what`` in messages, before Ray starts): the class its ``main(cfg)`` is annotated with, else the
+    one TrainConfig subclass the recipe defines or imports. A script is imported under another name than
+    ``__main__``, so its ``cli()`` does not run."""
     import inspect
 
     from .config import TrainConfig
     from .options import ConfigError
 
-    module = _import_recipe(recipe)
+    module = _import_recipe(recipe, what)
     main = getattr(module, "main", None)
     if not callable(main):
-        raise ConfigError(f"--recipe {recipe!r} has no main(cfg): a recipe is a config class (a TrainConfig subclass), "
+        raise ConfigError(f"{what} {recipe!r} has no main(cfg): a recipe is a config class (a TrainConfig subclass), "
                           f"main(cfg) and cli(), as {DEFAULT_RECIPE}")
     parameters = list(inspect.signature(main).parameters.values())
     annotated = parameters[0].annotation if parameters else None
@@ -291,10 +292,10 @@ def recipe_config_class(recipe: str) -> type:
              if isinstance(value, type) and issubclass(value, TrainConfig) and value is not TrainConfig}
     if len(found) == 1:
         return found.pop()
-    raise ConfigError(f"--recipe {recipe!r} has no config class: annotate main(cfg: YourConfig) with a TrainConfig subclass")
+    raise ConfigError(f"{what} {recipe!r} has no config class: annotate main(cfg: YourConfig) with a TrainConfig subclass")
 
 
-def _import_recipe(recipe: str):
+def _import_recipe(recipe: str, what: str):
     """The recipe module, imported in this process; a file that is not Python, or that fails to import, is a
     ConfigError (``--recipe /etc/passwd``)."""
     from importlib.machinery import SourceFileLoader
@@ -310,7 +311,7 @@ def _import_recipe(recipe: str):
         loader.exec_module(module)
         return module
     except Exception as err:  # noqa: BLE001 - SyntaxError, ImportError, or whatever the recipe's own code raises
-        raise ConfigError(f"--recipe {recipe!r} cannot be loaded as a Python recipe: {first_line(err)}") from None
+        raise ConfigError(f"{what} {recipe!r} cannot be loaded as a Python recipe: {first_line(err)}") from None
 
 
 def check_recipe_arguments(config_class: type, args, parser: argparse.ArgumentParser, out: Path) -> None:

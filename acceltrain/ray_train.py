@@ -6,17 +6,27 @@ the group Ray made and ``fit()`` runs as under ``accelerate launch``. Workers ru
 (unless ``--resume`` is given): when a worker dies, Ray restarts the group (``--max-failures``) and the
 run continues from the newest complete checkpoint in ``--output-dir``, which must be storage every
 worker reaches (one machine, or a shared file system). Published checkpoints and the final summary are
-reported to Ray (``ray.train.report``) by the :class:`RayReport` hook."""
+reported to Ray (``ray.train.report``) by the :class:`RayReport` hook.
+
+Bad input is one line and exit 2, once: the launcher's flags, the recipe's flags (parsed here as the workers will,
+before Ray starts), an ``--address`` where no cluster answers (checked before ``ray.init``, which would retry it
+for minutes), and bad input a worker finds (a batch larger than the data): that worker's line, not a failure Ray
+restarts ``--max-failures`` times."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import runpy
+import socket
 import sys
+import tempfile
+import uuid
 from pathlib import Path
 
-from .options import ConfigError
+from .cli import EXIT_BAD_INPUT
+from .options import ConfigError, first_line
 from .hooks.base import Hook
 
 _IN_WORKER = False  # set in a Ray Train worker: builtin_hooks adds RayReport
@@ -42,19 +52,47 @@ class RayReport(Hook):
         ray.train.report({k: v for k, v in summary.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
 
 
+def _recipe_argv(argv: list[str]) -> list[str]:
+    """The recipe's flags as every worker runs them: with ``--resume auto`` unless ``--resume`` is given, so that a
+    restarted worker group continues from the newest checkpoint."""
+    if any(arg == "--resume" or arg.startswith("--resume=") for arg in argv):
+        return list(argv)
+    return [*argv, "--resume", "auto"]
+
+
 def _worker(config: dict) -> None:
+    """One Ray Train worker: the recipe as ``python RECIPE ARGS``. Bad input found here (exit 2) is recorded in
+    Ray's key-value store, the recipe's line with it, and the worker returns without raising: raising would make
+    Ray run the same bad input again ``--max-failures`` times. An attempt that finds the record (a worker that
+    failed after another's bad input, restarted) returns at once. Any other exit is a failure Ray restarts."""
+    from ray.experimental.internal_kv import _internal_kv_get, _internal_kv_put
+
     global _IN_WORKER
     _IN_WORKER = True
+    if _internal_kv_get(config["bad_input_key"]):
+        return
     os.chdir(config["cwd"])
-    argv = list(config["argv"])
-    if not any(arg == "--resume" or arg.startswith("--resume=") for arg in argv):
-        argv += ["--resume", "auto"]
-    sys.argv = [config["recipe"], *argv]
+    sys.argv = [config["recipe"], *config["argv"]]
+    with tempfile.TemporaryDirectory() as folder:
+        error_file = os.environ["TORCHELASTIC_ERROR_FILE"] = os.path.join(folder, "error.json")  # run_recipe's line
+        try:
+            runpy.run_path(config["recipe"], run_name="__main__")
+        except SystemExit as stop:
+            if stop.code == EXIT_BAD_INPUT:
+                _internal_kv_put(config["bad_input_key"], _bad_input_line(error_file, config["recipe"]))
+            elif stop.code not in (0, None):
+                raise RuntimeError(f"{Path(config['recipe']).name} exited with code {stop.code}") from None
+        finally:
+            os.environ.pop("TORCHELASTIC_ERROR_FILE", None)
+
+
+def _bad_input_line(error_file: str, recipe: str) -> str:
+    """The recipe's own ``error: ...`` line, from the error file run_recipe writes for launchers; what is known
+    when the recipe exited 2 without one."""
     try:
-        runpy.run_path(config["recipe"], run_name="__main__")
-    except SystemExit as stop:
-        if stop.code not in (0, None):
-            raise RuntimeError(f"{Path(config['recipe']).name} exited with code {stop.code}") from None
+        return json.loads(Path(error_file).read_text())["message"]["message"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"error: {Path(recipe).name} exited with code 2 (bad input: its output above says which)"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -85,32 +123,83 @@ def main(argv: list[str] | None = None) -> int:
                                                               "after it: acceltrain ray --help")
         _check(args)
         import ray
+        from .bench import recipe_config_class
+        from .config import parse_config
+
+        recipe_argv = _recipe_argv(args.recipe_args)
+        parse_config(recipe_config_class(args.recipe, "recipe"), recipe_argv)  # the recipe's line, as a worker's
+        _check_address(args.address)
+        ray.init(address=args.address, include_dashboard=False)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     except ImportError:
         print("error: acceltrain ray needs Ray Train: pip install 'acceltrain[ray]'", file=sys.stderr)
         return 2
+    except ConnectionError as err:  # an address that answered, but no Ray cluster behind it; 'auto' with none running
+        print(f"error: {_no_cluster(args.address, args.address, err)}", file=sys.stderr)
+        return 2
+    from ray.experimental.internal_kv import _internal_kv_get
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    ray.init(address=args.address, include_dashboard=False)
+    bad_input_key = f"acceltrain-ray-bad-input-{uuid.uuid4().hex}"
     trainer = TorchTrainer(
         _worker,
-        train_loop_config={"recipe": str(Path(args.recipe).resolve()), "argv": args.recipe_args, "cwd": os.getcwd()},
+        train_loop_config={"recipe": str(Path(args.recipe).resolve()), "argv": recipe_argv, "cwd": os.getcwd(),
+                           "bad_input_key": bad_input_key},
         scaling_config=ScalingConfig(num_workers=args.num_workers, use_gpu=args.use_gpu, resources_per_worker={"CPU": 1}),
         torch_config=TorchConfig(backend="nccl" if args.use_gpu else "gloo"),
         run_config=RunConfig(name=Path(args.recipe).stem, storage_path=args.storage_path,
                              failure_config=FailureConfig(max_failures=args.max_failures)),
     )
+    failure = None
     try:
         trainer.fit()
     except ray.train.TrainingFailedError as err:
-        print(f"error: the Ray run failed after {args.max_failures} restarts: {str(err).strip().splitlines()[0]}", file=sys.stderr)
-        return 1
+        failure = f"error: the Ray run failed after {args.max_failures} restarts: {first_line(err)}"
     finally:
+        bad_input = _internal_kv_get(bad_input_key)
         ray.shutdown()
+    # printed after ray.shutdown: the last line, after the workers' output Ray forwards
+    if bad_input:
+        print(bad_input.decode(), file=sys.stderr)
+        return 2
+    if failure:
+        print(failure, file=sys.stderr)
+        return 1
     return 0
+
+
+ADDRESS_TIMEOUT_S = 10.0
+
+
+def _check_address(address: str | None) -> None:
+    """A cluster ``--address`` must accept a TCP connection before ``ray.init``, which retries one where nothing
+    listens for minutes without a line. Checked where Ray will connect (it takes 127.0.0.1 as this node's own
+    address): the GCS port, or for ``ray://`` the Ray Client server. None and 'auto' are Ray's to find (RAY_ADDRESS,
+    the last ``ray start``): a ConnectionError from ``ray.init`` when it finds none."""
+    if address in (None, "auto", "local"):
+        return
+    from ray._private.services import canonicalize_bootstrap_address
+
+    target = address.removeprefix("ray://")
+    try:
+        if target == address:
+            target = canonicalize_bootstrap_address(address)
+        host, _, port = target.rpartition(":")
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=ADDRESS_TIMEOUT_S):
+            pass
+    except (ValueError, OSError) as err:
+        raise _no_cluster(address, target, err) from None
+
+
+def _no_cluster(address: str | None, target: str | None, reason: Exception) -> ConfigError:
+    """The one line for an address without a cluster, found before ``ray.init`` or by it (exit 2: the address is
+    input, known before anything starts)."""
+    return ConfigError(f"--address {address!r}: no Ray cluster answered at {target} ({first_line(reason)}); give a running "
+                       "cluster's host:port (`ray start --head` prints it), 'auto' for the one started on this machine, "
+                       "or leave --address out for a local one")
 
 
 def _check(args) -> None:
