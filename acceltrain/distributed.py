@@ -73,7 +73,7 @@ def init_process_state(cfg: TrainConfig):
         raise ConfigError(
             f"the launcher started WORLD_SIZE={launched} processes but Accelerate joined {state.num_processes} "
             f"(distributed_type={state.distributed_type.value}): this would be {launched} independent runs; "
-            "check the accelerate config (FSDP and DeepSpeed need a GPU for more than one process)"
+            "check the accelerate config (DeepSpeed needs a GPU for more than one process)"
         )
     return state
 

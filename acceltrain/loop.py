@@ -60,6 +60,7 @@ from .metrics import peak_memory_mb
 from .optim import ScheduleProgress, build_scheduler
 from .options import ConfigError, first_line, parse_json
 from .run import TOKEN_NORMALISATION_UNDER_DEEPSPEED, Run, left_as_found_unless_trained, setup_run
+from .sharding import build_accelerator, choose_wrap_policy, guard_gradient_average, parameter_counts
 from .speed import apply_batch_size, enable_activation_checkpointing, find_batch_size, peak_flops_per_device, training_flops_per_sample
 from .streams import check_stream, first_samples, is_stream, stream_loader
 from .tasks import ClassificationTask, check_task
@@ -76,7 +77,6 @@ def fit(cfg: TrainConfig, model: nn.Module, optimizer: torch.optim.Optimizer, tr
     :class:`acceltrain.Hook` objects, run before the built-in ones; ``name`` names the default output folder;
     ``collate_fn`` makes each batch of samples, training and eval (default: torch's ``default_collate``; padding
     per batch: ``transformers.DataCollatorWithPadding(tokenizer)``)."""
-    from accelerate import Accelerator
     from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin, ProjectConfiguration
 
     set_log_level(cfg.log_level)  # run_recipe did; code that calls fit() directly has not
@@ -91,8 +91,8 @@ def fit(cfg: TrainConfig, model: nn.Module, optimizer: torch.optim.Optimizer, tr
     setup = setup_run(cfg, name, task)
     cfg, output_dir, run = setup.cfg, setup.output_dir, None
     with left_as_found_unless_trained(setup, lambda: run is not None and run.throughput is not None):
-        accelerator = Accelerator(
-            cpu=use_cpu(cfg.cpu), mixed_precision=cfg.mixed_precision, deepspeed_plugin=deepspeed_plugin(cfg),
+        accelerator = build_accelerator(
+            use_cpu(cfg.cpu), mixed_precision=cfg.mixed_precision, deepspeed_plugin=deepspeed_plugin(cfg),
             # a stream's windows run across its passes' ends, and its loader's position is checkpointed (streams.py)
             gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=cfg.grad_accum, sync_with_dataloader=not stream),
             dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=stream, dispatch_batches=False if stream else None),
@@ -105,7 +105,7 @@ def fit(cfg: TrainConfig, model: nn.Module, optimizer: torch.optim.Optimizer, tr
         run._hooks = Hooks(hooks, builtin_hooks(run.cfg, evaluates=eval_set is not None, trackers=trackers, run_config=run_config))
         main_process_only(lambda: lock_output_dir(output_dir))  # one live run per folder
         logger.info(yaml.safe_dump({"config": run.cfg.to_dict(), "runtime": run.runtime}, sort_keys=False).rstrip())
-        for note in notes:
+        for note in filter(None, notes):
             logger.info(note)
         try:
             if cfg.resume and not _resume(run, cfg.resume):
@@ -296,7 +296,9 @@ def _prepare(cfg: TrainConfig, accelerator, model: nn.Module, optimizer, train_s
     collate_fn = collate_fn or default_collate
     cfg, model, flops_per_sample, notes = _apply_speed_flags(cfg, accelerator, model, optimizer, train_set, task, collate_fn)
     cfg, loaders, eval_set = _loaders(cfg, accelerator, train_set, eval_set, collate_fn)
+    notes.append(choose_wrap_policy(accelerator, model))
     prepared_model, prepared_optimizer, *loaders = accelerator.prepare(model, optimizer, *loaders)
+    notes.append(guard_gradient_average(accelerator, prepared_model))
     if cfg.data_on_device:
         loaders.insert(0, train_set.device_loader(
             batch_size=cfg.batch_size, seed=cfg.seed, device=accelerator.device, process_index=accelerator.process_index,
@@ -317,7 +319,7 @@ def _prepare(cfg: TrainConfig, accelerator, model: nn.Module, optimizer, train_s
     scheduler = build_scheduler(optimizer, cfg, total_steps, schedule_progress)
     peak_flops = peak_flops_per_device(accelerator.device, accelerator.mixed_precision, cfg.peak_tflops)
     runtime = _runtime(cfg, accelerator, steps_per_epoch=steps_per_epoch, total_steps=total_steps,
-                       model_flops_per_sample=flops_per_sample, peak_flops_per_device=peak_flops)
+                       model_flops_per_sample=flops_per_sample, peak_flops_per_device=peak_flops, **parameter_counts(prepared_model))
     run = Run(cfg=cfg, accelerator=accelerator, model=prepared_model, optimizer=prepared_optimizer, scheduler=scheduler,
               schedule_progress=schedule_progress,
               task=task, train_batches=loaders[0], eval_batches=loaders[1] if eval_set is not None else None,
@@ -501,15 +503,14 @@ def _check_engine(accelerator, path: str) -> None:
 
 
 def _check_relayout_supported(accelerator, saved: RunState, current: RunState, path: str) -> None:
-    """DeepSpeed and FSDP partition optimizer state per process: their checkpoints load on their own count."""
-    sharding = {DistributedType.DEEPSPEED: "DeepSpeed ZeRO", DistributedType.FSDP: "FSDP"}.get(accelerator.distributed_type)
-    if sharding and saved.num_processes != current.num_processes:
-        way_out = (" (or convert it with DeepSpeed's ds_to_universal.py and load it with its universal-checkpoint "
-                   "support, outside acceltrain)" if sharding == "DeepSpeed ZeRO" else "")
+    """DeepSpeed partitions optimizer state per process: its checkpoints load on their own count. (FSDP's DCP
+    shards are resharded on load: they continue on another count.)"""
+    if accelerator.distributed_type == DistributedType.DEEPSPEED and saved.num_processes != current.num_processes:
         raise CheckpointError(
-            f"checkpoint {path!r} holds {sharding} state partitioned over {saved.num_processes} processes and this run "
-            f"has {current.num_processes}: resume on {saved.num_processes} processes{way_out} (a run trained under DDP "
-            "resumes on another process count)"
+            f"checkpoint {path!r} holds DeepSpeed ZeRO state partitioned over {saved.num_processes} processes and this run "
+            f"has {current.num_processes}: resume on {saved.num_processes} processes (or convert it with DeepSpeed's "
+            "ds_to_universal.py and load it with its universal-checkpoint support, outside acceltrain; a run trained under "
+            "DDP or FSDP resumes on another process count)"
         )
 
 

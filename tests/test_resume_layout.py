@@ -121,7 +121,8 @@ def test_the_position_in_the_epoch_is_counted_in_the_new_layouts_batches():
     assert (moved.batch_in_epoch, moved.num_processes, moved.step) == (12, 1, 3)
 
 
-def test_deepspeed_and_fsdp_state_is_refused_on_another_process_count():
+def test_deepspeed_state_is_refused_on_another_process_count_and_fsdp_state_is_not():
+    """FSDP's DCP shards reshard on load (issue 32: tests/test_fsdp.py resumes 2 -> 1 and 1 -> 2 processes)."""
     from types import SimpleNamespace
 
     from accelerate.utils import DistributedType
@@ -132,3 +133,5 @@ def test_deepspeed_and_fsdp_state_is_refused_on_another_process_count():
     with pytest.raises(CheckpointError, match="partitioned over 2 processes and this run has 1: resume on 2 processes"):
         _check_relayout_supported(deepspeed, state(), state(num_processes=1, global_batch_size=4, grad_accum=4), "ckpt")
     _check_relayout_supported(deepspeed, state(), state(global_batch_size=16, grad_accum=1, batches_per_epoch=6), "ckpt")
+    fsdp = SimpleNamespace(distributed_type=DistributedType.FSDP)
+    _check_relayout_supported(fsdp, state(), state(num_processes=1, global_batch_size=4, grad_accum=4), "ckpt")

@@ -166,7 +166,9 @@ def main(cfg: TinyConfig, hooks=(), task=None) -> None:
     summary = fit(cfg, model, optimizer, train_set, eval_set, task=task, hooks=hooks, name="tiny")
     rank = int(os.environ.get("RANK", "0"))
     out = Path(summary["config"]["output_dir"])
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(out / f"rank{rank}.safetensors"))
+    weights = model.state_dict()
+    if not any(hasattr(v, "full_tensor") for v in weights.values()):  # FSDP's shards: model.safetensors holds them gathered
+        save_file({k: v.contiguous() for k, v in weights.items()}, str(out / f"rank{rank}.safetensors"))
     counts = {"steps": optimizer.steps, "zero_grads": optimizer.zero_grads, "lrs": optimizer.lrs, **allreduce_counter}
     (out / f"rank{rank}.json").write_text(json.dumps(counts))
 

@@ -1,0 +1,172 @@
+"""FSDP2 on CPU processes (issue 32): accelerate_configs/fsdp_cpu.yaml shards any recipe for real (DTensor
+parameters, half of each sharded tensor per process), trains the same maths as DDP and as one process at
+twice the batch (clipping and accumulation included; the LM's token-normalised loss too), resumes
+byte-identically from DCP shards inside the toolkit's atomic checkpoints, and continues on another process
+count through DCP's resharding. Each launch starts 2 gloo processes: the runs are shared by module fixtures."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from acceltrain.checkpointing import CheckpointError, checkpoint_engine, complete_checkpoints, verify_checkpoint
+from conftest import REPO, TINY_RECIPE, check, launch, read_summary, subprocess_env
+
+pytestmark = pytest.mark.multiprocess
+
+# 2 processes x batch 4 x 2 micro-batches = 16 samples per optimizer step; clipped, so the gradient norm must be global
+TINY = ["--num-train", "96", "--grad-accum", "2", "--max-steps", "6", "--max-grad-norm", "0.5", "--lr", "0.05", "--no-progress",
+        "--num-workers", "0", "--report-to", "none", "--log-every", "1", "--save-every-steps", "3"]
+FSDP = {"launcher": "accelerate", "config": "fsdp_cpu.yaml"}
+
+
+def fsdp(args: list[str], processes: int = 2) -> subprocess.CompletedProcess:
+    return launch(TINY_RECIPE, args, processes=processes, **FSDP)
+
+
+def weights(out: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(out / "model.safetensors"))
+
+
+def assert_close(got: Path, expected: Path, rtol: float = 1e-5) -> None:
+    reference = weights(expected)
+    for key, value in weights(got).items():
+        torch.testing.assert_close(value, reference[key], rtol=rtol, atol=1e-7, msg=key)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    """The same 6 SGD steps under FSDP (2 processes), DDP (2 processes) and on one process at twice the batch."""
+    root = tmp_path_factory.mktemp("fsdp")
+    out = {name: root / name for name in ("fsdp", "ddp", "single")}
+    check(fsdp([*TINY, "--batch-size", "4", "--output-dir", str(out["fsdp"])]))
+    check(launch(TINY_RECIPE, [*TINY, "--batch-size", "4", "--output-dir", str(out["ddp"])], processes=2, launcher="accelerate"))
+    check(launch(TINY_RECIPE, [*TINY, "--batch-size", "8", "--output-dir", str(out["single"])]))
+    return out
+
+
+def test_fsdp_on_cpu_processes_shards_for_real_and_trains_as_ddp_and_one_process(runs):
+    summary = read_summary(runs["fsdp"])
+    assert (summary["distributed_type"], summary["num_processes"]) == ("FSDP", 2)
+    runtime = summary["runtime"]
+    assert runtime["parameters_per_process"] < 0.6 * runtime["parameters"], "each process holds about half of each tensor"
+    assert read_summary(runs["ddp"])["runtime"]["parameters_per_process"] == runtime["parameters"]
+    assert_close(runs["fsdp"], runs["ddp"])
+    assert_close(runs["fsdp"], runs["single"])
+
+
+def test_a_stopped_fsdp_run_resumes_from_its_shards_byte_identically(tmp_path, runs):
+    out = tmp_path / "run"
+    args = [*TINY, "--batch-size", "4", "--output-dir", str(out)]
+    stopped = fsdp([*args, "--stop-after-steps", "3"])
+    assert "stopped at step 3" in stopped.stdout + stopped.stderr
+    (checkpoint,) = complete_checkpoints(out)
+    assert checkpoint_engine(checkpoint) == "FSDP" and (checkpoint / "pytorch_model_fsdp_0" / "__1_0.distcp").is_file()
+    check(fsdp([*args, "--resume", "auto"]))
+    assert (out / "model.safetensors").read_bytes() == (runs["fsdp"] / "model.safetensors").read_bytes()
+
+
+def continue_from(checkpoint: Path, out: Path) -> None:
+    """``out`` holds only a copy of ``checkpoint``, as a folder preempted at that step would."""
+    shutil.copytree(checkpoint, out / "checkpoints" / checkpoint.name)
+
+
+def test_an_fsdp_checkpoint_continues_on_one_process_and_back_on_two(tmp_path, runs):
+    """DCP reshards on load, optimizer state included: 2 -> 1 (batch 8) and 1 -> 2 (batch 4) processes, each
+    within float rounding of the run never stopped."""
+    two_to_one = tmp_path / "two-to-one"
+    continue_from(complete_checkpoints(runs["fsdp"])[0], two_to_one)
+    check(fsdp([*TINY, "--batch-size", "8", "--output-dir", str(two_to_one), "--resume", "auto"], processes=1))
+    assert read_summary(two_to_one)["resumed_from_step"] == 3
+    assert_close(two_to_one, runs["fsdp"])
+
+    one_to_two = tmp_path / "one-to-two"
+    fsdp([*TINY, "--batch-size", "8", "--output-dir", str(one_to_two), "--stop-after-steps", "3"], processes=1)
+    check(fsdp([*TINY, "--batch-size", "4", "--output-dir", str(one_to_two), "--resume", "auto"]))
+    assert_close(one_to_two, runs["fsdp"])
+
+
+def test_a_missing_or_altered_shard_is_refused(tmp_path, runs):
+    for damage in ("delete", "alter"):
+        copy = tmp_path / damage
+        shutil.copytree(complete_checkpoints(runs["fsdp"])[0], copy)
+        shard = copy / "optimizer_0" / "__1_0.distcp"
+        if damage == "delete":
+            shard.unlink()
+        else:
+            data = shard.read_bytes()
+            shard.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+        with pytest.raises(CheckpointError, match="is missing" if damage == "delete" else "is corrupted"):
+            verify_checkpoint(copy)
+
+
+def test_what_fsdp_cannot_resume_or_run_is_one_line(tmp_path, runs):
+    ddp = tmp_path / "ddp"
+    continue_from(complete_checkpoints(runs["ddp"])[0], ddp)
+    result = fsdp([*TINY, "--batch-size", "4", "--output-dir", str(ddp), "--resume", "auto"])
+    assert result.returncode != 0 and "holds DDP or single-process model and optimizer state and this run is FSDP" in result.stderr
+    result = fsdp([*TINY, "--batch-size", "4", "--output-dir", str(tmp_path / "ema"), "--ema-decay", "0.9"])
+    assert result.returncode != 0 and "EMA needs every process to hold the full weights: FSDP and DeepSpeed ZeRO-3 shard them" in result.stderr
+
+
+def test_fsdp1_on_cpu_is_one_line(monkeypatch):
+    import accelerate
+    from accelerate.utils import DistributedType
+
+    from acceltrain import ConfigError
+    from acceltrain.sharding import build_accelerator
+
+    monkeypatch.setattr(accelerate, "PartialState", lambda: type("State", (), {"distributed_type": DistributedType.MULTI_CPU})())
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_VERSION", "1")
+    with pytest.raises(ConfigError, match="fsdp_version 1 on CPU processes: FSDP1 needs GPUs; use fsdp_version: 2"):
+        build_accelerator(True)
+
+
+@pytest.fixture(scope="module")
+def text(tmp_path_factory) -> tuple[Path, dict[str, str]]:
+    sys.path.insert(0, str(REPO / "tests"))
+    from test_causal_lm import write_text
+
+    root = tmp_path_factory.mktemp("lm")
+    env = {"HF_HOME": str(root / "home"), "HF_DATASETS_CACHE": str(root / "datasets"), "HF_HUB_OFFLINE": "1"}
+    return write_text(root / "plays.txt"), env
+
+
+def test_the_language_model_shards_per_block_and_keeps_its_token_normalised_loss(tmp_path, text):
+    """Uneven target counts per micro-batch and process, SGD: FSDP on 2 processes equals one process at twice the batch."""
+    from test_causal_lm import EXACT, UNEVEN_RECIPE
+
+    text_file, env = text
+    sharded, single = tmp_path / "fsdp", tmp_path / "single"
+    result = check(launch(UNEVEN_RECIPE, [*EXACT, "--text-files", str(text_file), "--batch-size", "4", "--output-dir", str(sharded)],
+                          processes=2, **FSDP, **env))
+    assert "FSDP shards each GPT2Block (the model's transformer blocks) and the root module" in result.stdout + result.stderr
+    check(launch(UNEVEN_RECIPE, [*EXACT, "--text-files", str(text_file), "--batch-size", "8", "--output-dir", str(single)], **env))
+    assert_close(sharded, single, rtol=1e-4)
+
+
+def test_bf16_and_activation_checkpointing_run_sharded_and_the_weights_load_with_from_pretrained(tmp_path, text):
+    from test_causal_lm import SMALL
+
+    text_file, env = text
+    out = tmp_path / "run"
+    check(launch(REPO / "recipes" / "causal_lm.py", [*SMALL, "--text-files", str(text_file), "--batch-size", "4", "--max-steps", "3",
+                                                     "--mixed-precision", "bf16", "--activation-checkpointing", "--output-dir", str(out)],
+                 processes=2, **FSDP, **env))
+    assert read_summary(out)["mixed_precision"] == "bf16"
+    probe = ("import sys, json; from transformers import AutoModelForCausalLM; from safetensors.torch import load_file\n"
+             "model, info = AutoModelForCausalLM.from_pretrained(sys.argv[1], output_loading_info=True)\n"
+             "saved = load_file(sys.argv[1] + '/model.safetensors')\n"
+             "print(json.dumps({'missing': sorted(info['missing_keys']), 'unexpected': sorted(info['unexpected_keys']), 'class': type(model).__name__,\n"
+             "                  'same': all(model.state_dict()[k].equal(v) for k, v in saved.items())}))")
+    loaded = json.loads(check(subprocess.run([sys.executable, "-c", probe, str(out)], env=subprocess_env(**env), capture_output=True,
+                                             text=True, timeout=300)).stdout.strip().splitlines()[-1])
+    assert loaded == {"missing": [], "unexpected": [], "class": "GPT2LMHeadModel", "same": True}
