@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from importlib.metadata import version
 
 import pytest
@@ -47,18 +46,20 @@ def test_every_public_name_still_imports_from_the_package():
 
 
 def test_version_and_a_plain_text_help():
-    started = time.perf_counter()
-    shown = subprocess.run([sys.executable, "-m", "acceltrain.cli", "--version"], cwd=REPO, env=subprocess_env(), capture_output=True, text=True)
-    assert shown.stdout.strip() == f"acceltrain {version('acceltrain')}" == f"acceltrain {acceltrain.__version__}"
-    assert time.perf_counter() - started < 3
-    helped = subprocess.run([sys.executable, "-m", "acceltrain.cli", "--help"], cwd=REPO, env=subprocess_env(), capture_output=True, text=True)
+    """--version answers without importing the heavy libraries (measured by what is imported, not by the clock)."""
+    probe = ("import runpy, sys; sys.argv = ['acceltrain', '--version']\n"
+             "try:\n    runpy.run_module('acceltrain.cli', run_name='__main__')\nexcept SystemExit:\n    pass\n"
+             "print(sorted(name for name in ('torch', 'accelerate', 'transformers', 'datasets') if name in sys.modules))")
+    shown = subprocess.run([sys.executable, "-c", probe], cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    assert shown.stdout.splitlines() == [f"acceltrain {version('acceltrain')}", "[]"], shown.stdout + shown.stderr
+    assert version("acceltrain") == acceltrain.__version__
+    helped = subprocess.run([sys.executable, "-m", "acceltrain.cli", "--help"], cwd=REPO, env=subprocess_env(), capture_output=True,
+                            text=True, timeout=120)
     assert helped.returncode == 0 and "env" in helped.stdout and "``" not in helped.stdout, helped.stdout
 
 
 def test_env_reports_what_accelerate_env_does_and_the_toolkit_view():
-    started = time.perf_counter()
     report = environment_report()
-    seconds = time.perf_counter() - started
     assert report["accelerate env"]["`Accelerate` version"] == version("accelerate")
     assert "PyTorch version" in report["accelerate env"] and "`Accelerate` configs" in report["accelerate env"]
     toolkit = report["acceltrain"]
@@ -69,7 +70,6 @@ def test_env_reports_what_accelerate_env_does_and_the_toolkit_view():
         assert toolkit["training device"].startswith("cpu: ")
         assert toolkit["peak FLOP/s for MFU"].startswith("unknown for cpu") and "--peak-tflops" in toolkit["peak FLOP/s for MFU"]
     assert toolkit["bf16"].startswith(("fast: matmul", "slow: matmul")) and "conv" in toolkit["bf16"]
-    assert seconds < 10, f"the bf16 probe should take well under 2 s; the whole report took {seconds:.1f} s"
 
 
 def test_env_command_prints_both_sections():
