@@ -292,38 +292,65 @@ def _fsync(path: Path) -> None:
 def save_checkpoint(accelerator, state: RunState, output_dir: Path, write_extra=None) -> Path:
     """``Accelerator.save_state`` into a temporary folder, then ``write_extra(folder)`` (the hooks' states),
     the trainer state and a manifest (size and sha256 of every file), fsync, and one atomic rename. A crash
-    at any point leaves either no new checkpoint or a complete one; never a half-written ``step_*``."""
-    final = checkpoint_dir(output_dir, state.step)
+    at any point leaves either no new checkpoint or a complete one; never a half-written ``step_*``.
+    (``--async-checkpoint``: :mod:`acceltrain.async_checkpoint` stages and publishes the same way.)"""
+    final, staging = staging_folder(accelerator, output_dir, state.step)
+    with failed_save_refused(final, staging):
+        accelerator.save_state(str(staging))
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            write_run_files(staging, state, write_extra)
+            publish(staging, final)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def staging_folder(accelerator, output_dir: Path, step: int) -> tuple[Path, Path]:
+    """(the checkpoint's final folder, the empty temporary one it is written in), agreed by all processes."""
+    final = checkpoint_dir(output_dir, step)
     staging = final.with_name(f".tmp-{final.name}")
     if accelerator.is_main_process and staging.exists():
         shutil.rmtree(staging)
     accelerator.wait_for_everyone()
+    return final, staging
+
+
+@contextlib.contextmanager
+def failed_save_refused(final: Path, staging: Path):
+    """A save that fails (a full disk) removes its temporary folder and is one line: the previous checkpoints are intact."""
     try:
-        accelerator.save_state(str(staging))
-        accelerator.wait_for_everyone()
-        if accelerator.is_main_process:
-            if write_extra is not None:
-                write_extra(staging)
-            (staging / STATE_FILE).write_text(json.dumps(dataclasses.asdict(state), indent=2))
-            manifest = {}
-            for file in sorted(p for p in staging.rglob("*") if p.is_file()):
-                _fsync(file)
-                manifest[str(file.relative_to(staging))] = {"bytes": file.stat().st_size, "sha256": _sha256(file)}
-            (staging / COMPLETE_FILE).write_text(json.dumps(manifest, indent=1))
-            _fsync(staging / COMPLETE_FILE)
-            _fsync(staging)
-            if final.exists():  # the same step saved before (e.g. a run resumed from an older checkpoint)
-                shutil.rmtree(final)
-            os.replace(staging, final)
-            _fsync(final.parent)
+        yield
     except (OSError, RuntimeError, ValueError) as err:  # torch reports a full disk from C++ as a RuntimeError
         shutil.rmtree(staging, ignore_errors=True)
-        way_out = "free space and continue with --resume auto" if _out_of_space(err) else "continue with --resume auto once it is mended"
-        raise CheckpointError(
-            f"could not write checkpoint {str(final)!r}: {first_line(err)}; the previous checkpoints are intact ({way_out})"
-        ) from None
-    accelerator.wait_for_everyone()
-    return final
+        raise failed_save(final, err) from None
+
+
+def failed_save(final: Path, err: BaseException) -> CheckpointError:
+    way_out = "free space and continue with --resume auto" if _out_of_space(err) else "continue with --resume auto once it is mended"
+    return CheckpointError(f"could not write checkpoint {str(final)!r}: {first_line(err)}; the previous checkpoints are intact ({way_out})")
+
+
+def write_run_files(staging: Path, state: RunState, write_extra=None) -> None:
+    """The main process's part beside Accelerate's: the hooks' states (``write_extra``) and the trainer state."""
+    if write_extra is not None:
+        write_extra(staging)
+    (staging / STATE_FILE).write_text(json.dumps(dataclasses.asdict(state), indent=2))
+
+
+def publish(staging: Path, final: Path) -> None:
+    """Once every process's files are in ``staging``: the manifest (size and sha256 of every file), fsync, and
+    one atomic rename to ``final``: the checkpoint exists complete, or not at all."""
+    manifest = {}
+    for file in sorted(p for p in staging.rglob("*") if p.is_file()):
+        _fsync(file)
+        manifest[str(file.relative_to(staging))] = {"bytes": file.stat().st_size, "sha256": _sha256(file)}
+    (staging / COMPLETE_FILE).write_text(json.dumps(manifest, indent=1))
+    _fsync(staging / COMPLETE_FILE)
+    _fsync(staging)
+    if final.exists():  # the same step saved before (e.g. a run resumed from an older checkpoint)
+        shutil.rmtree(final)
+    os.replace(staging, final)
+    _fsync(final.parent)
 
 
 def _out_of_space(err: Exception) -> bool:

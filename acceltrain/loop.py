@@ -221,6 +221,7 @@ def _finish(run: Run) -> dict:
     wall_seconds = run.elapsed()
     run._hooks.call("on_train_end", run)
     if run.stop is not None and not run.stop.finish:
+        run._wait_for_checkpoint()
         logger.info(f"stopped at step {run.step} ({run.stop.reason}); checkpoint saved; continue with --resume auto")
         accelerator.wait_for_everyone()
         accelerator.end_training()
@@ -228,6 +229,7 @@ def _finish(run: Run) -> dict:
     save, _ = run._agree()
     if save and run._last_saved_step != run.step:
         run._save()
+    run._wait_for_checkpoint()
     weights = export_weights(accelerator, run.model, run.output_dir, run._export)
     summary = _summary(run, weights, wall_seconds)
     run._hooks.call("on_fit_end", run, summary)
@@ -263,6 +265,7 @@ def _summary(run: Run, weights: Path, wall_seconds: float) -> dict:
         "eval_loss": eval_metrics.get("eval_loss"),
         **eval_metrics,  # a task's own metrics too (eval_perplexity)
         "skipped_steps": run.skipped_steps,
+        "checkpoint_seconds": round(run._checkpoint_seconds, 4),  # this launch's time blocked by saves
         "wall_seconds": wall_seconds,
         "resumed_from_step": run._resumed_from_step,
         "num_processes": run.accelerator.num_processes,

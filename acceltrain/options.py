@@ -236,6 +236,10 @@ class CheckpointOptions(Options):
     stop_after_steps: int | None = option(
         None, "checkpoint and stop after N optimizer steps of this launch (time-sliced jobs); continue with --resume auto", free_on_resume=True
     )
+    async_checkpoint: bool = option(
+        False, "write checkpoints while training goes on: a save blocks only for a copy of the state in memory (DDP and "
+        "FSDP; at most one save in flight; a checkpoint counts once complete; a stop waits for it)", free_on_resume=True,
+    )
 
     def validate(self) -> None:
         super().validate()

@@ -36,6 +36,7 @@ from .checkpointing import (
     save_checkpoint,
     unlock_output_dir,
 )
+from .async_checkpoint import AsyncCheckpointer
 from .config import TrainConfig
 from .distributed import any_process, control_group, init_process_state, main_process_only
 from .options import ConfigError
@@ -234,6 +235,8 @@ class Run:
         self._diverged = torch.zeros((), dtype=torch.bool, device=accelerator.device)
         self._save_requested = False
         self._stop_requested: Stop | None = None
+        self._checkpoint_seconds = 0.0  # this launch's time blocked by saves
+        self._async_saves = AsyncCheckpointer(accelerator) if cfg.async_checkpoint else None
 
     # ---- asked for by hooks
 
@@ -277,7 +280,7 @@ class Run:
         try:
             yield
         finally:
-            if self._stop is None and self.step < self._total_steps:  # still training: not after the run's end
+            if self._training:
                 self._throughput.resume(self.step - self._launch_start_step)
 
     def evaluate(self) -> dict:
@@ -465,6 +468,8 @@ class Run:
         """This step's save and stop requests, the same on every process: one all-reduce of three flags when
         there are several processes (Accelerate's set_trigger/check_trigger carries one flag per
         collective), none on one. A process that did not ask itself learns no reason, only the kind."""
+        if self._async_saves is not None and self._async_saves.in_flight:
+            self._published(self._async_saves.poll())
         save, stop = self._save_requested, self._stop_requested
         self._save_requested, self._stop_requested = False, None
         if self._accelerator.num_processes > 1:
@@ -523,19 +528,49 @@ class Run:
         if state.scheduler:
             self._scheduler.load_state_dict(state.scheduler)
 
-    def _save(self) -> Path:
-        """Checkpoint now (every process): Accelerate's state, the run state, the hooks' states."""
+    def _save(self) -> None:
+        """Checkpoint now (every process): Accelerate's state, the run state, the hooks' states; published at once, or
+        under ``--async-checkpoint`` once written (:meth:`_agree` asks each step). Logs the time it blocked training."""
         with self.paused():
+            started = time.perf_counter()
             finite = torch.stack([torch.isfinite(p).all() for p in self._model.parameters()]).all()
             window = self._loss_window()
             if not finite:  # a finite loss can still leave inf weights behind: never checkpoint them
                 self._raise_diverged("the weights are not finite")
             state = self._snapshot((window[0].item(), window[1].item()))
-            path = save_checkpoint(self._accelerator, state, self._output_dir, write_extra=self._hooks.save_states)
+            if self._async_saves is None:
+                path = save_checkpoint(self._accelerator, state, self._output_dir, write_extra=self._hooks.save_states)
+            else:
+                self._async_saves.save(self._model, self._optimizer, state, self._output_dir, self._hooks.save_states)
+                path = None
             self._last_saved_step = self.step
+            self._checkpoint_blocked(started)
+            self._published(path)
+
+    @property
+    def _training(self) -> bool:
+        """Still training: not after the run's end (its logs may be closed)."""
+        return self._stop is None and self.step < self._total_steps
+
+    def _checkpoint_blocked(self, since: float) -> None:
+        """Count the time a save blocked training; a row of the training log says it while the run trains (the
+        saves at its end are in summary.json's total)."""
+        blocked = time.perf_counter() - since
+        self._checkpoint_seconds += blocked
+        if self._training:
+            self.log({"step": self.step, "checkpoint_seconds": round(blocked, 4)})
+
+    def _published(self, path: Path | None) -> None:
+        if path is not None:
             self._hooks.call("on_save", self, path)
             logger.info(f"checkpoint: {path}")
-        return path
+
+    def _wait_for_checkpoint(self) -> None:
+        """The end of a launch waits for a save in flight: its checkpoint is published before the run stops."""
+        if self._async_saves is not None and self._async_saves.in_flight:
+            started = time.perf_counter()
+            self._published(self._async_saves.wait())
+            self._checkpoint_blocked(started)
 
 
 # Run's public attributes, all read-only (tested against a real run): the list the docs give.
@@ -552,8 +587,6 @@ RUN_PUBLIC = (
     "request_save", "request_stop", "request_export", "attach", "log", "evaluate", "paused", "take_train_loss",
 )
 RUN_DEPRECATED = ("weights_to_export",)  # kept for one release, with a DeprecationWarning
-
-
 
 
 def _improves(value: float, best: float | None, higher_is_better: bool) -> bool:

@@ -73,6 +73,19 @@ def test_a_stopped_fsdp_run_resumes_from_its_shards_byte_identically(tmp_path, r
     assert (out / "model.safetensors").read_bytes() == (runs["fsdp"] / "model.safetensors").read_bytes()
 
 
+def test_async_checkpoints_of_shards_resume_byte_identically(tmp_path, runs):
+    """DCP's async_save on gloo groups of its own, in Accelerate's layout: the stop waits for its save, and the
+    resume from it ends on the bytes of the run that saved synchronously and never stopped (issue 32, item 5)."""
+    out = tmp_path / "run"
+    args = [*TINY, "--batch-size", "4", "--output-dir", str(out), "--async-checkpoint"]
+    stopped = fsdp([*args, "--stop-after-steps", "3"])
+    assert "stopped at step 3" in stopped.stdout + stopped.stderr
+    assert [p.name for p in complete_checkpoints(out)] == ["step_00000003"]
+    check(fsdp([*args, "--resume", "auto"]))
+    assert (out / "model.safetensors").read_bytes() == (runs["fsdp"] / "model.safetensors").read_bytes()
+    assert read_summary(out)["checkpoint_seconds"] >= 0
+
+
 def continue_from(checkpoint: Path, out: Path) -> None:
     """``out`` holds only a copy of ``checkpoint``, as a folder preempted at that step would."""
     shutil.copytree(checkpoint, out / "checkpoints" / checkpoint.name)

@@ -1,0 +1,128 @@
+"""--async-checkpoint (issue 32, item 5): training goes on while a checkpoint is written, which counts only once
+complete (manifest last); a stop waits for it; a run killed with a save in flight resumes from the previous
+checkpoint; a disk that fills during the write is one line. The same bytes as synchronous saves, on one process
+here and under FSDP in tests/test_fsdp.py."""
+
+from __future__ import annotations
+
+import errno
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from acceltrain import ConfigError
+from acceltrain.checkpointing import EXIT_PREEMPTED, complete_checkpoints
+from conftest import REPO, TINY_RECIPE, check, launch, read_events, read_summary, run_tiny_in_process, subprocess_env
+
+RUN = ["--batch-size", "4", "--max-steps", "12", "--lr", "0.05", "--no-progress", "--num-workers", "0", "--report-to", "none",
+       "--save-every-steps", "3", "--log-every", "1"]
+
+
+@pytest.fixture(scope="module")
+def synchronous(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("sync") / "run"
+    assert run_tiny_in_process(out, *RUN) == 0
+    return out
+
+
+def weights(out: Path) -> bytes:
+    return (out / "model.safetensors").read_bytes()
+
+
+def test_async_saves_write_the_same_checkpoints_and_a_stop_waits_for_its_own(tmp_path, synchronous):
+    full, part = tmp_path / "full", tmp_path / "part"
+    assert run_tiny_in_process(full, *RUN, "--async-checkpoint") == 0
+    assert weights(full) == weights(synchronous)
+    assert [p.name for p in complete_checkpoints(full)] == [p.name for p in complete_checkpoints(synchronous)]
+    assert run_tiny_in_process(part, *RUN, "--async-checkpoint", "--stop-after-steps", "7") == EXIT_PREEMPTED
+    assert complete_checkpoints(part)[-1].name == "step_00000007", "the stop waited for its save to be published"
+    assert run_tiny_in_process(part, *RUN, "--async-checkpoint", "--resume", "auto") == 0
+    assert weights(part) == weights(synchronous)
+    for out in (synchronous, full):  # both modes report the time saves blocked training
+        assert read_summary(out)["checkpoint_seconds"] >= 0
+        assert [row["step"] for row in read_events(out) if "checkpoint_seconds" in row] == [3, 6, 9]
+
+
+# In the child: the model file of the step-6 save never finishes writing (a slow disk), so that the run is
+# killed with that save in flight.
+SLOW_WRITE = """
+import runpy, sys, time, accelerate.utils
+original = accelerate.utils.save
+def save(obj, f, **kwargs):
+    if 'step_00000006' in str(f):
+        time.sleep(3600)
+    return original(obj, f, **kwargs)
+accelerate.utils.save = save
+sys.argv = [sys.argv[1], *sys.argv[2:]]
+runpy.run_path(sys.argv[0], run_name='__main__')
+"""
+
+
+def test_training_goes_on_while_a_save_is_written_and_a_kill_then_leaves_the_previous_checkpoint(tmp_path):
+    out = tmp_path / "run"
+    command = [sys.executable, "-c", SLOW_WRITE, str(TINY_RECIPE), *RUN, "--sleep-per-step", "0.2", "--async-checkpoint",
+               "--output-dir", str(out)]
+    child = subprocess.Popen(command, cwd=REPO, env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 300  # a hang guard
+        while not any(row.get("step", 0) >= 8 and "loss" in row for row in _rows(out)):
+            assert child.poll() is None and time.monotonic() < deadline, "the run did not get past its step-6 save"
+            time.sleep(0.1)
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    assert [p.name for p in complete_checkpoints(out)] == ["step_00000003"], "a checkpoint counts only once complete"
+    assert (out / "checkpoints" / ".tmp-step_00000006" / "trainer_state.json").is_file()
+    assert not (out / "checkpoints" / ".tmp-step_00000006" / "COMPLETE").exists()
+    # the rest as the child ran (one thread, conftest's environment), to compare bytes with a run of the same kind
+    check(launch(TINY_RECIPE, [*RUN, "--sleep-per-step", "0.2", "--async-checkpoint", "--resume", "auto", "--output-dir", str(out)]))
+    reference = tmp_path / "reference"
+    check(launch(TINY_RECIPE, [*RUN, "--output-dir", str(reference)]))
+    assert read_summary(out)["resumed_from_step"] == 3 and weights(out) == weights(reference)
+    assert not (out / "checkpoints" / ".tmp-step_00000006").exists(), "the leftover is cleared at the next save"
+
+
+def _rows(out: Path) -> list[dict]:
+    try:
+        return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.endswith("}")]
+    except FileNotFoundError:
+        return []
+
+
+def test_a_disk_that_fills_during_an_async_write_is_one_line_and_keeps_the_previous_checkpoints(tmp_path, monkeypatch, capsys):
+    import accelerate.utils
+
+    original = accelerate.utils.save
+
+    def full_disk(obj, f, **kwargs):
+        if "step_00000006" in str(f):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return original(obj, f, **kwargs)
+
+    monkeypatch.setattr(accelerate.utils, "save", full_disk)
+    out = tmp_path / "run"
+    assert run_tiny_in_process(out, *RUN, "--async-checkpoint") == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"error: could not write checkpoint {str(out / 'checkpoints' / 'step_00000006')!r}: No space left on device; "
+                   "the previous checkpoints are intact (free space and continue with --resume auto)"), err
+    assert [p.name for p in complete_checkpoints(out)] == ["step_00000003"]
+    assert not list((out / "checkpoints").glob(".tmp-*"))
+
+
+def test_async_saves_are_refused_where_they_cannot_work():
+    from accelerate.utils import DistributedType
+
+    from acceltrain.async_checkpoint import check_async_supported
+
+    with pytest.raises(ConfigError, match="--async-checkpoint works under DDP and FSDP; DeepSpeed writes its checkpoints itself"):
+        check_async_supported(SimpleNamespace(distributed_type=DistributedType.DEEPSPEED))
+    full = SimpleNamespace(distributed_type=DistributedType.FSDP,
+                           state=SimpleNamespace(fsdp_plugin=SimpleNamespace(state_dict_type="StateDictType.FULL_STATE_DICT")))
+    with pytest.raises(ConfigError, match="under FSDP needs fsdp_state_dict_type: SHARDED_STATE_DICT"):
+        check_async_supported(full)
