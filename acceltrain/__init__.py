@@ -33,6 +33,7 @@ _HOME = {  # public name -> the submodule that defines it
     "EMA": "hooks", "Hook": "hooks", "Lookahead": "hooks",
     "fit": "loop",
     "load_model": "hub",
+    "LoraOptions": "lora", "apply_lora": "lora",
     "show_progress": "logs",
     "build_optimizer": "optim",
     "Run": "run", "RunSetup": "run", "Stop": "run", "evaluate": "run", "setup_run": "run",

@@ -4,8 +4,9 @@
 
 Loading never runs code named by the folder: ``config.json`` names a builder, looked up in an allow-list
 of the builders decorated with :func:`loadable` (the very functions the recipes train with), or is a
-Transformers config, loaded by ``AutoModelForCausalLM`` without remote code. Weights load from safetensors,
-once the model, built first on the meta device within the memory available, has exactly the file's tensors.
+Transformers config, loaded by the Auto class of its architecture (:func:`auto_class`) without remote code.
+Weights load from safetensors, once the model, built first on the meta device within the memory available,
+has exactly the file's tensors. A folder is written only if it will load that way (:func:`check_fits_own_config`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from .network import check_reachable
 from .options import ConfigError, first_line, parse_json, shorten
 
 CONFIG_FILE = "config.json"
+ADAPTER_CONFIG_FILE = "adapter_config.json"  # a PEFT adapter folder's (peft's own name)
 CARD_FILE = "README.md"
 GENERATION_CONFIG_FILE = "generation_config.json"
 TRAIN_CONFIG_FILE = "train_config.yaml"
@@ -78,10 +80,15 @@ def loadable(key: str, pipeline_tag: str) -> Callable:
 def load_model(name_or_path: str | Path) -> nn.Module:
     """The trained model of a run folder (or of a Hub repo made by ``--push-to-hub``), in eval mode: the
     registered builder that made it with its recorded arguments, then its ``model.safetensors``; a
-    Transformers folder through ``AutoModelForCausalLM.from_pretrained``. Before anything is allocated, the
-    model is built on the meta device, within the memory available, and must have exactly the tensors (names
-    and shapes) of ``model.safetensors``: a folder that does not make the trained model is one ConfigError."""
+    Transformers folder through the Auto class of its architecture (``AutoModelForSequenceClassification``,
+    ``AutoModelForCausalLM``, ...). Before anything is allocated, the model is built on the meta device, within
+    the memory available, and must have exactly the tensors (names and shapes) of ``model.safetensors``: a
+    folder that does not make the trained model is one ConfigError. A PEFT adapter folder is refused in one
+    line that names the ``peft`` class that loads it (its README.md shows the call)."""
     folder = _model_folder(str(name_or_path))
+    if (folder / ADAPTER_CONFIG_FILE).is_file() and not (folder / CONFIG_FILE).is_file():
+        raise ConfigError(f"{str(folder)!r} is a PEFT adapter folder ({ADAPTER_CONFIG_FILE}): load it with peft's "
+                          f"AutoPeftModelFor... class as its {CARD_FILE} shows, onto its base model")
     config = _read_config(folder)
     if "builder" in config and "model_type" in config:
         raise ConfigError(f"{folder / CONFIG_FILE} names both an acceltrain builder ({shorten(config['builder'])}) and a "
@@ -99,7 +106,7 @@ def _model_folder(name_or_path: str) -> Path:
 
     from .text.corpus import load_local_or_hub
 
-    download = functools.partial(snapshot_download, allow_patterns=[CONFIG_FILE, GENERATION_CONFIG_FILE, WEIGHTS_FILE])
+    download = functools.partial(snapshot_download, allow_patterns=[CONFIG_FILE, GENERATION_CONFIG_FILE, WEIGHTS_FILE, ADAPTER_CONFIG_FILE])
     return Path(load_local_or_hub(download, name_or_path, "load_model", "a run folder"))
 
 
@@ -140,16 +147,61 @@ def _acceltrain_model(config: dict, folder: Path) -> tuple[Callable[[], nn.Modul
 
 
 def _transformers_model(folder: Path) -> tuple[Callable[[], nn.Module], Callable[[], nn.Module]]:
-    """(build, load) of the folder's Transformers causal LM, of a model type that Transformers itself defines
-    (no remote code); ``load`` reads model.safetensors and generation_config.json as ``from_pretrained`` does."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    """(build, load) of the folder's Transformers model with the class its architecture names, of a model type
+    that Transformers itself defines (no remote code); ``load`` reads model.safetensors (and
+    generation_config.json) as ``from_pretrained`` does."""
+    from transformers import AutoConfig
 
     try:
         config = AutoConfig.from_pretrained(folder, trust_remote_code=False)
     except Exception as err:  # noqa: BLE001 - whatever the library makes of a malformed file, the file is at fault
         raise ConfigError(f"{folder / CONFIG_FILE} does not build a model: {type(err).__name__}: {first_line(err)}") from None
-    return (functools.partial(AutoModelForCausalLM.from_config, config, trust_remote_code=False),
-            functools.partial(AutoModelForCausalLM.from_pretrained, folder, config=config, use_safetensors=True, trust_remote_code=False))
+    model_class = _transformers_class(config, folder)
+    return (functools.partial(model_class.from_config, config, trust_remote_code=False),
+            functools.partial(model_class.from_pretrained, folder, config=config, use_safetensors=True, trust_remote_code=False))
+
+
+def _transformers_class(config, folder: Path):
+    """The Auto class of ``config``'s architecture, else that architecture's own class in ``transformers``; a
+    folder that names neither (a custom architecture) is one line."""
+    import transformers
+
+    found = auto_class(config)
+    name = found[0] if found else (config.architectures or [None])[0]
+    if not isinstance(name, str) or not isinstance(getattr(transformers, name, None), type):
+        raise ConfigError(f"{folder / CONFIG_FILE} names architectures {shorten(config.architectures)}, which no class of "
+                          f"transformers {transformers.__version__} builds")
+    return getattr(transformers, name)
+
+
+# The heads a Transformers architecture may have, in the order they are looked up (a class may sit in several of
+# Transformers' mappings): the Auto class that loads it, Transformers' mapping of model types to such classes, and
+# the Hub's pipeline tag.
+AUTO_CLASSES = (
+    ("AutoModelForCausalLM", "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "text-generation"),
+    ("AutoModelForSequenceClassification", "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES", "text-classification"),
+    ("AutoModelForTokenClassification", "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES", "token-classification"),
+    ("AutoModelForQuestionAnswering", "MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES", "question-answering"),
+    ("AutoModelForSeq2SeqLM", "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES", "text2text-generation"),
+    ("AutoModelForMaskedLM", "MODEL_FOR_MASKED_LM_MAPPING_NAMES", "fill-mask"),
+    ("AutoModelForImageClassification", "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES", "image-classification"),
+    ("AutoModel", "MODEL_MAPPING_NAMES", "feature-extraction"),
+)
+
+
+def auto_class(config, architecture: str | None = None) -> tuple[str, str] | None:
+    """(the Auto class that loads a model of this Transformers config with its head, the Hub pipeline tag), read
+    from ``architecture`` (default: ``config.architectures``) and Transformers' own mappings
+    (``BertForSequenceClassification`` -> ``AutoModelForSequenceClassification``); None for an architecture no
+    Auto class knows."""
+    from transformers.models.auto import modeling_auto
+
+    architecture = architecture or (getattr(config, "architectures", None) or [None])[0]
+    for name, mapping, pipeline_tag in AUTO_CLASSES:
+        classes = getattr(modeling_auto, mapping, {}).get(getattr(config, "model_type", None)) or ()
+        if architecture in ((classes,) if isinstance(classes, str) else tuple(classes)):
+            return name, pipeline_tag
+    return None
 
 
 class _TooLarge(Exception):
@@ -199,7 +251,14 @@ def _stopped_past(limit: int):
 def _check_matches(skeleton: nn.Module, weights: Path) -> None:
     """The model's tensors are exactly the file's, by name and shape (read from its header): a missing one
     would stay random."""
-    saved = _saved_shapes(weights)
+    problem = tensor_mismatch(skeleton, _saved_shapes(weights))
+    if problem:
+        raise ConfigError(f"{weights} does not match {CONFIG_FILE}: {problem}")
+
+
+def tensor_mismatch(skeleton: nn.Module, saved: dict[str, tuple[int, ...]]) -> str | None:
+    """How the tensors ``saved`` (name -> shape) differ from those of ``skeleton`` (built from the config, on the
+    meta device), or None when they are the same: missing ones, unexpected ones, ones of another shape."""
     expected = {name: tuple(tensor.shape) for name, tensor in skeleton.state_dict().items()}
     differences = {
         "missing": [repr(name) for name in sorted(expected.keys() - saved.keys())],
@@ -208,8 +267,7 @@ def _check_matches(skeleton: nn.Module, weights: Path) -> None:
                              for name in sorted(expected.keys() & saved.keys()) if saved[name] != expected[name]],
     }
     found = [f"{what} {_few(names)}" for what, names in differences.items() if names]
-    if found:
-        raise ConfigError(f"{weights} does not match {CONFIG_FILE}: {'; '.join(found)}")
+    return "; ".join(found) or None
 
 
 def _saved_shapes(weights: Path) -> dict[str, tuple[int, ...]]:
@@ -236,20 +294,50 @@ def _json_type(value) -> str:
 
 
 def write_model_files(model: nn.Module, output_dir: Path) -> str | None:
-    """``config.json`` (and ``generation_config.json`` for a generative Transformers model) next to the
-    exported weights; returns the Hub pipeline tag, None for a model that no builder recorded."""
-    if _is_transformers_model(model):
-        model.config.architectures = [type(model).__name__]  # as save_pretrained records it: the Hub's widgets read it
-        model.config.save_pretrained(output_dir)
-        if model.can_generate():
-            model.generation_config.save_pretrained(output_dir)
-            return "text-generation"
-        return None
+    """``config.json`` of a model made by a registered builder (a Transformers model's config and a PEFT adapter's
+    files are written with its weights: :mod:`acceltrain.export`); returns the Hub pipeline tag, None for a
+    model that no builder recorded."""
+    head = model_head(model)
+    if head is not None:
+        return head[1]
     build = getattr(model, BUILD_ATTRIBUTE, None)
     if build is None:
         return None
     (output_dir / CONFIG_FILE).write_text(json.dumps({**build, "library_name": "acceltrain", "acceltrain_version": __version__}, indent=2) + "\n")
     return _BUILDERS[build["builder"]][1]
+
+
+def model_head(model: nn.Module) -> tuple[str, str] | None:
+    """(Auto class, pipeline tag) of a Transformers model, or of a PEFT adapter's base model, by its class: the
+    class ``save_pretrained`` records in ``config.architectures``. None for any other module, and for an
+    architecture no Auto class knows (the card then names the class itself)."""
+    from .lora import is_peft_model
+
+    base = model.get_base_model() if is_peft_model(model) else model
+    return auto_class(base.config, architecture=type(base).__name__) if is_transformers_model(base) else None
+
+
+def is_transformers_model(model: nn.Module) -> bool:
+    """A Transformers ``PreTrainedModel`` (which ``save_pretrained`` writes), not any module with a ``config``: a
+    wrapper around one has other weight names than its config's model."""
+    transformers = sys.modules.get("transformers")  # a model of that kind has imported it
+    return transformers is not None and isinstance(model, transformers.PreTrainedModel)
+
+
+def check_fits_own_config(model: nn.Module, shapes: dict[str, tuple[int, ...]] | None = None) -> None:
+    """A Transformers model whose weights (``shapes``: name -> shape; default: the model's own) would not load
+    into the model its own config builds is one ConfigError: ``from_pretrained`` would leave the missing ones
+    random with a warning only (a module replaced after loading, a wrapper inside it)."""
+    import copy
+
+    if shapes is None:  # the parameters themselves: under DeepSpeed ZeRO-3 a partitioned one knows its full shape
+        shapes = {name: tuple(getattr(tensor, "ds_shape", tensor.shape)) for name, tensor in model.state_dict(keep_vars=True).items()}
+    with torch.device("meta"):
+        skeleton = type(model)._from_config(copy.deepcopy(model.config))
+    problem = tensor_mismatch(skeleton, shapes)
+    if problem:
+        raise ConfigError(f"the {type(model).__name__}'s weights would not load into the model its own {CONFIG_FILE} builds, so "
+                          f"from_pretrained would leave them random: {problem}; keep its modules as its config builds them")
 
 
 def write_train_config(cfg: TrainConfig, output_dir: Path) -> None:
@@ -263,19 +351,25 @@ def model_card(run, model: nn.Module, summary: dict, pipeline_tag: str | None, r
     the command, all from the run itself."""
     from huggingface_hub import ModelCardData
 
+    from .lora import is_peft_model
+
     cfg, runtime = run.cfg, run.runtime
-    transformers_model = _is_transformers_model(model)
+    adapter, transformers_model = is_peft_model(model), is_transformers_model(model)
     build = getattr(model, BUILD_ATTRIBUTE, None)
     data = ModelCardData(
-        library_name="transformers" if transformers_model else "acceltrain",
-        pipeline_tag=pipeline_tag, tags=["acceltrain"],
+        library_name="peft" if adapter else "transformers" if transformers_model else "acceltrain",
+        pipeline_tag=pipeline_tag, tags=["acceltrain", *(["lora"] if adapter else [])],
         base_model=getattr(cfg, "model_name_or_path", None),
         datasets=getattr(cfg, "dataset_name", None),
     )
     where = repo_id or str(run.output_dir)
-    if transformers_model:
+    if adapter:
+        made, load = _adapter_description(model, where)
+    elif transformers_model:
+        head = model_head(model)
+        module, loader = ("transformers", head[0]) if head else (type(model).__module__, type(model).__name__)
         made = f"`{type(model).__name__}` (Transformers, `{model.config.model_type}`)"
-        load = f'from transformers import AutoModelForCausalLM\nmodel = AutoModelForCausalLM.from_pretrained("{where}")'
+        load = f'from {module} import {loader}\nmodel = {loader}.from_pretrained("{where}")'
     elif build is not None:
         arguments = ", ".join(f"{key}={value!r}" for key, value in build["kwargs"].items())
         made = f"`{type(model).__name__}` from `{build['builder']}({arguments})`"
@@ -303,7 +397,7 @@ def model_card(run, model: nn.Module, summary: dict, pipeline_tag: str | None, r
         "",
         "## Model",
         "",
-        f"{made}, {_parameter_count(model):,} parameters. Load it with one call:",
+        f"{made}, {_parameters(model)}. Load it with one call:",
         "",
         f"```python\n{load}\n```",
         "",
@@ -336,6 +430,19 @@ def model_card(run, model: nn.Module, summary: dict, pipeline_tag: str | None, r
     ])
 
 
+def _adapter_description(model: nn.Module, where: str) -> tuple[str, str]:
+    """What a PEFT adapter folder holds, and the call that loads it onto its base model with the settings training
+    gave the base (a new head's labels)."""
+    from .lora import adapter_loading, describe
+
+    loader, settings = adapter_loading(model)
+    base = model.get_base_model()
+    made = (f"A LoRA adapter (peft; {describe(model)}) for `{type(base).__name__}` (Transformers, `{base.config.model_type}`) on "
+            f"the base model `{model.peft_config['default'].base_model_name_or_path}`, which must be there to load it")
+    arguments = "".join(f", {key}={value!r}" for key, value in settings.items())
+    return made, f'from peft import {loader}\nmodel = {loader}.from_pretrained("{where}"{arguments})'
+
+
 def launch_command() -> list[str]:
     """How this process was started, as a user would type it again: ``python -m package.module``, ``python
     path.py`` or a console script's name (``sys.argv[0]`` is then a full path into the package or the venv)."""
@@ -349,13 +456,12 @@ def launch_command() -> list[str]:
     return ["python", script]
 
 
-def _is_transformers_model(model: nn.Module) -> bool:
-    return hasattr(model, "config") and hasattr(model.config, "save_pretrained")
+def _parameters(model: nn.Module) -> str:
+    """The parameter count (tied ones once; under ZeRO-3 the full size), and the trainable part when it is not all."""
+    from .lora import parameter_counts
 
-
-def _parameter_count(model: nn.Module) -> int:
-    """Tied parameters once; under DeepSpeed ZeRO-3 the full size of each partitioned one."""
-    return sum(getattr(param, "ds_numel", param.numel()) for param in model.parameters())
+    trainable, total = parameter_counts(model)
+    return f"{total:,} parameters" if trainable == total else f"{trainable:,} trainable of {total:,} parameters"
 
 
 def _table(values: dict) -> str:

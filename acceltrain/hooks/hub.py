@@ -1,6 +1,8 @@
 """Every finished run folder Hub-ready (``config.json``, model card, ``train_config.yaml``; see
 :mod:`acceltrain.hub`), and ``--push-to-hub``: the repo checked and created before the first step,
-the folder uploaded at the end."""
+the folder uploaded at the end. A model whose folder could not be written as its ecosystem loads it (a
+Transformers model whose weights do not fit its own config, an adapter under DeepSpeed) is refused before
+training; the parameter counts (trained, total) go into the summary."""
 
 from __future__ import annotations
 
@@ -8,7 +10,18 @@ from accelerate.logging import get_logger
 
 from ..checkpointing import write_summary
 from ..distributed import main_process_only
-from ..hub import CARD_FILE, model_card, prepare_repo, push_folder, upload_command, write_model_files, write_train_config
+from ..hub import (
+    CARD_FILE,
+    check_fits_own_config,
+    is_transformers_model,
+    model_card,
+    prepare_repo,
+    push_folder,
+    upload_command,
+    write_model_files,
+    write_train_config,
+)
+from ..lora import check_backend, is_peft_model, merge_requested, parameter_counts
 from ..options import HubOptions, first_line
 from .base import Hook
 
@@ -21,12 +34,20 @@ class HubReady(Hook):
     def __init__(self, push: bool):
         self.push = push
         self.repo_id: str | None = None
+        self.parameters: dict[str, int] = {}
 
     @classmethod
     def from_config(cls, cfg: HubOptions) -> HubReady:
         return cls(push=cfg.push_to_hub)
 
     def on_fit_start(self, run) -> None:
+        model = run.accelerator.unwrap_model(run.model)
+        if is_peft_model(model):
+            check_backend(run.accelerator.distributed_type, merge=merge_requested(model))
+        elif is_transformers_model(model):
+            check_fits_own_config(model)
+        trainable, total = parameter_counts(model)
+        self.parameters = {"trainable_parameters": trainable, "parameters": total}
         if not self.push:
             return
 
@@ -36,9 +57,12 @@ class HubReady(Hook):
         main_process_only(prepare)
 
     def on_fit_end(self, run, summary: dict) -> None:
+        summary.update(self.parameters)
         if not run.accelerator.is_main_process:
             return
         model = run.accelerator.unwrap_model(run.model)
+        if is_peft_model(model) and merge_requested(model):
+            model = model.get_base_model()  # merged into by the export: the folder holds it
         pipeline_tag = write_model_files(model, run.output_dir)
         write_train_config(run.cfg, run.output_dir)
         (run.output_dir / CARD_FILE).write_text(model_card(run, model, summary, pipeline_tag, self.repo_id))

@@ -22,10 +22,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
-import torch
 from accelerate.logging import get_logger
 
-from ..data import available_cpus, mix_seed
+from ..data import available_cpus
 from ..distributed import on_main_process_first
 from ..options import ConfigError, file_kind
 
@@ -342,15 +341,8 @@ def held_out_lines(texts, count: int):
 def split_blocks(blocks, *, eval_fraction: float, seed: int):
     """(train, eval) torch-formatted datasets: a seeded ``eval_fraction`` of the blocks held out (at least
     one when the fraction is not 0), the rest for training; eval is None when the fraction is 0."""
-    if eval_fraction == 0:
-        return blocks.with_format("torch"), None
-    held_out = max(1, round(eval_fraction * len(blocks)))
-    if held_out >= len(blocks):
-        raise ConfigError(
-            f"--eval-fraction {eval_fraction} leaves no training data: the text makes only {len(blocks)} blocks; "
-            "use more text, a smaller --block-size or a smaller --eval-fraction"
-        )
-    order = torch.randperm(len(blocks), generator=torch.Generator().manual_seed(mix_seed(seed, 0xE7A1))).tolist()
-    eval_rows, train_rows = sorted(order[:held_out]), sorted(order[held_out:])
-    train = blocks.select(train_rows, keep_in_memory=True).with_format("torch")
-    return train, blocks.select(eval_rows, keep_in_memory=True).with_format("torch")
+    from .tables import hold_out
+
+    train, held_out = hold_out(blocks, eval_fraction, seed, unit="blocks in the text",
+                               remedy="more text, a smaller --block-size or a smaller --eval-fraction")
+    return train.with_format("torch"), held_out.with_format("torch") if held_out is not None else None

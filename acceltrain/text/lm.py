@@ -42,13 +42,11 @@ def build_causal_lm(preset: str, *, vocab_size: int, block_size: int, dropout: f
 
 
 def load_causal_lm(name_or_path: str, *, vocab_size: int, block_size: int):
-    """A pretrained model from a local folder (or, online, the Hub), checked against the tokenizer and
-    the block size before any training starts."""
-    from transformers import AutoModelForCausalLM
+    """(model, missing keys): a pretrained model from a local folder (or, online, the Hub), checked against the
+    tokenizer and the block size before any training starts (see :func:`~acceltrain.text.pretrained.load_pretrained`)."""
+    from .pretrained import load_pretrained
 
-    from .corpus import load_local_or_hub
-
-    model = load_local_or_hub(AutoModelForCausalLM.from_pretrained, name_or_path, "--model-name-or-path", "a causal LM")
+    model, missing = load_pretrained("AutoModelForCausalLM", name_or_path)
     embedded = model.get_input_embeddings().num_embeddings
     if vocab_size > embedded:
         raise ConfigError(
@@ -60,7 +58,7 @@ def load_causal_lm(name_or_path: str, *, vocab_size: int, block_size: int):
         raise ConfigError(
             f"--block-size {block_size} is longer than --model-name-or-path {name_or_path!r} supports ({positions} positions)"
         )
-    return model
+    return model, missing
 
 
 def matmul_parameters(model: nn.Module) -> int:
@@ -85,7 +83,7 @@ def flops_per_block(model: nn.Module, block_size: int) -> int:
 
 class CausalLMTask(Task):
     """Next-token prediction on batches ``{"input_ids": [B, T]}`` (optionally ``"labels"``, -100 where not
-    predicted). Training returns ``(summed token loss, target count)`` so that the loop divides the
+    predicted, as SFT leaves the prompt and the padding, and ``"attention_mask"``). Training returns ``(summed token loss, target count)`` so that the loop divides the
     gradient by the targets of the whole accumulation window on all processes: the loss of every target
     token weighs the same however the targets fall across micro-batches and processes. Evaluation
     sums token losses and counts per sequence; ``eval_metrics`` turns the totals into the mean token
@@ -104,8 +102,9 @@ class CausalLMTask(Task):
         return batch.get("labels", batch["input_ids"])[:, 1:]
 
     def token_losses(self, model: nn.Module, batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-position cross-entropy [B, T-1] in float32 (0 where not predicted) and the mask of predicted positions."""
-        logits = model(input_ids=batch["input_ids"], use_cache=False).logits[:, :-1].float()
+        """Per-position cross-entropy [B, T-1] in float32 (0 where not predicted) and the mask of predicted positions.
+        A batch padded per batch (SFT) brings its ``attention_mask``."""
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"), use_cache=False).logits[:, :-1].float()
         targets = self.targets(batch)
         losses = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="none")
         return losses.view_as(targets), targets != IGNORE_INDEX

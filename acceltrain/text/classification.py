@@ -1,0 +1,72 @@
+"""Sequence classification with a Transformers model: the task (cross-entropy on the head's logits; accuracy and
+macro-F1 while training) and the per-class figures of a confusion matrix.
+
+Every evaluation sums, per sample, one count of each (true class, predicted class) cell, so the confusion
+matrix, and everything read from it, is exact across processes like any other eval value; the task keeps the
+last one for the end-of-run report (:class:`~acceltrain.text.classification_report.ClassificationReport`)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..tasks import Task
+
+
+class TextClassificationTask(Task):
+    """Batches are a tokenizer's padded output with ``labels``; ``labels`` names the classes in order.
+    ``tokens_per_sample`` and ``flops_per_sample`` (optional) are an example's mean: tokens/s and MFU are reported
+    with them (torch's FLOP counter cannot count a Transformers encoder, whose mask code reads tensor values)."""
+
+    primary_metric = "accuracy"
+    higher_is_better = True
+
+    def __init__(self, labels: list[str], *, tokens_per_sample: float | None = None, flops_per_sample: float | None = None):
+        self.labels = list(labels)
+        self.tokens_per_sample, self.flops_per_sample = tokens_per_sample, flops_per_sample
+        self.confusion: list[list[int]] | None = None  # of the last evaluation: [true class][predicted class]
+
+    def logits(self, model: nn.Module, batch) -> torch.Tensor:
+        return model(**{key: value for key, value in batch.items() if key != "labels"}).logits.float()
+
+    def train_loss(self, model: nn.Module, batch) -> torch.Tensor:
+        return F.cross_entropy(self.logits(model, batch), batch["labels"])
+
+    def eval_values(self, model: nn.Module, batch) -> dict[str, torch.Tensor]:
+        logits, labels = self.logits(model, batch), batch["labels"]
+        classes = len(self.labels)
+        cells = F.one_hot(labels * classes + logits.argmax(dim=-1), classes * classes).T.float()
+        return {"loss": F.cross_entropy(logits, labels, reduction="none"), **{f"confusion_{i}": cell for i, cell in enumerate(cells)}}
+
+    def eval_metrics(self, sums: dict[str, float], samples: int) -> dict[str, float]:
+        classes = len(self.labels)
+        self.confusion = [[round(sums[f"confusion_{true * classes + predicted}"]) for predicted in range(classes)] for true in range(classes)]
+        report = per_class(self.confusion, self.labels)
+        return {"loss": sums["loss"] / samples, "accuracy": report["accuracy"], "macro_f1": report["macro_f1"]}
+
+
+def per_class(confusion: list[list[int]], labels: list[str]) -> dict:
+    """Precision, recall, F1 and support of each class, accuracy, and the macro-F1: the mean F1 of the classes
+    that occur among the true labels or the predictions (scikit-learn's choice); a class never predicted has
+    precision 0, one never true recall 0."""
+    classes = range(len(labels))
+    support = [sum(confusion[true]) for true in classes]
+    predicted = [sum(row[index] for row in confusion) for index in classes]
+    figures, scored = {}, []
+    for index in classes:
+        hits = confusion[index][index]
+        precision = hits / predicted[index] if predicted[index] else 0.0
+        recall = hits / support[index] if support[index] else 0.0
+        f1 = 2 * precision * recall / (precision + recall) if precision + recall else 0.0
+        figures[labels[index]] = {"precision": precision, "recall": recall, "f1": f1, "support": support[index]}
+        if support[index] or predicted[index]:
+            scored.append(f1)
+    total = sum(support)
+    return {
+        "accuracy": sum(confusion[index][index] for index in classes) / total if total else 0.0,
+        "macro_f1": sum(scored) / len(scored) if scored else 0.0,
+        "per_class": figures,
+        "labels": list(labels),
+        "confusion_matrix": confusion,
+    }
