@@ -33,7 +33,7 @@ PEFT_TASKS = {
     "AutoModel": ("FEATURE_EXTRACTION", "AutoPeftModelForFeatureExtraction"),
 }
 LORA_UNDER_DEEPSPEED = ("LoRA (--lora-r) is not supported under DeepSpeed here: its engine keeps the trainable weights in its "
-                        "own partitions; use DDP (or FSDP on GPUs)")
+                        "own partitions; use DDP")
 MERGE_UNDER_FSDP = ("--merge-lora needs the whole weights on one process and FSDP shards them: drop --merge-lora and merge the "
                     "adapter afterwards (AutoPeftModelFor...from_pretrained(run_dir).merge_and_unload().save_pretrained(out))")
 
@@ -204,20 +204,22 @@ def _not_reproduced(model) -> set[str]:
 
 
 def _fresh_modules(model, fresh_parameters: set[str]) -> list[str]:
-    """The outermost modules whose every parameter is fresh, and the modules that own a fresh parameter next to
-    loaded ones: what is trained and saved in full."""
+    """The modules that own a fresh parameter, each replaced by its parent while that parent holds nothing else
+    (no parameter of its own, every child with parameters selected): what is trained and saved in full."""
     modules = dict(model.named_modules())
-    owners = {name.rpartition(".")[0] for name in fresh_parameters}
-    tops = set()
-    for owner in owners:
-        top = owner
-        while top:
-            parent = top.rpartition(".")[0]
-            if not parent or not all(f"{parent}.{name}" in fresh_parameters for name, _ in modules[parent].named_parameters()):
-                break
-            top = parent
-        tops.add(top)
-    return sorted(top for top in tops if not any(other != top and _within(top, other) for other in tops))
+    selected = {name.rpartition(".")[0] for name in fresh_parameters}
+    grown = True
+    while grown:
+        grown = False
+        for name in sorted(selected, key=len, reverse=True):
+            parent = name.rpartition(".")[0] if "." in name else None
+            if not parent or parent in selected or name not in selected:
+                continue
+            children = {f"{parent}.{child}" for child, module in modules[parent].named_children() if next(module.parameters(), None) is not None}
+            if next(modules[parent].parameters(recurse=False), None) is None and children <= selected:
+                selected = (selected - children) | {parent}
+                grown = True
+    return sorted(name for name in selected if not any(other != name and _within(name, other) for other in selected))
 
 
 def _within(name: str, module: str) -> bool:

@@ -1,6 +1,7 @@
 """Hub-ready run folders: one call loads the trained model back, a model card, the resolved settings as a
 preset, generation_config.json for language models, and --push-to-hub against stand-ins of the Hub API
-(the repo checked before the first step, one line when pushing cannot work). No network: the Hub is a
+(the repo checked before the first step, one line when pushing cannot work); for any Transformers model the
+card's Auto class of its head, and no folder whose weights would load as random. No network: the Hub is a
 local stand-in server or monkeypatched HfApi methods."""
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from huggingface_hub import HfApi
 
 import acceltrain.hooks.hub
 import acceltrain.loop
-from acceltrain import ConfigError, Hook, parse_config, run_recipe
+from acceltrain import ConfigError, Hook, TrainConfig, parse_config, run_recipe
 from acceltrain.config import run_changes
 from acceltrain.hub import NOT_REPRODUCED, load_model
 from conftest import RECIPE, read_summary, reset_accelerate_state
@@ -344,3 +345,121 @@ def test_an_invalid_repo_id_is_one_line(tmp_path, hub_hooks, monkeypatch, hub_st
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: --hub-model-id 'a/b/c' is invalid: ") and "\n" not in err, err
 
+
+
+# --------------------------------------------------------------------------- folders of any Transformers model (issue 33 item 4)
+
+
+@pytest.fixture(scope="module")
+def bert(tmp_path_factory) -> Path:
+    from test_causal_lm import offline_on_one_thread
+
+    sys.path.insert(0, str(Path(__file__).parent / "helpers"))
+    from pretrained_folders import bert_folder
+
+    root = tmp_path_factory.mktemp("bert")
+    with offline_on_one_thread(root / "hf"):
+        return bert_folder(root / "bert")
+
+
+def fit_classifier(output_dir: Path, model, hooks=()) -> dict:
+    """``fit()`` as a user calls it: a Transformers classifier on a few tokenised sentences, padded per batch."""
+    from transformers import AutoTokenizer
+
+    from acceltrain import fit
+    from acceltrain.optim import build_optimizer
+    from acceltrain.text import TextClassificationTask, classification_batches
+
+    tokenizer = AutoTokenizer.from_pretrained(model.name_or_path)
+    examples = [{**tokenizer(text), "labels": label} for text, label in [("good film", 1), ("bad plot", 0)] * 8]
+    cfg = parse_config(TrainConfig, ["--output-dir", str(output_dir), "--max-steps", "2", "--batch-size", "4", "--report-to", "none",
+                                     "--no-progress", "--num-workers", "0", "--no-plots"])
+    reset_accelerate_state()
+    return fit(cfg, model, build_optimizer(model, cfg), examples, examples, task=TextClassificationTask(["neg", "pos"]), hooks=hooks,
+               collate_fn=classification_batches(tokenizer))
+
+
+def test_the_card_names_the_auto_class_of_the_model_s_head():
+    from transformers import BertConfig, GPT2Config, LlamaConfig
+
+    from acceltrain.hub import auto_class
+
+    cases = {
+        (BertConfig, "BertForSequenceClassification"): ("AutoModelForSequenceClassification", "text-classification"),
+        (BertConfig, "BertForTokenClassification"): ("AutoModelForTokenClassification", "token-classification"),
+        (BertConfig, "BertForMaskedLM"): ("AutoModelForMaskedLM", "fill-mask"),
+        (BertConfig, "BertModel"): ("AutoModel", "feature-extraction"),
+        (GPT2Config, "GPT2LMHeadModel"): ("AutoModelForCausalLM", "text-generation"),
+        (GPT2Config, "GPT2ForSequenceClassification"): ("AutoModelForSequenceClassification", "text-classification"),
+        (LlamaConfig, "LlamaForCausalLM"): ("AutoModelForCausalLM", "text-generation"),
+    }
+    for (config_class, architecture), expected in cases.items():
+        assert auto_class(config_class(architectures=[architecture])) == expected, architecture
+    assert auto_class(BertConfig(architectures=["MyBertHead"])) is None
+
+
+def test_a_classifier_folder_loads_with_load_model_by_its_head_and_an_adapter_folder_is_one_line(tmp_path, bert):
+    from transformers import AutoModelForSequenceClassification
+
+    out = tmp_path / "run"
+    fit_classifier(out, AutoModelForSequenceClassification.from_pretrained(bert, num_labels=2))
+    assert type(load_model(out)).__name__ == "BertForSequenceClassification"
+    (tmp_path / "adapter").mkdir()
+    (tmp_path / "adapter" / "adapter_config.json").write_text("{}")
+    with pytest.raises(ConfigError, match=r"is a PEFT adapter folder \(adapter_config.json\): load it with peft's AutoPeftModelFor"):
+        load_model(tmp_path / "adapter")
+
+
+def test_a_model_whose_weights_would_load_as_random_is_refused_before_training(tmp_path, bert):
+    """A head replaced after loading: from_pretrained would find none of its weights and initialise it, warning only."""
+    from torch import nn
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(bert, num_labels=2)
+    model.classifier = nn.Sequential(nn.Dropout(0.1), nn.Linear(32, 2))
+    out = tmp_path / "run"
+    with pytest.raises(ConfigError) as caught:
+        fit_classifier(out, model)
+    assert str(caught.value) == (
+        "the BertForSequenceClassification's weights would not load into the model its own config.json builds, so from_pretrained "
+        "would leave them random: missing 'classifier.bias', 'classifier.weight'; unexpected 'classifier.1.bias', "
+        "'classifier.1.weight'; keep its modules as its config builds them")
+    assert not out.exists(), "refused before training, nothing written"
+
+
+class RenamedExport(Hook):
+    """Asks for final weights under other names than the model's (a hook's bug): the folder must not claim them."""
+
+    def on_train_end(self, run):
+        model = run.accelerator.unwrap_model(run.model)
+        run.request_export({f"backbone.{name}": tensor for name, tensor in model.state_dict().items()})
+
+
+def test_weights_that_would_load_as_random_are_kept_without_a_config_at_save_time(tmp_path, bert):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForSequenceClassification
+
+    out = tmp_path / "run"
+    with pytest.raises(ConfigError, match=r"missing 'bert.embeddings.LayerNorm.bias', .*; unexpected 'backbone.bert.*the trained "
+                                          r"weights are kept in .*model.safetensors, without a config.json$"):
+        fit_classifier(out, AutoModelForSequenceClassification.from_pretrained(bert, num_labels=2), hooks=[RenamedExport()])
+    assert "backbone.classifier.weight" in load_file(str(out / "model.safetensors")) and not (out / "config.json").exists()
+
+
+def test_a_module_that_merely_carries_a_transformers_config_is_saved_as_a_module_of_its_own(tmp_path, bert):
+    """Before: config.json of the inner model next to weights named after the wrapper, loading as a random model."""
+    from torch import nn
+    from transformers import AutoModelForSequenceClassification
+
+    class Wrapper(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner, self.config, self.name_or_path = inner, inner.config, inner.name_or_path
+
+        def forward(self, **batch):
+            return self.inner(**batch)
+
+    out = tmp_path / "run"
+    fit_classifier(out, Wrapper(AutoModelForSequenceClassification.from_pretrained(bert, num_labels=2)))
+    assert (out / "model.safetensors").exists() and not (out / "config.json").exists()
+    assert "built by the recipe (no registered builder" in (out / "README.md").read_text()
