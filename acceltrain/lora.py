@@ -17,7 +17,7 @@ import dataclasses
 import difflib
 from collections.abc import Iterable
 
-from .options import ConfigError, Options, flag_name, option, require
+from .options import ConfigError, Options, first_line, flag_name, option, require
 
 __all__ = ["LoraOptions", "apply_lora", "check_backend", "is_peft_model", "merge_requested", "parameter_counts"]
 
@@ -92,7 +92,10 @@ def apply_lora(model, options: LoraOptions, *, missing_keys: Iterable[str] | Non
         target_modules=_targets(model, options.lora_target_modules, inside_fresh), task_type=task_type,
         modules_to_save=fresh or None, exclude_modules=inside_fresh or None,
     )
-    peft_model = get_peft_model(model, config)
+    try:
+        peft_model = get_peft_model(model, config)
+    except ValueError as err:  # no default target modules for this architecture, a module peft cannot adapt
+        raise ConfigError(f"LoRA cannot adapt this {type(model).__name__}: {first_line(err)} (--lora-target-modules names the modules)") from None
     adapter_config = peft_model.peft_config["default"]
     adapter_config.base_model_name_or_path = _portable_base(adapter_config.base_model_name_or_path)
     setattr(peft_model, MERGE_ATTRIBUTE, options.merge_lora)

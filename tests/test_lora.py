@@ -157,3 +157,15 @@ def test_all_linear_adapts_every_linear_layer_but_the_head(data):
     model = apply_lora(classifier(data)[0], parse_config(Config, ["--lora-r", "2", "--lora-target-modules", "all-linear"]))
     targeted = model.base_model.targeted_module_names
     assert len(targeted) == 12 and not [name for name in targeted if "classifier" in name or "pooler" in name], targeted
+
+
+def test_an_architecture_peft_has_no_default_targets_for_is_one_line(tmp_path):
+    from transformers import AutoModelForSequenceClassification, SqueezeBertConfig, SqueezeBertForSequenceClassification
+
+    config = SqueezeBertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+                               embedding_size=32)
+    SqueezeBertForSequenceClassification(config).save_pretrained(tmp_path / "squeezebert")
+    model, loading = AutoModelForSequenceClassification.from_pretrained(tmp_path / "squeezebert", output_loading_info=True)
+    with pytest.raises(ConfigError, match=r"^LoRA cannot adapt this SqueezeBertForSequenceClassification: Please specify `target_modules`.*"
+                                          r"\(--lora-target-modules names the modules\)$"):
+        apply_lora(model, parse_config(Config, ["--lora-r", "4"]), missing_keys=loading["missing_keys"])

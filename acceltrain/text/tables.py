@@ -64,8 +64,10 @@ def load_table(path: str, flag: str):
                 return datasets.load_dataset(kind, data_files=os.path.abspath(os.path.expanduser(path)), split="train")
         except datasets.exceptions.DatasetGenerationError as err:
             raise ConfigError(f"{shown} cannot be read as {kind} ({one_line(err.__cause__ or err)})") from None
-        except ValueError as err:  # datasets' "Instruction 'train' corresponds to no data!": a header and no row
-            raise ConfigError(f"{shown} holds no rows ({one_line(err)})") from None
+        except ValueError as err:
+            if "corresponds to no data" in str(err):  # datasets' words for a file with a header and no row
+                raise ConfigError(f"{shown} holds no rows") from None
+            raise ConfigError(f"{shown} cannot be read as {kind} ({one_line(err)})") from None
 
     rows = on_main_process_first(read)
     if len(rows) == 0:
