@@ -251,12 +251,12 @@ def _stopped_past(limit: int):
 def _check_matches(skeleton: nn.Module, weights: Path) -> None:
     """The model's tensors are exactly the file's, by name and shape (read from its header): a missing one
     would stay random."""
-    problem = tensor_mismatch(skeleton, _saved_shapes(weights))
+    problem = _tensor_mismatch(skeleton, _saved_shapes(weights))
     if problem:
         raise ConfigError(f"{weights} does not match {CONFIG_FILE}: {problem}")
 
 
-def tensor_mismatch(skeleton: nn.Module, saved: dict[str, tuple[int, ...]]) -> str | None:
+def _tensor_mismatch(skeleton: nn.Module, saved: dict[str, tuple[int, ...]]) -> str | None:
     """How the tensors ``saved`` (name -> shape) differ from those of ``skeleton`` (built from the config, on the
     meta device), or None when they are the same: missing ones, unexpected ones, ones of another shape."""
     expected = {name: tuple(tensor.shape) for name, tensor in skeleton.state_dict().items()}
@@ -314,7 +314,13 @@ def model_head(model: nn.Module) -> tuple[str, str] | None:
     from .lora import is_peft_model
 
     base = model.get_base_model() if is_peft_model(model) else model
-    return auto_class(base.config, architecture=type(base).__name__) if is_transformers_model(base) else None
+    return auto_class(base.config, architecture=own_class(base).__name__) if is_transformers_model(base) else None
+
+
+def own_class(model: nn.Module) -> type:
+    """The model's class as its library defines it: FSDP2 gives each module it shards a class of its own, a
+    subclass named after it (``FSDPGPT2LMHeadModel``)."""
+    return next(cls for cls in type(model).__mro__ if not cls.__module__.startswith("torch.distributed"))
 
 
 def is_transformers_model(model: nn.Module) -> bool:
@@ -333,10 +339,10 @@ def check_fits_own_config(model: nn.Module, shapes: dict[str, tuple[int, ...]] |
     if shapes is None:  # the parameters themselves: under DeepSpeed ZeRO-3 a partitioned one knows its full shape
         shapes = {name: tuple(getattr(tensor, "ds_shape", tensor.shape)) for name, tensor in model.state_dict(keep_vars=True).items()}
     with torch.device("meta"):
-        skeleton = type(model)._from_config(copy.deepcopy(model.config))
-    problem = tensor_mismatch(skeleton, shapes)
+        skeleton = own_class(model)._from_config(copy.deepcopy(model.config))
+    problem = _tensor_mismatch(skeleton, shapes)
     if problem:
-        raise ConfigError(f"the {type(model).__name__}'s weights would not load into the model its own {CONFIG_FILE} builds, so "
+        raise ConfigError(f"the {own_class(model).__name__}'s weights would not load into the model its own {CONFIG_FILE} builds, so "
                           f"from_pretrained would leave them random: {problem}; keep its modules as its config builds them")
 
 
@@ -353,7 +359,7 @@ def model_card(run, model: nn.Module, summary: dict, pipeline_tag: str | None, r
 
     from .lora import is_peft_model
 
-    cfg, runtime = run.cfg, run.runtime
+    cfg, runtime, model_class = run.cfg, run.runtime, own_class(model)
     adapter, transformers_model = is_peft_model(model), is_transformers_model(model)
     build = getattr(model, BUILD_ATTRIBUTE, None)
     data = ModelCardData(
@@ -367,15 +373,15 @@ def model_card(run, model: nn.Module, summary: dict, pipeline_tag: str | None, r
         made, load = _adapter_description(model, where)
     elif transformers_model:
         head = model_head(model)
-        module, loader = ("transformers", head[0]) if head else (type(model).__module__, type(model).__name__)
-        made = f"`{type(model).__name__}` (Transformers, `{model.config.model_type}`)"
+        module, loader = ("transformers", head[0]) if head else (model_class.__module__, model_class.__name__)
+        made = f"`{model_class.__name__}` (Transformers, `{model.config.model_type}`)"
         load = f'from {module} import {loader}\nmodel = {loader}.from_pretrained("{where}")'
     elif build is not None:
         arguments = ", ".join(f"{key}={value!r}" for key, value in build["kwargs"].items())
-        made = f"`{type(model).__name__}` from `{build['builder']}({arguments})`"
+        made = f"`{model_class.__name__}` from `{build['builder']}({arguments})`"
         load = f'from acceltrain.hub import load_model\nmodel = load_model("{where}")'
     else:
-        made = f"`{type(model).__name__}`, built by the recipe (no registered builder: rebuild it, then load `model.safetensors`)"
+        made = f"`{model_class.__name__}`, built by the recipe (no registered builder: rebuild it, then load `model.safetensors`)"
         load = f'from safetensors.torch import load_model\nload_model(model, "{where}/model.safetensors")  # model: the recipe\'s own'
     own_fields = [f for f in type(cfg).__dataclass_fields__ if f not in TrainConfig.__dataclass_fields__]
     samples = [f"training samples: {run.train_samples or 'a stream'}"]
@@ -437,7 +443,7 @@ def _adapter_description(model: nn.Module, where: str) -> tuple[str, str]:
 
     loader, settings = adapter_loading(model)
     base = model.get_base_model()
-    made = (f"A LoRA adapter (peft; {describe(model)}) for `{type(base).__name__}` (Transformers, `{base.config.model_type}`) on "
+    made = (f"A LoRA adapter (peft; {describe(model)}) for `{own_class(base).__name__}` (Transformers, `{base.config.model_type}`) on "
             f"the base model `{model.peft_config['default'].base_model_name_or_path}`, which must be there to load it")
     arguments = "".join(f", {key}={value!r}" for key, value in settings.items())
     return made, f'from peft import {loader}\nmodel = {loader}.from_pretrained("{where}"{arguments})'

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 from collections.abc import Iterable
 
 from .options import ConfigError, Options, first_line, flag_name, option, require
@@ -62,6 +63,8 @@ class LoraOptions(Options):
                     raise ConfigError(f"--{flag_name(name)} needs --lora-r (the rank of the LoRA adapter to train)")
             return
         require(self.lora_r >= 1, "lora_r", self.lora_r, "an integer >= 1")
+        if importlib.util.find_spec("peft") is None:  # said before any work, not at the adapter
+            raise ConfigError("--lora-r trains the adapter with peft, which is not installed: pip install 'acceltrain[peft]'")
         if self.lora_alpha is not None:
             require(self.lora_alpha > 0, "lora_alpha", self.lora_alpha, "a number > 0")
         require(0 <= self.lora_dropout < 1, "lora_dropout", self.lora_dropout, "a number in [0, 1)")

@@ -463,3 +463,15 @@ def test_a_module_that_merely_carries_a_transformers_config_is_saved_as_a_module
     fit_classifier(out, Wrapper(AutoModelForSequenceClassification.from_pretrained(bert, num_labels=2)))
     assert (out / "model.safetensors").exists() and not (out / "config.json").exists()
     assert "built by the recipe (no registered builder" in (out / "README.md").read_text()
+
+
+def test_the_card_names_the_model_s_own_class_under_fsdp2():
+    """FSDP2 gives a sharded module a class of its own (FSDPGPT2LMHeadModel, in torch.distributed): the card used to
+    tell users to import that."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from acceltrain.hub import model_head, own_class
+
+    sharded_class = type("FSDPGPT2LMHeadModel", (GPT2LMHeadModel,), {"__module__": "torch.distributed.fsdp._fully_shard._fsdp_init"})
+    model = sharded_class(GPT2Config(vocab_size=8, n_positions=4, n_embd=4, n_layer=1, n_head=1))
+    assert own_class(model) is GPT2LMHeadModel and model_head(model) == ("AutoModelForCausalLM", "text-generation")

@@ -169,3 +169,12 @@ def test_an_architecture_peft_has_no_default_targets_for_is_one_line(tmp_path):
     with pytest.raises(ConfigError, match=r"^LoRA cannot adapt this SqueezeBertForSequenceClassification: Please specify `target_modules`.*"
                                           r"\(--lora-target-modules names the modules\)$"):
         apply_lora(model, parse_config(Config, ["--lora-r", "4"]), missing_keys=loading["missing_keys"])
+
+
+def test_lora_without_peft_installed_is_one_line(monkeypatch):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: None if name == "peft" else find_spec(name, *args))
+    with pytest.raises(ConfigError, match=re.escape("--lora-r trains the adapter with peft, which is not installed: pip install 'acceltrain[peft]'")):
+        parse_config(Config, ["--lora-r", "8"])
