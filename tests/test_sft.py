@@ -104,10 +104,11 @@ def big_batch(data) -> Path:
     return out
 
 
-def test_accumulation_gives_the_big_batch_s_update_with_responses_of_every_length(tmp_path, data, big_batch):
+def test_accumulation_gives_the_big_batch_s_update_with_responses_of_every_length(tmp_path, data, big_batch, capsys):
     out = tmp_path / "accumulated"
     assert run(out, *EXACT, "--model-name-or-path", str(data.gpt2), "--train-file", str(data.rows), "--eval-file", str(data.eval),
                "--batch-size", "2", "--grad-accum", "4") == 0
+    assert "tokenizer: no pad token; batches are padded with the end-of-text token '<|endoftext|>' (masked out)" in capsys.readouterr().out
     from safetensors.torch import load_file
 
     reference = load_file(str(big_batch / "model.safetensors"))

@@ -283,6 +283,8 @@ BAD_INPUTS = [
      "--lora-target-modules 'valeu' is not a module of BertForSequenceClassification: close names: value; its linear layers: "),
     (["--merge-lora"], "--merge-lora needs --lora-r"),
     (["--max-length", "1"], "--max-length 1 is invalid: must be an integer >= 2"),
+    (["--model-name-or-path", "google-bert/bert-base-uncased"],
+     "--model-name-or-path 'google-bert/bert-base-uncased': could not load a tokenizer from the Hugging Face Hub (offline? pass a local folder instead)"),
     (["--dataset-name", "stanfordnlp/imdb", "--train-file", "x.csv"], "exactly one of --train-file FILE and --dataset-name NAME"),
     (["--dataset-name", "stanfordnlp/imdb", "--train-file", "none"], "--dataset-name 'stanfordnlp/imdb' could not be loaded"),
 ]
