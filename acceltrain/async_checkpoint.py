@@ -1,7 +1,8 @@
 """``--async-checkpoint``: checkpoints written while training goes on (Accelerate has no async save: accelerate#3746).
 
 The step that saves blocks only for what must be taken at that instant: a copy of the model and optimizer state in
-CPU memory (DCP's ``async_save`` stages FSDP's shards; under DDP the main process copies the whole state dicts),
+CPU memory (DCP's ``async_save`` stages FSDP's shards; under DDP the main process copies the whole state dicts;
+both keep that copy between saves and copy into it, which costs that much memory and saves the allocation),
 the small files Accelerate writes beside them (RNG states, loader positions, the grad scaler), the hooks' states and
 the trainer state. A thread then writes the copy in Accelerate's own layout, so that ``load_state`` reads it as any
 other checkpoint. The checkpoint counts only once every process's files are on disk: the main process then writes
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import torch
 from accelerate.utils import DistributedType
+from torch.distributed.checkpoint.staging import BlockingAsyncStager
 
 from .checkpointing import CheckpointError, RunState, failed_save, failed_save_refused, publish, staging_folder, write_run_files
 from .distributed import any_process
@@ -50,6 +52,8 @@ class AsyncCheckpointer:
         # flags, the model's DCP save and the optimizer's: one gloo group each, so that no two threads share one
         self._groups = [dist.new_group(backend="gloo") if several else None for _ in range(3)]
         self._save: _InFlight | None = None
+        self._copy: dict = {}  # DDP: the last save's CPU copy, reused (copied into) by the next one
+        self._stagers: list = []  # FSDP: DCP's stagers for the model and the optimizer, with their cached CPU copies
 
     @property
     def in_flight(self) -> bool:
@@ -81,12 +85,13 @@ class AsyncCheckpointer:
         from accelerate.utils.constants import FSDP_MODEL_NAME, OPTIMIZER_NAME
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-        futures = [
-            dcp.async_save({"model": get_model_state_dict(model)}, checkpoint_id=str(staging / f"{FSDP_MODEL_NAME}_0"),
-                           process_group=self._groups[1]),
-            dcp.async_save({"optimizer": get_optimizer_state_dict(model, optimizer.optimizer)},
-                           checkpoint_id=str(staging / f"{OPTIMIZER_NAME}_0"), process_group=self._groups[2]),
-        ]
+        if not self._stagers:  # a kept copy (the next save copies into it) and cached plans: the step blocks for less
+            self._stagers = [_CopyInto() for _ in range(2)]
+        parts = [({"model": get_model_state_dict(model)}, f"{FSDP_MODEL_NAME}_0"),
+                 ({"optimizer": get_optimizer_state_dict(model, optimizer.optimizer)}, f"{OPTIMIZER_NAME}_0")]
+        futures = [dcp.async_save(state, checkpoint_id=str(staging / folder), process_group=group, async_stager=stager,
+                                  planner=dcp.DefaultSavePlanner(enable_plan_caching=True))
+                   for (state, folder), group, stager in zip(parts, self._groups[1:], self._stagers)]
         return lambda: [future.result() for future in futures]
 
     def _stage_whole(self, model, optimizer, staging: Path):
@@ -96,8 +101,9 @@ class AsyncCheckpointer:
 
         if not self.accelerator.is_main_process:
             return lambda: None
-        weights = OrderedDict((k, v.detach().to("cpu", copy=True)) for k, v in self.accelerator.get_state_dict(model, unwrap=False).items())
-        optimizer_state = _copied_to_cpu(optimizer.state_dict())
+        weights = _copied_to_cpu(OrderedDict(self.accelerator.get_state_dict(model, unwrap=False)), self._copy.get("weights"))
+        optimizer_state = _copied_to_cpu(optimizer.state_dict(), self._copy.get("optimizer"))
+        self._copy = {"weights": weights, "optimizer": optimizer_state}  # the writer reads it until published; then reused
 
         def write():
             save(weights, staging / SAFE_WEIGHTS_NAME, safe_serialization=True)
@@ -144,6 +150,19 @@ class AsyncCheckpointer:
         return None
 
 
+class _CopyInto(BlockingAsyncStager):
+    """DCP's blocking stager, its CPU copy kept and copied into by the next save (torch's own cache pins that memory,
+    which needs a GPU)."""
+
+    def __init__(self):
+        super().__init__()
+        self.copy = None
+
+    def stage(self, state_dict):
+        self.copy = _copied_to_cpu(state_dict, self.copy)
+        return self.copy
+
+
 class _Task:
     """A function run in a daemon thread (the process may end without it: a checkpoint it never published is
     left incomplete, and ``--resume auto`` continues from the previous one); its error kept for the main thread."""
@@ -171,13 +190,18 @@ class _InFlight:
         self.all_written = False  # every process's files are on disk (as of the last poll)
 
 
-def _copied_to_cpu(value):
-    """A state dict (nested dicts and lists of tensors and numbers) with every tensor copied to the CPU: the step
-    that follows changes the optimizer's own tensors in place."""
+def _copied_to_cpu(value, into=None):
+    """A state dict (nested dicts and lists of tensors and numbers) with every tensor copied to the CPU (the step that
+    follows changes the model's and optimizer's tensors in place), into ``into``'s tensors where they fit: the
+    previous save's copy, so that a save after the first copies into memory already there."""
     if isinstance(value, torch.Tensor):
+        if isinstance(into, torch.Tensor) and (into.shape, into.dtype) == (value.shape, value.dtype):
+            return into.copy_(value.detach())
         return value.detach().to("cpu", copy=True)
     if isinstance(value, dict):
-        return type(value)((k, _copied_to_cpu(v)) for k, v in value.items())
+        into = into if isinstance(into, dict) else {}
+        return type(value)((k, _copied_to_cpu(v, into.get(k))) for k, v in value.items())
     if isinstance(value, (list, tuple)):
-        return type(value)(_copied_to_cpu(v) for v in value)
+        into = into if isinstance(into, (list, tuple)) and len(into) == len(value) else [None] * len(value)
+        return type(value)(_copied_to_cpu(v, i) for v, i in zip(value, into))
     return value

@@ -1,6 +1,6 @@
 """acceltrain: commands around the training loop. Training itself runs from a recipe script
-(python recipes/resnet_cifar.py --help lists its flags); these commands report on the machine and
-measure speed."""
+(python recipes/resnet_cifar.py --help lists its flags); these commands report on the machine, measure
+speed, run a recipe on Ray and merge a checkpoint into a loadable folder."""
 
 from __future__ import annotations
 
@@ -250,7 +250,13 @@ def main(argv: list[str] | None = None) -> int:
     env.add_argument("--accelerate-config-file", help="the accelerate config file to report (default: accelerate's default one)")
     commands.add_parser("bench", help="speed ladder: fp32 -> mixed precision -> channels_last -> compile -> ... (see bench --help)", add_help=False)
     commands.add_parser("ray", help="run a recipe on a Ray cluster through Ray Train (see ray --help)", add_help=False)
+    commands.add_parser("merge", help="a checkpoint's model (FSDP's shards merged) as a folder that loads by itself (see merge --help)",
+                        add_help=False)
     args, rest = parser.parse_known_args(argv)
+    if args.command == "merge":
+        from .merge import main as merge_main
+
+        return merge_main(rest)
     if args.command == "bench":
         from .bench import main as bench_main
 

@@ -566,11 +566,10 @@ class Run:
             logger.info(f"checkpoint: {path}")
 
     def _wait_for_checkpoint(self) -> None:
-        """The end of a launch waits for a save in flight: its checkpoint is published before the run stops."""
+        """The end of a launch waits for a save in flight: its checkpoint is published before the run stops. (Not
+        counted in ``checkpoint_seconds``: training is over.)"""
         if self._async_saves is not None and self._async_saves.in_flight:
-            started = time.perf_counter()
             self._published(self._async_saves.wait())
-            self._checkpoint_blocked(started)
 
 
 # Run's public attributes, all read-only (tested against a real run): the list the docs give.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check, sized for one lent H200 in about 8 minutes (nothing can be downloaded there):
+# The GPU check, sized for one lent H200 in about 9 minutes (never run on a GPU yet; nothing can be downloaded there):
 #   1. the GPU-marked tests;
 #   2. ResNet-50 (CIFAR stem, synthetic CIFAR-shaped data, batch 256) through `acceltrain bench`:
 #      fp32 -> bf16 -> + channels_last -> + torch.compile -> + on-device loader;
@@ -9,7 +9,9 @@
 #      generated text: tokens/s and MFU;
 #   5. time to 94% on the real CIFAR-10 (the JPEG copy carried in .device): the cifar10_fast preset through
 #      accelerate launch on one GPU, evaluated every epoch until 94% (target: <= 2.5 s, <= 10 epochs);
-#   6. airbench94's own code on the same GPU, the ratio's baseline (benchmarks/peers.py --rows airbench).
+#   6. airbench94's own code on the same GPU, the ratio's baseline (benchmarks/peers.py --rows airbench);
+#   7. FSDP2's sharded checkpoints on the GPU (issue 32): GPT-2 small under fsdp.yaml, a save every 10 steps,
+#      synchronous vs --async-checkpoint: the seconds saving blocked training (target: async <= 0.2x).
 # Prepare once on a machine with network: bash benchmarks/gpu_wheels.sh  (wheels into .device/wheels)
 # Then, with the device tool:  run(command="bash benchmarks/gpu_check.sh", carry=[".device"], timeout_s=590)
 # Results: $OUT (the device tool's output folder) or benchmarks/results/gpu/.
@@ -76,3 +78,13 @@ echo "== 6. airbench94's own train94 next to cifar10_fast on this GPU (peers.py'
 timeout 240 python3 benchmarks/peers.py --rows airbench --epochs 10 > "$RESULTS/peers_airbench.log" 2>&1 \
     || echo "peers airbench: failed, see peers_airbench.log"
 tail -4 "$RESULTS/peers_airbench.log"; cp benchmarks/results/peers.json "$RESULTS/" 2>/dev/null
+
+echo "== 7. FSDP2 checkpoints on one GPU: synchronous vs --async-checkpoint (GPT-2 small, bf16, a save every 10 steps)"
+for mode in sync async; do
+    timeout 150 python3 -m accelerate.commands.launch --config_file accelerate_configs/fsdp.yaml --num_processes 1 recipes/causal_lm.py \
+        --config recipes/configs/lm_gpt2_124m_gpu.yaml --text-files /tmp/lm.txt --vocab-size 8192 --grad-accum 1 --max-steps 30 \
+        --save-every-steps 10 --keep-last 1 --eval-fraction 0 --report-to none --no-progress $([ $mode = async ] && echo --async-checkpoint) \
+        --output-dir "$RESULTS/fsdp_$mode" --overwrite > "$RESULTS/fsdp_$mode.log" 2>&1 || echo "fsdp $mode: failed, see fsdp_$mode.log"
+done
+python3 -c "import json, sys; s = [json.load(open(p)) for p in sys.argv[1:]]; print({'sync_checkpoint_seconds': s[0]['checkpoint_seconds'], 'async_checkpoint_seconds': s[1]['checkpoint_seconds'], 'ratio': round(s[1]['checkpoint_seconds'] / s[0]['checkpoint_seconds'], 3), 'tokens_per_second': [x.get('tokens_per_second') for x in s]})" \
+    "$RESULTS/fsdp_sync/summary.json" "$RESULTS/fsdp_async/summary.json" 2>/dev/null | tee "$RESULTS/fsdp_checkpoints.txt"

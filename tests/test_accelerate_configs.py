@@ -22,6 +22,7 @@ EXPECTED = {
     "deepspeed_zero2.yaml": (DistributedType.DEEPSPEED, 1),
     "deepspeed_zero3.yaml": (DistributedType.DEEPSPEED, 1),
     "fsdp.yaml": (DistributedType.FSDP, 8),
+    "fsdp_cpu.yaml": (DistributedType.FSDP, 2),  # 2 gloo processes: acceltrain.sharding sets FSDP2 up on them
 }
 CONFIGS = sorted(p.name for p in CONFIG_DIR.glob("*.yaml"))
 AUTO_FIELDS = ("train_micro_batch_size_per_gpu", "train_batch_size", "gradient_accumulation_steps", "gradient_clipping")
@@ -50,9 +51,10 @@ def test_config_loads_and_has_header(name):
     if name == "multi_node.yaml":
         assert (cfg.num_machines, cfg.machine_rank, cfg.main_process_port) == (2, 0, 29500)
         assert cfg.rdzv_backend == "static" and cfg.same_network
-    if name == "fsdp.yaml":
-        assert cfg.fsdp_config["fsdp_version"] == 2
-        assert cfg.fsdp_config["fsdp_auto_wrap_policy"] == "SIZE_BASED_WRAP"
+    if name.startswith("fsdp"):
+        assert cfg.fsdp_config["fsdp_version"] == 2  # FSDP1 does not run on CPU
+        assert cfg.fsdp_config["fsdp_auto_wrap_policy"] == "SIZE_BASED_WRAP"  # a transformer's blocks: chosen per model
+        assert cfg.fsdp_config["fsdp_state_dict_type"] == "SHARDED_STATE_DICT"  # DCP: another process count, async saves
         assert isinstance(cfg.fsdp_config["fsdp_reshard_after_forward"], bool)  # FSDP2 wants a bool
 
 

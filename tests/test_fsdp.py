@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from acceltrain.checkpointing import CheckpointError, checkpoint_engine, complete_checkpoints, verify_checkpoint
+from acceltrain.cli import main
 from conftest import REPO, TINY_RECIPE, check, launch, read_summary, subprocess_env
 
 pytestmark = pytest.mark.multiprocess
@@ -125,8 +126,27 @@ def test_what_fsdp_cannot_resume_or_run_is_one_line(tmp_path, runs):
     continue_from(complete_checkpoints(runs["ddp"])[0], ddp)
     result = fsdp([*TINY, "--batch-size", "4", "--output-dir", str(ddp), "--resume", "auto"])
     assert result.returncode != 0 and "holds DDP or single-process model and optimizer state and this run is FSDP" in result.stderr
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+
+    from acceltrain.loop import _check_engine
+
+    sharded = str(complete_checkpoints(runs["fsdp"])[0])
+    with pytest.raises(CheckpointError, match="holds FSDP model and optimizer state and this run is DEEPSPEED: resume it under FSDP"):
+        _check_engine(SimpleNamespace(distributed_type=DistributedType.DEEPSPEED), sharded)
     result = fsdp([*TINY, "--batch-size", "4", "--output-dir", str(tmp_path / "ema"), "--ema-decay", "0.9"])
     assert result.returncode != 0 and "EMA needs every process to hold the full weights: FSDP and DeepSpeed ZeRO-3 shard them" in result.stderr
+
+
+def test_merge_writes_the_weights_of_any_checkpoint_and_refuses_to_overwrite(tmp_path, runs, capsys):
+    for name in ("fsdp", "ddp"):  # the last checkpoint is the last step: the run's exported weights
+        merged = tmp_path / name
+        assert main(["merge", str(complete_checkpoints(runs[name])[-1]), str(merged)]) == 0
+        assert all(weights(merged)[k].equal(v) for k, v in weights(runs[name]).items()) and weights(merged).keys() == weights(runs[name]).keys()
+    capsys.readouterr()
+    assert main(["merge", str(complete_checkpoints(runs["fsdp"])[-1]), str(tmp_path / "fsdp")]) == 2
+    assert capsys.readouterr().err.strip() == f"error: OUT {str(tmp_path / 'fsdp')!r} exists and is not an empty folder: choose a new one"
 
 
 def test_fsdp1_on_cpu_is_one_line(monkeypatch):
@@ -172,14 +192,20 @@ def test_bf16_and_activation_checkpointing_run_sharded_and_the_weights_load_with
     text_file, env = text
     out = tmp_path / "run"
     check(launch(REPO / "recipes" / "causal_lm.py", [*SMALL, "--text-files", str(text_file), "--batch-size", "4", "--max-steps", "3",
-                                                     "--mixed-precision", "bf16", "--activation-checkpointing", "--output-dir", str(out)],
+                                                     "--mixed-precision", "bf16", "--activation-checkpointing", "--output-dir", str(out),
+                                                     "--save-every-steps", "3"],
                  processes=2, **FSDP, **env))
     assert read_summary(out)["mixed_precision"] == "bf16"
+    merged = tmp_path / "merged"  # the last checkpoint's shards merged: the same weights, loadable the same way
+    assert main(["merge", str(complete_checkpoints(out)[-1]), str(merged)]) == 0
+    assert weights(merged).keys() == weights(out).keys()
+    assert all(weights(merged)[k].equal(v) for k, v in weights(out).items())
     probe = ("import sys, json; from transformers import AutoModelForCausalLM; from safetensors.torch import load_file\n"
              "model, info = AutoModelForCausalLM.from_pretrained(sys.argv[1], output_loading_info=True)\n"
              "saved = load_file(sys.argv[1] + '/model.safetensors')\n"
              "print(json.dumps({'missing': sorted(info['missing_keys']), 'unexpected': sorted(info['unexpected_keys']), 'class': type(model).__name__,\n"
              "                  'same': all(model.state_dict()[k].equal(v) for k, v in saved.items())}))")
-    loaded = json.loads(check(subprocess.run([sys.executable, "-c", probe, str(out)], env=subprocess_env(**env), capture_output=True,
-                                             text=True, timeout=300)).stdout.strip().splitlines()[-1])
-    assert loaded == {"missing": [], "unexpected": [], "class": "GPT2LMHeadModel", "same": True}
+    for folder in (out, merged):
+        loaded = json.loads(check(subprocess.run([sys.executable, "-c", probe, str(folder)], env=subprocess_env(**env), capture_output=True,
+                                                 text=True, timeout=300)).stdout.strip().splitlines()[-1])
+        assert loaded == {"missing": [], "unexpected": [], "class": "GPT2LMHeadModel", "same": True}

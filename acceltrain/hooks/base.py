@@ -19,7 +19,8 @@ Events, in the order a run meets them:
   bar); add entries to ``metrics`` to log them with it.
 - ``on_eval_start(run)`` / ``on_eval_end(run, metrics)``: around each evaluation; ``metrics`` may be
   extended; ``run.eval_improved`` says whether the primary metric is the best so far.
-- ``on_save(run, folder)``: a checkpoint was published at ``folder``.
+- ``on_save(run, folder)``: a checkpoint was published at ``folder`` (with ``--async-checkpoint``, at a later
+  step than the one it holds: once every process's files are written).
 - ``on_train_end(run)``: training is over (``run.stop`` says why when it ended early), before the final
   checkpoint and weights are written. Called on every ending, a preemption included.
 - ``on_fit_end(run, summary)``: the run finished and its weights are written; entries added to
