@@ -29,6 +29,19 @@ per-round ratios acceltrain/peer is reported with its min and max.
                         eval losses differ by at most two standard errors of the difference, Welch's, from
                         the seeds' spread in each leg; judged from 3 rounds).
   plain PyTorch loop    ``benchmarks/overhead.py`` (its legs, its alternation), its JSON kept in this file's.
+  LoRA classifier       ``transformers.Trainer`` with peft vs ``recipes/text_classification.py --group-by-length``:
+                        the same base folder (a BERT-style encoder trained here as a classifier of a separate
+                        share of the data, saved as a plain ``BertModel``: a pretrained encoder the adapter is
+                        fitted on), tokenizer, rows (generated reviews whose lengths spread as real ones do:
+                        log-normal, median ~37 words, a tail past the 256-token limit), LoRA settings (r, alpha,
+                        dropout 0, query and value; the new head trained in full), batch, AdamW, linear schedule
+                        with warm-up, clipping and steps; both pad each batch to its longest example
+                        (``DataCollatorWithPadding``), the Trainer's batches drawn at random (its default), the
+                        toolkit's grouped by length. Samples/s from the end of step 5 to the last step (target
+                        >= 1.1x, through less padding: each side's padded-token fraction of its first epoch's
+                        batches is recorded) and the eval accuracy at the last step; round r runs seed r in both
+                        legs (target: the toolkit's mean accuracy at least the Trainer's, within two standard
+                        errors of the difference; judged from 3 rounds).
 
 Each leg runs in a fresh process, but the plain loop, which overhead.py runs in-process. Rows not run keep
 their earlier results (each row records its machine); the JSON is written after each row.
@@ -37,6 +50,7 @@ their earlier results (each row records its machine); the JSON is written after 
     python benchmarks/peers.py --rows trainer,plain --rounds 5 --steps 600
     python benchmarks/peers.py --rows airbench --epochs 10 --airbench-rounds 2
     python benchmarks/peers.py --rows airbench --epochs 10 --precision bf16   # a CPU: both legs under bf16 autocast
+    python benchmarks/peers.py --rows lora --rounds 3
     python benchmarks/peers.py --quick               # tiny sizes, every row end to end: peers_quick.json/.png
 """
 
@@ -46,6 +60,7 @@ import argparse
 import json
 import math
 import os
+import random
 import shlex
 import shutil
 import statistics
@@ -60,7 +75,7 @@ import yaml
 
 from common import DATA_DIR, REPO, RESULTS_DIR, chosen, cifar10_jpeg, machine, quiet_env, run_recipe_process, start, write_result
 
-ROWS = {"airbench": "airbench94", "trainer": "transformers Trainer", "plain": "plain PyTorch loop"}
+ROWS = {"airbench": "airbench94", "trainer": "transformers Trainer", "plain": "plain PyTorch loop", "lora": "Trainer + peft LoRA"}
 CIFAR_PRESET = REPO / "recipes" / "configs" / "cifar10_fast.yaml"
 LM_PRESET = REPO / "recipes" / "configs" / "lm_tiny_cpu.yaml"
 LM_RECIPE = REPO / "recipes" / "causal_lm.py"
@@ -71,7 +86,13 @@ TIMING_WARMUP = 5  # LM row: steps left out of tokens/s in both legs (the toolki
 NOISE_Z = 2  # LM row: eval losses are equal within the noise when they differ by at most 2 standard errors
 # --quick: every row end to end (3.5 minutes on 2 cores at load 6); its figures say nothing about speed or accuracy
 QUICK = {"train_per_class": 64, "test_per_class": 50, "cifar_batch": 128, "epochs": 1, "steps": 8, "rounds": 2,
-         "plain": ["--steps", "8", "--warmup", "3", "--batch-size", "32"]}
+         "plain": ["--steps", "8", "--warmup", "3", "--batch-size", "32"],
+         "lora": {"rows": 256, "eval_rows": 64, "pretrain_rows": 256, "epochs": 1, "width": 64, "layers": 2}}
+LORA_RECIPE = REPO / "recipes" / "text_classification.py"
+# the LoRA row: its sizes (--quick: QUICK["lora"]) and the settings both legs train with
+LORA_SIZES = {"rows": 4096, "eval_rows": 1024, "pretrain_rows": 2048, "epochs": 2, "width": 128, "layers": 4}
+LORA = {"r": 8, "alpha": 16, "targets": "query,value", "lr": 1e-3, "batch_size": 32, "max_length": 256, "weight_decay": 0.01,
+        "max_grad_norm": 1.0, "warmup_fraction": 0.1}
 HOST = not torch.cuda.is_available()
 PRECISIONS = {"fp32": "fp32 weights and compute", "bf16": "fp32 weights, bf16 autocast forward passes"}  # airbench row, CPU
 
@@ -120,7 +141,7 @@ def run_leg_process(leg: str, spec: dict) -> dict:
 
 
 def leg_main(leg: str, spec: dict) -> None:
-    result = {"airbench": airbench_leg, "trainer": trainer_leg}[leg](spec)
+    result = {"airbench": airbench_leg, "trainer": trainer_leg, "lora": lora_trainer_leg}[leg](spec)
     Path(spec["out"]).write_text(json.dumps(result))
 
 
@@ -376,28 +397,29 @@ def toolkit_lm_leg(tokenizer: Path, steps: int, warmup: int, seed: int, out: Pat
             "optim": f"AdamW (fused={fused_adamw(summary['config']['mixed_precision'])})"}
 
 
-def loss_noise(rounds: list[dict]) -> dict:
-    """Per leg, the eval loss of each seed, their mean and sample standard deviation; the target: the legs'
-    means differ by at most ``NOISE_Z`` standard errors of the difference (Welch's: each leg's variance over
-    its seeds), judged from 3 seeds per leg (2 give no usable variance)."""
+def seed_noise(rounds: list[dict], key: str, at_least: bool = False) -> dict:
+    """Per leg, ``key`` of each seed, their mean and sample standard deviation; the target: the legs' means differ
+    by at most ``NOISE_Z`` standard errors of the difference (Welch's: each leg's variance over its seeds), or with
+    ``at_least`` the toolkit's mean is at least the peer's less that; judged from 3 seeds per leg (2 give no
+    usable variance)."""
     legs = {}
     for leg in ("peer", "acceltrain"):
         by_seed = {}
         for r in rounds:
-            by_seed.setdefault(r[leg]["seed"], []).append(r[leg]["eval_loss"])
-        losses = {seed: statistics.mean(values) for seed, values in by_seed.items()}
-        legs[leg] = {"by_seed": losses, "mean": statistics.mean(losses.values()),
-                     "std": statistics.stdev(losses.values()) if len(losses) > 1 else None}
+            by_seed.setdefault(r[leg]["seed"], []).append(r[leg][key])
+        values = {seed: statistics.mean(values) for seed, values in by_seed.items()}
+        legs[leg] = {"by_seed": values, "mean": statistics.mean(values.values()),
+                     "std": statistics.stdev(values.values()) if len(values) > 1 else None}
     difference = legs["acceltrain"]["mean"] - legs["peer"]["mean"]
     judged = min(len(legs[leg]["by_seed"]) for leg in legs) >= 3
     if not judged:
         return {**legs, "difference": difference, "standard_error": None, "noise": None, "met": None}
     error = math.sqrt(sum(legs[leg]["std"] ** 2 / len(legs[leg]["by_seed"]) for leg in legs))
-    by_seed = [legs["acceltrain"]["by_seed"][seed] - loss for seed, loss in legs["peer"]["by_seed"].items()]
+    by_seed = [legs["acceltrain"]["by_seed"][seed] - value for seed, value in legs["peer"]["by_seed"].items()]
     paired = {"differences": by_seed, "acceltrain_higher": sum(d > 0 for d in by_seed), "seeds": len(by_seed),
               "standard_error": statistics.stdev(by_seed) / math.sqrt(len(by_seed))}  # context: seed for seed
-    return {**legs, "difference": difference, "standard_error": error, "noise": NOISE_Z * error,
-            "met": abs(difference) <= NOISE_Z * error, "paired": paired}
+    met = difference >= -NOISE_Z * error if at_least else abs(difference) <= NOISE_Z * error
+    return {**legs, "difference": difference, "standard_error": error, "noise": NOISE_Z * error, "met": met, "paired": paired}
 
 
 def trainer_row(args, work: Path) -> dict:
@@ -424,7 +446,7 @@ def trainer_row(args, work: Path) -> dict:
     rounds = paired_rounds(args.rounds, peer, toolkit,
                            lambda leg: f"seed {leg['seed']}: {leg['tokens_per_second']:.0f} tokens/s, eval loss {leg['eval_loss']:.4f}")
     speed = ratio_of(rounds, "tokens_per_second")
-    loss = loss_noise(rounds)
+    loss = seed_noise(rounds, "eval_loss")
     note = f"value: eval-loss difference acceltrain - peer; threshold: {NOISE_Z} standard errors of that difference"
     return {
         "peer": f"transformers {transformers.__version__} Trainer (optim {rounds[0]['peer']['optim']})",
@@ -462,6 +484,197 @@ def plain_row(args) -> dict:
     }
 
 
+# --------------------------------------------------------------------------- row: Trainer + peft LoRA classifier
+
+SENTIMENT = {"positive": [f"good{i}" for i in range(20)], "negative": [f"bad{i}" for i in range(20)]}
+FILLER = [f"w{i}" for i in range(200)]
+LABEL_NOISE = 0.05  # a share of the labels flipped: accuracy tops out below 1, so that the legs can differ
+
+
+def review_rows(count: int, seed: int) -> list[dict]:
+    """Generated reviews: a log-normal number of words (median ~37, a tail of a few hundred, as real reviews have),
+    mostly filler, a twelfth of them words of the review's sentiment and a thirtieth of the other's."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(count):
+        label = rng.choice(sorted(SENTIMENT))
+        words = [rng.choice(FILLER) for _ in range(min(400, max(4, round(rng.lognormvariate(3.6, 0.9)))))]
+        for kind, share in ((label, 12), (next(k for k in SENTIMENT if k != label), 30)):
+            for _ in range(max(kind == label, len(words) // share)):
+                words[rng.randrange(len(words))] = rng.choice(SENTIMENT[kind])
+        flipped = rng.random() < LABEL_NOISE
+        rows.append({"text": " ".join(words), "label": next(k for k in SENTIMENT if k != label) if flipped else label})
+    return rows
+
+
+def write_rows_csv(path: Path, rows: list[dict]) -> Path:
+    import csv
+
+    with path.open("w", newline="") as file:
+        writer = csv.DictWriter(file, fieldnames=["text", "label"])
+        writer.writeheader()
+        writer.writerows(rows)
+    return path
+
+
+def lora_base(work: Path, sizes: dict) -> Path:
+    """The base model both legs adapt: a BERT-style encoder (``width`` x ``layers``) with a WordPiece tokenizer
+    trained on the reviews, trained by the toolkit as a classifier of reviews that neither leg sees, and saved as a
+    plain ``BertModel`` (its head left out): a pretrained encoder."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
+    from transformers import BertConfig, BertForMaskedLM, BertModel, PreTrainedTokenizerFast
+
+    rows = review_rows(sizes["pretrain_rows"], seed=1000)
+    tokenizer = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tokenizer.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    tokenizer.train_from_iterator([row["text"] for row in rows], trainers.WordPieceTrainer(vocab_size=1024, special_tokens=specials,
+                                                                                          show_progress=False))
+    tokenizer.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]", special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="[PAD]", unk_token="[UNK]", cls_token="[CLS]", sep_token="[SEP]",
+                                   mask_token="[MASK]")
+    width = sizes["width"]
+    config = BertConfig(vocab_size=len(fast), hidden_size=width, num_hidden_layers=sizes["layers"], num_attention_heads=width // 32,
+                        intermediate_size=4 * width, max_position_embeddings=512, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    torch.manual_seed(0)
+    BertForMaskedLM(config).save_pretrained(work / "lora-start")
+    fast.save_pretrained(work / "lora-start")
+    run_recipe_process(work / "lora-pretrained", [
+        "--model-name-or-path", str(work / "lora-start"), "--train-file", str(write_rows_csv(work / "lora-pretrain.csv", rows)),
+        "--epochs", "4", "--lr", "3e-3", "--max-length", str(LORA["max_length"]), "--group-by-length", "--no-plots"], recipe=LORA_RECIPE)
+    BertModel.from_pretrained(work / "lora-pretrained").save_pretrained(work / "lora-base")
+    fast.save_pretrained(work / "lora-base")
+    return work / "lora-base"
+
+
+def step_clock(last_step: int):
+    """A Trainer callback timing from the end of step ``TIMING_WARMUP`` to the end of ``last_step`` (``.seconds``)."""
+    from transformers import TrainerCallback
+
+    class StepClock(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == TIMING_WARMUP:
+                self.started = time.perf_counter()
+            elif state.global_step == last_step:
+                self.seconds = time.perf_counter() - self.started
+
+    return StepClock()
+
+
+class PaddingCount:
+    """A collator that counts the padding of the first ``batches`` batches it makes: the first epoch's, with no
+    loader worker (the Trainer's evaluation batches come after)."""
+
+    def __init__(self, collator, batches: int):
+        self.collator, self.batches, self.seen, self.real, self.total = collator, batches, 0, 0, 0
+
+    def __call__(self, rows):
+        batch = self.collator(rows)
+        if self.seen < self.batches:
+            self.seen, self.real, self.total = self.seen + 1, self.real + int(batch["attention_mask"].sum()), self.total + batch["attention_mask"].numel()
+        return batch
+
+
+def lora_trainer_leg(spec: dict) -> dict:
+    """``transformers.Trainer`` with peft's LoRA on the rows: ``DataCollatorWithPadding``, batches drawn at random
+    (its default)."""
+    import datasets
+    from accelerate.utils import set_seed
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding, Trainer, TrainingArguments
+    from transformers.trainer_callback import PrinterCallback
+
+    datasets.disable_progress_bars()
+    seed, steps, batch = spec["seed"], spec["steps"], LORA["batch_size"]
+    names = sorted(SENTIMENT)
+    tokenizer = AutoTokenizer.from_pretrained(spec["base"])
+
+    def encode(rows):
+        return {**tokenizer(rows["text"], truncation=True, max_length=LORA["max_length"]), "labels": [names.index(l) for l in rows["label"]]}
+
+    rows = datasets.load_dataset("csv", data_files={"train": spec["train"], "eval": spec["eval"]})
+    encoded = rows.map(encode, batched=True, remove_columns=["text", "label"])
+    set_seed(seed)
+    model = AutoModelForSequenceClassification.from_pretrained(spec["base"], num_labels=len(names), id2label=dict(enumerate(names)),
+                                                               label2id={name: index for index, name in enumerate(names)})
+    model = get_peft_model(model, LoraConfig(r=LORA["r"], lora_alpha=LORA["alpha"], lora_dropout=0.0, target_modules=LORA["targets"].split(","),
+                                             task_type="SEQ_CLS"))
+    padding, clock = PaddingCount(DataCollatorWithPadding(tokenizer), spec["steps_per_epoch"]), step_clock(steps)
+    arguments = TrainingArguments(
+        output_dir=spec["work"], max_steps=steps, per_device_train_batch_size=batch, per_device_eval_batch_size=batch,
+        learning_rate=LORA["lr"], weight_decay=LORA["weight_decay"], max_grad_norm=LORA["max_grad_norm"], lr_scheduler_type="linear",
+        warmup_steps=spec["warmup_steps"], logging_steps=50, eval_strategy="no", save_strategy="no", report_to="none", use_cpu=HOST,
+        seed=seed, dataloader_num_workers=0, dataloader_drop_last=True, disable_tqdm=True,
+    )
+
+    def accuracy(prediction):
+        return {"accuracy": float((prediction.predictions.argmax(-1) == prediction.label_ids).mean())}
+
+    trainer = Trainer(model=model, args=arguments, train_dataset=encoded["train"], eval_dataset=encoded["eval"], data_collator=padding,
+                      compute_metrics=accuracy, callbacks=[clock])
+    trainer.remove_callback(PrinterCallback)
+    trainer.train()
+    return {"samples_per_second": (steps - TIMING_WARMUP) * batch / clock.seconds, "eval_accuracy": trainer.evaluate()["eval_accuracy"],
+            "padded_token_fraction": 1 - padding.real / padding.total, "seed": seed, "steps": steps, "optim": str(arguments.optim)}
+
+
+def toolkit_lora_leg(spec: dict, out: Path) -> dict:
+    from acceltrain.optim import fused_adamw
+
+    flags = ["--model-name-or-path", spec["base"], "--train-file", spec["train"], "--eval-file", spec["eval"], "--lora-r", str(LORA["r"]),
+             "--lora-alpha", str(LORA["alpha"]), "--lora-target-modules", LORA["targets"], "--lr", str(LORA["lr"]),
+             "--batch-size", str(LORA["batch_size"]), "--max-length", str(LORA["max_length"]), "--weight-decay", str(LORA["weight_decay"]),
+             "--max-grad-norm", str(LORA["max_grad_norm"]), "--lr-schedule", "linear", "--warmup-steps", str(spec["warmup_steps"]),
+             "--max-steps", str(spec["steps"]), "--group-by-length", "--eval-every", str(10**9), "--timing-warmup-steps",
+             str(TIMING_WARMUP), "--seed", str(spec["seed"]), "--num-workers", "0", "--no-plots"]
+    summary = run_recipe_process(out, flags, recipe=LORA_RECIPE)
+    return {"samples_per_second": summary["samples_per_second"], "eval_accuracy": summary["eval_accuracy"],
+            "padded_token_fraction": summary["padded_token_fraction"], "seed": spec["seed"], "steps": summary["steps"],
+            "optim": f"AdamW (fused={fused_adamw(summary['config']['mixed_precision'])})"}
+
+
+def lora_row(args, work: Path) -> dict:
+    try:
+        import peft
+        import transformers
+    except ImportError as err:
+        return {"skipped": f"peft or transformers is not importable ({err}): pip install -e '.[peft]'"}
+    sizes = QUICK["lora"] if args.quick else LORA_SIZES
+    steps_per_epoch = sizes["rows"] // LORA["batch_size"]
+    steps = sizes["epochs"] * steps_per_epoch
+    warmup = round(LORA["warmup_fraction"] * steps)
+    print(f"{ROWS['lora']}: BERT-style {sizes['width']} x {sizes['layers']}, LoRA r={LORA['r']} on {LORA['targets']}, {sizes['rows']} "
+          f"reviews, batch {LORA['batch_size']}, {steps} steps, {args.rounds} rounds, transformers {transformers.__version__}, "
+          f"peft {peft.__version__}", flush=True)
+    spec = {"base": str(lora_base(work, sizes)), "train": str(write_rows_csv(work / "lora-train.csv", review_rows(sizes["rows"], seed=0))),
+            "eval": str(write_rows_csv(work / "lora-eval.csv", review_rows(sizes["eval_rows"], seed=1))), "steps": steps,
+            "steps_per_epoch": steps_per_epoch, "warmup_steps": warmup}
+
+    def peer(r):
+        return run_leg_process("lora", {**spec, "seed": r, "work": str(work / f"lora-trainer-{r}"), "out": str(work / f"lora-trainer-{r}.json")})
+
+    def toolkit(r):
+        return toolkit_lora_leg({**spec, "seed": r}, work / f"lora-{r}")
+
+    rounds = paired_rounds(args.rounds, peer, toolkit, lambda leg: f"seed {leg['seed']}: {leg['samples_per_second']:.1f} samples/s, accuracy "
+                                                                   f"{leg['eval_accuracy']:.4f}, padding {leg['padded_token_fraction']:.1%}")
+    speed, accuracy = ratio_of(rounds, "samples_per_second"), seed_noise(rounds, "eval_accuracy", at_least=True)
+    padding = {leg: statistics.mean(r[leg]["padded_token_fraction"] for r in rounds) for leg in ("peer", "acceltrain")}
+    note = f"value: accuracy difference acceltrain - peer; threshold: -{NOISE_Z} standard errors of that difference"
+    return {
+        "peer": f"transformers {transformers.__version__} Trainer + peft {peft.__version__} (optim {rounds[0]['peer']['optim']})",
+        "toolkit": f"{LORA_RECIPE.relative_to(REPO)} --lora-r {LORA['r']} --group-by-length",
+        "peer_changes": "none (use_cpu=True without CUDA)" if HOST else "none", "sizes": sizes, "settings": LORA, "steps": steps,
+        "warmup_steps": warmup, "timing_warmup_steps": TIMING_WARMUP, "rounds": rounds, "samples_per_second_ratio": speed,
+        "eval_accuracy": accuracy, "padded_token_fraction": padding,
+        "targets": [target("samples/s ratio >= 1.1", speed["median"], 1.1, speed["median"] >= 1.1),
+                    target("eval accuracy >= the Trainer's within run-to-run noise", accuracy["difference"],
+                           -accuracy["noise"] if accuracy["noise"] is not None else None, accuracy["met"],
+                           note if accuracy["met"] is not None else "not judged: fewer than 3 seeds (use --rounds >= 3)")],
+    }
+
+
 # --------------------------------------------------------------------------- output
 
 
@@ -486,6 +699,13 @@ def table(rows: dict) -> list[str]:
             accuracy = row["tta_accuracy"]
             lines.append(f"{'':22} {'TTA accuracy':26} {accuracy['peer']:10.4f} {accuracy['acceltrain']:10.4f}  "
                          f"{accuracy['acceltrain'] - accuracy['peer']:+.4f} (difference){'':8} {verdicts[1]}")
+        if key == "lora":
+            accuracy, padding = row["eval_accuracy"], row["padded_token_fraction"]
+            seeds = ",".join(str(seed) for seed in accuracy["peer"]["by_seed"])
+            noise = f"noise {accuracy['noise']:.4f}" if accuracy["noise"] is not None else "< 3 seeds"
+            lines.append(f"{'':22} {f'eval accuracy (seeds {seeds})':26} {accuracy['peer']['mean']:10.4f} {accuracy['acceltrain']['mean']:10.4f}  "
+                         f"{accuracy['difference']:+.4f} ({noise}){'':4} {verdicts[1]}")
+            lines.append(f"{'':22} {'padded tokens, 1st epoch':26} {padding['peer']:10.1%} {padding['acceltrain']:10.1%}")
         if key == "trainer":
             loss = row["eval_loss"]
             seeds = ",".join(str(seed) for seed in loss["peer"]["by_seed"])
@@ -501,7 +721,7 @@ def plot(rows: dict, path: Path, quick: bool) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, (speed, accuracy, loss) = plt.subplots(1, 3, figsize=(14, 4.2), gridspec_kw={"width_ratios": [1.6, 1, 1]})
+    figure, (speed, accuracy, loss, lora) = plt.subplots(1, 4, figsize=(18, 4.2), gridspec_kw={"width_ratios": [1.6, 1, 1, 1]})
     measured = {key: row for key, row in rows.items() if "skipped" not in row}
     for y, (key, row) in enumerate(measured.items()):
         ratio = row["tokens_per_second_ratio" if key == "trainer" else "samples_per_second_ratio"]
@@ -530,7 +750,17 @@ def plot(rows: dict, path: Path, quick: bool) -> None:
         loss.set_xticks([0, 1], ["Trainer", "acceltrain\ncausal_lm"])
         loss.set_xlim(-0.5, 1.7)
         loss.set_title(f"tinyshakespeare eval loss at step {measured['trainer']['steps']}", fontsize=9)
-    for axis in (speed, accuracy, loss):
+    if "lora" in measured:
+        values = measured["lora"]["eval_accuracy"]
+        for x, (leg, label) in enumerate((("peer", "Trainer + peft"), ("acceltrain", "acceltrain"))):
+            seeds = values[leg]["by_seed"]
+            lora.scatter([x] * len(seeds), list(seeds.values()), color="tab:grey" if leg == "peer" else "tab:blue")
+            lora.hlines(values[leg]["mean"], x - 0.15, x + 0.15, color="black")
+        padding = measured["lora"]["padded_token_fraction"]
+        lora.set_xticks([0, 1], [f"Trainer + peft\n({padding['peer']:.0%} padding)", f"acceltrain\n({padding['acceltrain']:.0%} padding)"])
+        lora.set_xlim(-0.5, 1.5)
+        lora.set_title("LoRA classifier eval accuracy, per seed", fontsize=9)
+    for axis in (speed, accuracy, loss, lora):
         axis.grid(alpha=0.3)
     figure.suptitle("acceltrain vs peers on the same data and machine" + (" (--quick: plumbing only, not figures)" if quick else ""))
     figure.tight_layout()
@@ -541,7 +771,7 @@ def plot(rows: dict, path: Path, quick: bool) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     parser.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, of {', '.join(ROWS)}")
-    parser.add_argument("--rounds", type=int, help="paired rounds of the trainer and plain rows (default 3; --quick 2)")
+    parser.add_argument("--rounds", type=int, help="paired rounds of the trainer, plain and lora rows (default 3; --quick 2)")
     parser.add_argument("--airbench-rounds", type=int, help="paired rounds of the airbench row (default 1)")
     parser.add_argument("--epochs", type=int, help="epochs of the airbench row (default 10; --quick 1)")
     parser.add_argument("--precision", choices=list(PRECISIONS), default="fp32",
@@ -549,7 +779,7 @@ def main() -> None:
                              "a GPU runs each as published: airbench fp16, the preset bf16)")
     parser.add_argument("--steps", type=int, help="optimizer steps of the trainer row (default: the preset's 600; --quick 8)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, every row end to end: peers_quick.json, not figures")
-    parser.add_argument("--leg", choices=["airbench", "trainer"], help=argparse.SUPPRESS)  # a leg in its own process
+    parser.add_argument("--leg", choices=["airbench", "trainer", "lora"], help=argparse.SUPPRESS)  # a leg in its own process
     parser.add_argument("--spec", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.leg:
@@ -572,7 +802,7 @@ def main() -> None:
     info = start(f"acceltrain vs peers: rows {', '.join(rows)}" + (" (--quick: tiny sizes, not figures)" if args.quick else ""))
     earlier = RESULTS_DIR / f"{name}.json"
     results = json.loads(earlier.read_text())["rows"] if earlier.is_file() else {}
-    run_row = {"airbench": airbench_row, "trainer": trainer_row, "plain": lambda args, work: plain_row(args)}
+    run_row = {"airbench": airbench_row, "trainer": trainer_row, "plain": lambda args, work: plain_row(args), "lora": lora_row}
     ordered = {}
     command = "python benchmarks/peers.py " + " ".join(sys.argv[1:])
     try:
