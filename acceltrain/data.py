@@ -127,16 +127,20 @@ def stop_workers(*loaders) -> None:
 
 def train_loader(dataset: Dataset, *, batch_size: int, seed: int, **options) -> DataLoader:
     """Shuffled per epoch, last incomplete batch dropped; prepare it with Accelerate to shard it.
-    ``options``: see :func:`loader_options`."""
+    ``options``: see :func:`loader_options`. Its own generator: each ``iter()`` draws a base seed (for the workers),
+    which from the global generator would move every later draw (dropout) after a resume re-creates the iterator."""
     return DataLoader(
         EpochKeyed(dataset),
         batch_size=batch_size,
         sampler=EpochSampler(len(dataset), seed=seed, shuffle=True),
         drop_last=True,
+        generator=torch.Generator().manual_seed(mix_seed(seed, 1)),
         **loader_options(**options),
     )
 
 
 def eval_loader(dataset: Dataset, *, batch_size: int, **options) -> DataLoader:
-    """Every sample once, in order; ``gather_for_metrics`` drops the duplicates that padding adds."""
-    return DataLoader(dataset, batch_size=batch_size, shuffle=False, drop_last=False, **loader_options(**options))
+    """Every sample once, in order; ``gather_for_metrics`` drops the duplicates that padding adds. Its own generator,
+    as :func:`train_loader`'s: an evaluation leaves the training's random draws alone."""
+    return DataLoader(dataset, batch_size=batch_size, shuffle=False, drop_last=False, generator=torch.Generator(),
+                      **loader_options(**options))

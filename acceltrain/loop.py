@@ -54,6 +54,7 @@ from .data import default_num_workers, eval_loader, stop_workers, train_loader
 from .distributed import ENGINES, check_backend_honoured, convert_sync_batchnorm, deepspeed_plugin, main_process_only, use_cpu
 from .eval_subset import eval_subset
 from .export import export_weights
+from .lora import checkpoint_trainable_only, trainable_only_load
 from .hooks import Hooks, builtin_hooks
 from .logs import set_log_level
 from .metrics import peak_memory_mb
@@ -101,6 +102,7 @@ def fit(cfg: TrainConfig, model: nn.Module, optimizer: torch.optim.Optimizer, tr
         )
         check_backend_honoured(accelerator.distributed_type)
         run, notes = _prepare(cfg, accelerator, model, optimizer, train_set, eval_set, task, collate_fn)
+        notes.append(checkpoint_trainable_only(accelerator, run.model))
         run_config = {**run.cfg.to_dict(), "runtime": run.runtime}
         run._hooks = Hooks(hooks, builtin_hooks(run.cfg, evaluates=eval_set is not None, trackers=trackers, run_config=run_config))
         main_process_only(lambda: lock_output_dir(output_dir))  # one live run per folder
@@ -477,7 +479,7 @@ def _resume(run: Run, resume: str) -> bool:
     fresh = [{key: value for key, value in group.items() if key != "params"} for group in run.optimizer.param_groups]
     try:
         with loading_without_code():
-            accelerator.load_state(path)
+            accelerator.load_state(path, **trainable_only_load(accelerator, run.model, Path(path)))
     except (RuntimeError, KeyError, ValueError, IndexError, SafetensorError) as err:  # SafetensorError: not a safetensors file
         raise CheckpointError(f"checkpoint {path!r} does not fit this model or optimizer: {first_line(err)}") from None
     if relayout:

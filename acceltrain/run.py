@@ -42,7 +42,8 @@ from .distributed import any_process, control_group, init_process_state, main_pr
 from .options import ConfigError
 from .hooks.plots import CURVES_FILE
 from .hooks.profiling import MEMORY_FILE
-from .hub import CARD_FILE, CONFIG_FILE, GENERATION_CONFIG_FILE, TRAIN_CONFIG_FILE
+from .export import ADAPTER_WEIGHTS_FILE
+from .hub import ADAPTER_CONFIG_FILE, CARD_FILE, CONFIG_FILE, GENERATION_CONFIG_FILE, TRAIN_CONFIG_FILE
 from .logs import show_progress
 from .metrics import Throughput, synchronize
 from .speed import to_channels_last
@@ -57,7 +58,7 @@ TOKEN_NORMALISATION_UNDER_DEEPSPEED = (
 # The files a run writes at the top of its folder: in a folder that no acceltrain run has used (no .lock)
 # they would replace the user's own (--output-dir . in a checkout: its README.md)
 RUN_FILES = (WEIGHTS_FILE, SUMMARY_FILE, METRICS_FILE, CONFIG_FILE, GENERATION_CONFIG_FILE, CARD_FILE, TRAIN_CONFIG_FILE,
-             CURVES_FILE, MEMORY_FILE)
+             CURVES_FILE, MEMORY_FILE, ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE)
 
 
 @dataclasses.dataclass(frozen=True)

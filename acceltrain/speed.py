@@ -7,6 +7,7 @@ import contextlib
 import copy
 import functools
 import math
+from collections.abc import Mapping
 
 import torch
 from torch import nn
@@ -78,7 +79,7 @@ def to_channels_last(batch):
 def _map_tensors(batch, fn):
     if isinstance(batch, torch.Tensor):
         return fn(batch)
-    if isinstance(batch, dict):
+    if isinstance(batch, Mapping):  # a dict, or transformers' BatchEncoding (a UserDict) from a collator
         return {key: _map_tensors(value, fn) for key, value in batch.items()}
     if isinstance(batch, (list, tuple)):
         return type(batch)(_map_tensors(value, fn) for value in batch)
@@ -88,7 +89,7 @@ def _map_tensors(batch, fn):
 def _batch_len(batch) -> int:
     if isinstance(batch, torch.Tensor):
         return len(batch)
-    values = batch.values() if isinstance(batch, dict) else batch
+    values = batch.values() if isinstance(batch, Mapping) else batch
     return next(len(v) for v in values if isinstance(v, torch.Tensor))
 
 

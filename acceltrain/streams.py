@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import itertools
 
+import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from .config import TrainConfig
@@ -83,4 +84,5 @@ class Replayed(IterableDataset):
 def stream_loader(dataset: IterableDataset, *, batch_size: int, **options) -> DataLoader:
     """Batches of a stream, the last incomplete one of each pass dropped; Accelerate makes it stateful and
     dispatches it. ``options``: see :func:`acceltrain.data.loader_options`."""
-    return DataLoader(Replayed(dataset), batch_size=batch_size, drop_last=True, **loader_options(**options))
+    return DataLoader(Replayed(dataset), batch_size=batch_size, drop_last=True, generator=torch.Generator(),  # see train_loader
+                      **loader_options(**options))

@@ -57,6 +57,7 @@ def test_every_parser_refuses_abbreviated_flags():
         ["acceltrain.cli", ["--help"], None],
         ["acceltrain.cli", ["bench", "--help"], None],
         ["acceltrain.cli", ["ray", "--help"], None],
+        ["acceltrain.cli", ["merge", "--help"], None],
         ["acceltrain.recipes.resnet_cifar", ["--help"], None],
         *([str(REPO / path), ["--help"], ["--round", "3"] if str(REPO / path) == peers else None]
           for path in sorted(with_parsers) if path.startswith("benchmarks/")),  # a script without a parser would run

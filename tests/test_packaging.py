@@ -18,8 +18,8 @@ from conftest import REPO, read_summary, subprocess_env
 from acceltrain import ConfigError
 from acceltrain.config import parse_config
 
-RECIPE_MODULES = ("acceltrain.recipes.resnet_cifar", "acceltrain.recipes.causal_lm")
-CHECKOUT_SHIMS = (REPO / "recipes" / "resnet_cifar.py", REPO / "recipes" / "causal_lm.py")
+RECIPE_MODULES = ("acceltrain.recipes.resnet_cifar", "acceltrain.recipes.causal_lm", "acceltrain.recipes.text_classification")
+CHECKOUT_SHIMS = tuple(REPO / "recipes" / f"{name.rsplit('.', 1)[1]}.py" for name in RECIPE_MODULES)
 
 
 @pytest.mark.parametrize("target", [*RECIPE_MODULES, *map(str, CHECKOUT_SHIMS)])

@@ -13,8 +13,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from safetensors import safe_open
 
-from acceltrain.checkpointing import EXIT_PREEMPTED
+from acceltrain.checkpointing import EXIT_PREEMPTED, complete_checkpoints
 from acceltrain.text import IGNORE_INDEX, sft_examples, sft_kept
 from conftest import REPO, read_summary, subprocess_env
 from test_causal_lm import offline_on_one_thread
@@ -155,6 +156,9 @@ def test_a_lora_chat_run_resumes_byte_identically_and_its_adapter_reloads_in_a_f
     with recording(Predictions([text])) as predictions:
         assert run(full, *args) == 0
     assert run(part, *args, "--stop-after-steps", "4") == EXIT_PREEMPTED
+    (checkpoint,) = complete_checkpoints(part)  # the adapter's weights alone: the frozen base comes from its folder
+    with safe_open(str(checkpoint / "model.safetensors"), "pt") as saved:
+        assert saved.keys() and all("lora_" in key for key in saved.keys()), sorted(saved.keys())[:5]
     assert run(part, *args, "--resume", "auto") == 0
     assert (part / "adapter_model.safetensors").read_bytes() == (full / "adapter_model.safetensors").read_bytes()
     adapter = json.loads((full / "adapter_config.json").read_text())

@@ -105,6 +105,19 @@ def test_flops_are_counted_without_touching_the_model():
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
+def test_flops_are_counted_for_a_batch_a_collator_makes():
+    """A Transformers collator's batch is a BatchEncoding (a UserDict, not a dict): it was not counted (MFU None)."""
+    from collections import UserDict
+
+    class RowsTask(ClassificationTask):
+        def train_loss(self, model, batch):
+            return super().train_loss(model, (batch["x"], batch["label"]))
+
+    model = torch.nn.Linear(4, 3)
+    flops = training_flops_per_sample(model, RowsTask(), UserDict({"x": torch.randn(2, 4), "label": torch.tensor([0, 1])}))
+    assert flops == 2 * 2 * 4 * 3  # forward and the weight gradient's matmul of one sample (the input needs none)
+
+
 class OutOfMemoryAbove16(torch.nn.Module):
     """Behaves like a GPU that cannot hold more than 16 samples."""
 
