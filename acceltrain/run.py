@@ -545,8 +545,8 @@ class Run:
                 self._async_saves.save(self._model, self._optimizer, state, self._output_dir, self._hooks.save_states)
                 path = None
             self._last_saved_step = self.step
-            self._checkpoint_blocked(started)
             self._published(path)
+            self._checkpoint_blocked(started)
 
     @property
     def _training(self) -> bool:
@@ -559,7 +559,7 @@ class Run:
         blocked = time.perf_counter() - since
         self._checkpoint_seconds += blocked
         if self._training:
-            self.log({"step": self.step, "checkpoint_seconds": round(blocked, 4)})
+            self.log({"step": self.step, "checkpoint_seconds": round(blocked, 4), "wall_seconds": round(self.elapsed(), 3)})
 
     def _published(self, path: Path | None) -> None:
         if path is not None:

@@ -75,7 +75,9 @@ def choose_wrap_policy(accelerator, model: nn.Module) -> str | None:
     elif plugin.auto_wrap_policy is transformer_auto_wrap_policy and not blocks and not plugin.transformer_cls_names_to_wrap:
         plugin.auto_wrap_policy = size_based_auto_wrap_policy
     if plugin.auto_wrap_policy is transformer_auto_wrap_policy:
-        names = plugin.transformer_cls_names_to_wrap or blocks
+        if not plugin.transformer_cls_names_to_wrap:  # Accelerate would take every _no_split_modules class
+            plugin.transformer_cls_names_to_wrap = blocks
+        names = plugin.transformer_cls_names_to_wrap
         return f"FSDP shards each {', '.join(names)} (the model's transformer blocks) and the root module"
     if plugin.auto_wrap_policy is size_based_auto_wrap_policy:
         return f"FSDP shards each module of at least {plugin.min_num_params:,} parameters and the root module"
@@ -83,9 +85,15 @@ def choose_wrap_policy(accelerator, model: nn.Module) -> str | None:
 
 
 def _transformer_blocks(model: nn.Module) -> list[str]:
-    """The class names in the model's ``_no_split_modules`` that it has (Transformers lists some it may lack)."""
+    """The class names in the model's ``_no_split_modules`` that it has (Transformers lists some it may lack), but
+    one that holds the input embeddings (BERT's ``BertEmbeddings``): Accelerate shards the input embeddings as a unit
+    of their own after the blocks, which fails on an embedding already sharded inside one."""
     names = set(getattr(model, "_no_split_modules", None) or ())
-    return sorted({type(module).__name__ for module in model.modules()} & names)
+    get_embeddings = getattr(model, "get_input_embeddings", None)
+    embeddings = get_embeddings() if callable(get_embeddings) else None
+    holders = {type(module).__name__ for module in model.modules()
+               if embeddings is not None and module is not embeddings and any(sub is embeddings for sub in module.modules())}
+    return sorted(({type(module).__name__ for module in model.modules()} & names) - holders)
 
 
 def average_reduction_works(group=None) -> bool:

@@ -41,7 +41,7 @@ def test_hooks_are_called_in_the_documented_order(tmp_path):
         ("fit_start", 0), ("epoch_start", 0),
         ("step_end", 1), ("step_end", 2), ("log", 2, True),
         ("step_end", 3), ("eval_start", 3), ("eval_end", 3), ("log", 3, False),
-        ("step_end", 4), ("log", 4, True), ("save", "step_00000004"), ("epoch_start", 1),
+        ("step_end", 4), ("log", 4, True), ("save", "step_00000004"), ("log", 4, False), ("epoch_start", 1),  # checkpoint_seconds
         ("step_end", 5), ("step_end", 6), ("log", 6, True), ("eval_start", 6), ("eval_end", 6), ("log", 6, False),
         ("train_end", 6), ("save", "step_00000006"), ("fit_end", 6),
     ]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -119,20 +120,33 @@ def test_the_docs_fit_example_trains_an_adapter_that_keeps_the_new_head(tmp_path
     assert "AutoPeftModelForSequenceClassification.from_pretrained" in (out / "README.md").read_text()
 
 
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory, data) -> Path:
+    out = tmp_path_factory.mktemp("one") / "run"
+    with offline_on_one_thread(data.root / "hf"):
+        assert run_in_process(text_classification.main, text_classification.TextClassificationConfig, out, *TINY, *source(data),
+                              "--batch-size", "16") == 0
+    return out
+
+
+def source(data) -> list[str]:
+    return ["--model-name-or-path", str(data.bert), "--train-file", str(data.train), "--eval-file", str(data.eval)]
+
+
 @pytest.mark.multiprocess
-def test_two_processes_train_the_adapter_of_one_process_at_twice_the_batch(tmp_path, data):
-    source = ["--model-name-or-path", str(data.bert), "--train-file", str(data.train), "--eval-file", str(data.eval)]
-    one, two = tmp_path / "one", tmp_path / "two"
-    assert run_in_process(text_classification.main, text_classification.TextClassificationConfig, one, *TINY, *source,
-                          "--batch-size", "16") == 0
-    check(launch(REPO / "recipes" / "text_classification.py", [*TINY, *source, "--batch-size", "8", "--output-dir", str(two)],
-                 processes=2, launcher="accelerate", HF_HUB_OFFLINE="1", HF_HOME=str(data.root / "hf" / "home"),
+@pytest.mark.parametrize("config", ["multi_cpu.yaml", "fsdp_cpu.yaml"], ids=["ddp", "fsdp"])
+def test_two_processes_train_the_adapter_of_one_process_at_twice_the_batch(tmp_path, data, one_process, config):
+    """Under DDP, and under FSDP2 (issue 32): the adapter's and the new head's shards, the frozen base's too."""
+    two = tmp_path / "two"
+    check(launch(REPO / "recipes" / "text_classification.py", [*TINY, *source(data), "--batch-size", "8", "--output-dir", str(two)],
+                 processes=2, launcher="accelerate", config=config, HF_HUB_OFFLINE="1", HF_HOME=str(data.root / "hf" / "home"),
                  HF_DATASETS_CACHE=str(data.root / "hf" / "datasets")))
     assert read_summary(two)["num_processes"] == 2
-    expected = load_file(str(one / "adapter_model.safetensors"))
+    assert read_summary(two)["distributed_type"] == ("FSDP" if config == "fsdp_cpu.yaml" else "MULTI_CPU")
+    expected = load_file(str(one_process / "adapter_model.safetensors"))
     for name, tensor in load_file(str(two / "adapter_model.safetensors")).items():
         torch.testing.assert_close(tensor, expected[name], rtol=1e-4, atol=1e-6, msg=name)
-    assert read_summary(two)["eval_accuracy"] == read_summary(one)["eval_accuracy"]
+    assert read_summary(two)["eval_accuracy"] == read_summary(one_process)["eval_accuracy"]
 
 
 def test_lora_under_deepspeed_is_one_line_before_any_work(tmp_path, data):
