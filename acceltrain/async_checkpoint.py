@@ -14,6 +14,7 @@ threads never meet training's or each other's.
 
 from __future__ import annotations
 
+import shutil
 import threading
 import time
 from collections import OrderedDict
@@ -60,10 +61,12 @@ class AsyncCheckpointer:
         return self._save is not None
 
     def save(self, model, optimizer, state: RunState, output_dir: Path, write_extra) -> None:
-        """Stage checkpoint ``state.step`` and start writing it (every process); returns once training may go on."""
+        """Stage checkpoint ``state.step`` and start writing it (every process); returns once training may go on. The
+        caller has waited for the save before (:meth:`wait`), whose folder it announces."""
         from accelerate.checkpointing import save_accelerator_state
 
-        self.wait()
+        if self._save is not None:
+            raise RuntimeError("a checkpoint is still in flight: wait() for it (and announce it) before the next save")
         accelerator = self.accelerator
         final, staging = staging_folder(accelerator, output_dir, state.step)
         with failed_save_refused(final, staging):
@@ -130,8 +133,6 @@ class AsyncCheckpointer:
             self._save = None
             error = save.writer.error or (save.publisher and save.publisher.error)
             if self.accelerator.is_main_process:
-                import shutil
-
                 shutil.rmtree(save.staging, ignore_errors=True)
             raise failed_save(save.final, error) if error else CheckpointError(
                 f"could not write checkpoint {str(save.final)!r}: the save failed on another process; the previous checkpoints are intact")

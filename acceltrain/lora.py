@@ -282,9 +282,6 @@ def _log(message: str) -> None:
 
 # --------------------------------------------------------------------------- checkpoints of an adapter
 
-MODEL_WEIGHTS = "model.safetensors"  # Accelerate's name for the model in a DDP or one-process checkpoint
-
-
 def _frozen_names(accelerator, model) -> set[str]:
     """The state-dict names (as Accelerate saves the prepared model) of a peft model's frozen parameters."""
     if not is_peft_model(accelerator.unwrap_model(model)):
@@ -315,9 +312,9 @@ def trainable_only_load(accelerator, model, checkpoint) -> dict:
     weights of another model are one line."""
     from safetensors import safe_open
 
-    from .checkpointing import CheckpointError
+    from .checkpointing import WEIGHTS_FILE, CheckpointError  # Accelerate's name for a DDP or one-process checkpoint's model
 
-    frozen, file = _frozen_names(accelerator, model), checkpoint / MODEL_WEIGHTS
+    frozen, file = _frozen_names(accelerator, model), checkpoint / WEIGHTS_FILE
     if not frozen or not file.is_file():
         return {}
     with safe_open(str(file), "pt") as weights:

@@ -211,7 +211,7 @@ class Run:
         self._batches_per_epoch = batches_per_epoch  # 0: a stream, whose passes end when the stream does
         self._stream = batches_per_epoch == 0
         self._pass_end = False  # a stream's current batch ends its pass (on every process)
-        self._control_group = control_group() if self._stream and accelerator.num_processes > 1 else False
+        self._control_group = control_group() if self._stream and accelerator.num_processes > 1 else None  # None: gloo's default
         self._global_batch_size = cfg.batch_size * accelerator.num_processes  # of one micro-step
         self._total_steps, self._train_samples, self._data_fingerprint = total_steps, train_samples, data_fingerprint
         self._flops_per_sample, self._peak_flops = flops_per_sample, peak_flops
@@ -413,7 +413,7 @@ class Run:
         on another) ends its pass everywhere with the first process's end, so that no process waits for good in
         a collective the others never reach."""
         self._pass_end = batch is None or self._train_batches.end_of_dataloader
-        if self._control_group is False:  # one process
+        if self._accelerator.num_processes == 1:
             return batch is None
         missing, self._pass_end = any_process(batch is None, self._pass_end, group=self._control_group)
         if self._pass_end and not self._train_batches.end_of_dataloader:  # ended by another process's stream
@@ -541,7 +541,8 @@ class Run:
             state = self._snapshot((window[0].item(), window[1].item()))
             if self._async_saves is None:
                 path = save_checkpoint(self._accelerator, state, self._output_dir, write_extra=self._hooks.save_states)
-            else:
+            else:  # at most one save in flight: the previous one is published (and announced) first
+                self._published(self._async_saves.wait())
                 self._async_saves.save(self._model, self._optimizer, state, self._output_dir, self._hooks.save_states)
                 path = None
             self._last_saved_step = self.step

@@ -715,6 +715,17 @@ def table(rows: dict) -> list[str]:
     return lines
 
 
+def seed_points(axes, values: dict) -> list[tuple[int, str]]:
+    """Each leg's per-seed figures as points and their mean as a bar (the peer at x=0, the toolkit at x=1); the
+    (x, leg) pairs, for the caller's labels."""
+    legs = list(enumerate(("peer", "acceltrain")))
+    for x, leg in legs:
+        seeds = values[leg]["by_seed"]
+        axes.scatter([x] * len(seeds), list(seeds.values()), color="tab:grey" if leg == "peer" else "tab:blue")
+        axes.hlines(values[leg]["mean"], x - 0.15, x + 0.15, color="black")
+    return legs
+
+
 def plot(rows: dict, path: Path, quick: bool) -> None:
     import matplotlib
 
@@ -742,20 +753,13 @@ def plot(rows: dict, path: Path, quick: bool) -> None:
         accuracy.set_title(f"CIFAR-10 (JPEG) TTA accuracy after {measured['airbench']['epochs']} epoch(s)", fontsize=9)
     if "trainer" in measured:
         losses = measured["trainer"]["eval_loss"]
-        for x, (leg, label) in enumerate((("peer", "Trainer"), ("acceltrain", "acceltrain"))):
-            seeds = losses[leg]["by_seed"]
-            loss.scatter([x] * len(seeds), list(seeds.values()), color="tab:grey" if leg == "peer" else "tab:blue")
-            loss.hlines(losses[leg]["mean"], x - 0.15, x + 0.15, color="black")
-            loss.text(x + 0.18, losses[leg]["mean"], f"mean of {len(seeds)} seeds", fontsize=7, va="center")
+        for x, leg in seed_points(loss, losses):
+            loss.text(x + 0.18, losses[leg]["mean"], f"mean of {len(losses[leg]['by_seed'])} seeds", fontsize=7, va="center")
         loss.set_xticks([0, 1], ["Trainer", "acceltrain\ncausal_lm"])
         loss.set_xlim(-0.5, 1.7)
         loss.set_title(f"tinyshakespeare eval loss at step {measured['trainer']['steps']}", fontsize=9)
     if "lora" in measured:
-        values = measured["lora"]["eval_accuracy"]
-        for x, (leg, label) in enumerate((("peer", "Trainer + peft"), ("acceltrain", "acceltrain"))):
-            seeds = values[leg]["by_seed"]
-            lora.scatter([x] * len(seeds), list(seeds.values()), color="tab:grey" if leg == "peer" else "tab:blue")
-            lora.hlines(values[leg]["mean"], x - 0.15, x + 0.15, color="black")
+        seed_points(lora, measured["lora"]["eval_accuracy"])
         padding = measured["lora"]["padded_token_fraction"]
         lora.set_xticks([0, 1], [f"Trainer + peft\n({padding['peer']:.0%} padding)", f"acceltrain\n({padding['acceltrain']:.0%} padding)"])
         lora.set_xlim(-0.5, 1.5)

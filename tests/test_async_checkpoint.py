@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from acceltrain import ConfigError
+from acceltrain import ConfigError, Hook
 from acceltrain.checkpointing import EXIT_PREEMPTED, complete_checkpoints
 from conftest import REPO, TINY_RECIPE, check, launch, read_events, read_summary, run_tiny_in_process, subprocess_env
 
@@ -47,6 +47,24 @@ def test_async_saves_write_the_same_checkpoints_and_a_stop_waits_for_its_own(tmp
     for out in (synchronous, full):  # both modes report the time saves blocked training
         assert read_summary(out)["checkpoint_seconds"] >= 0
         assert [row["step"] for row in read_events(out) if "checkpoint_seconds" in row] == [3, 6, 9]
+
+
+class Published(Hook):
+    """The checkpoints ``on_save`` announced, in order."""
+
+    def __init__(self):
+        self.folders = []
+
+    def on_save(self, run, folder):
+        self.folders.append(folder.name)
+
+
+def test_every_async_checkpoint_is_announced_when_published_even_when_the_next_save_waits_for_it(tmp_path):
+    """Before: a save that found the previous one still in flight published it itself, without on_save (no rotation,
+    no Ray report, no log line for it)."""
+    published, out = Published(), tmp_path / "run"
+    assert run_tiny_in_process(out, *RUN, "--save-every-steps", "1", "--async-checkpoint", hooks=[published]) == 0
+    assert published.folders == [p.name for p in complete_checkpoints(out)] == [f"step_{s:08d}" for s in range(1, 13)]
 
 
 # In the child: the model file of the step-6 save never finishes writing (a slow disk), so that the run is
