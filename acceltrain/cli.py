@@ -16,8 +16,8 @@ from pathlib import Path
 
 from .config import TrainConfig, parse_config
 from .options import ConfigError
+from .preemption import EXIT_BAD_INPUT
 
-EXIT_BAD_INPUT = 2
 
 
 def _report_error(message: str) -> None:
@@ -52,7 +52,7 @@ def run_recipe(main: Callable, config_class: type[TrainConfig], argv: list[str] 
     A diverged run exits 3, a second Ctrl-C 130, each with one line. A stop to be resumed (exit 75, or 130 after
     a first Ctrl-C) says so in torchelastic's error file too, since a launcher reports any exit but 0 as a failure.
     """
-    from .checkpointing import EXIT_DIVERGED, EXIT_INTERRUPTED, TrainingDiverged
+    from .preemption import EXIT_DIVERGED, EXIT_INTERRUPTED, TrainingDiverged
     from .logs import set_log_level
     from .tracking import active_trackers
 
@@ -82,7 +82,8 @@ def run_recipe(main: Callable, config_class: type[TrainConfig], argv: list[str] 
 
 
 def _fail(message: str, code: int) -> typing.NoReturn:
-    from .checkpointing import EXIT_INTERRUPTED, unlock_output_dir
+    from .preemption import EXIT_INTERRUPTED
+    from .run_folder import unlock_output_dir
 
     _report_error(message)
     unlock_output_dir()

@@ -165,6 +165,7 @@ class TrainConfig(HubOptions, TrackingOptions, PlotOptions, LoggingOptions, Chec
         return dataclasses.asdict(self)
 
 
+PRESETS = Path(__file__).parent / "recipes" / "configs"  # the presets shipped with the package (--config NAME)
 LAYOUT_FIELDS = ("batch_size", "grad_accum")  # checked as a layout on resume (samples per optimizer step)
 
 
@@ -338,8 +339,6 @@ def _fits(data: Any, limit: int) -> bool:
 def load_yaml_preset(path: str) -> dict[str, Any]:
     """``--config``: a YAML file, or the name of a preset shipped with the package (``cifar10_fast``,
     ``cifar10_fast.yaml``), so that presets need no checkout."""
-    from .recipes import PRESETS
-
     if not Path(path).exists() and Path(path).name == path:  # a bare name: a preset shipped with the package
         shipped = PRESETS / f"{path.removesuffix('.yaml')}.yaml"
         if not shipped.is_file():

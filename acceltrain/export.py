@@ -13,10 +13,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .checkpointing import WEIGHTS_FILE
+from .run_folder import ADAPTER_WEIGHTS_FILE, WEIGHTS_FILE
 from .options import ConfigError
 
-ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"  # peft's name
 
 
 def export_weights(accelerator, model, output_dir: Path, weights: dict | None = None) -> Path:

@@ -28,16 +28,10 @@ from torch import nn
 from torch.nn.modules.module import register_module_buffer_registration_hook, register_module_parameter_registration_hook
 
 from . import __version__
-from .checkpointing import WEIGHTS_FILE
 from .config import TrainConfig
 from .network import check_reachable
 from .options import ConfigError, first_line, parse_json, shorten
-
-CONFIG_FILE = "config.json"
-ADAPTER_CONFIG_FILE = "adapter_config.json"  # a PEFT adapter folder's (peft's own name)
-CARD_FILE = "README.md"
-GENERATION_CONFIG_FILE = "generation_config.json"
-TRAIN_CONFIG_FILE = "train_config.yaml"
+from .run_folder import ADAPTER_CONFIG_FILE, CARD_FILE, CONFIG_FILE, GENERATION_CONFIG_FILE, TRAIN_CONFIG_FILE, WEIGHTS_FILE
 BUILD_ATTRIBUTE = "acceltrain_build"  # set on a built model: {"builder": key, "kwargs": {...}}
 # what a repo gets from the run folder: top-level files only (no checkpoints/, wandb/, logs/, .lock)
 HUB_FILES = ["README.md", "*.json", "*.jsonl", "*.safetensors", "*.yaml", "*.txt", "*.png"]

@@ -20,8 +20,7 @@ from collections.abc import Iterable
 
 from .options import ConfigError, Options, first_line, flag_name, option, require
 
-__all__ = ["LoraOptions", "apply_lora", "check_backend", "checkpoint_trainable_only", "is_peft_model", "merge_requested",
-           "parameter_counts", "trainable_only_load"]
+__all__ = ["LoraOptions", "apply_lora", "check_backend", "is_peft_model", "merge_requested", "parameter_counts"]
 
 MERGE_ATTRIBUTE = "acceltrain_merge_lora"  # set on the peft model: the run folder gets it merged (acceltrain.export)
 ALL_LINEAR = "all-linear"  # peft's own name for every linear layer but the output head
@@ -278,51 +277,3 @@ def _log(message: str) -> None:
 
     if os.environ.get("RANK", "0") == "0":
         logging.getLogger(__name__).info(message)
-
-
-# --------------------------------------------------------------------------- checkpoints of an adapter
-
-def _frozen_names(accelerator, model) -> set[str]:
-    """The state-dict names (as Accelerate saves the prepared model) of a peft model's frozen parameters."""
-    if not is_peft_model(accelerator.unwrap_model(model)):
-        return set()
-    return {name for name, param in model.named_parameters(remove_duplicate=False) if not param.requires_grad}  # tied names too
-
-
-def checkpoint_trainable_only(accelerator, model) -> str | None:
-    """An adapter run's checkpoints hold its trainable weights alone: the frozen base is the pretrained folder the
-    run starts from, which a resume loads again (a 7B base would otherwise be 14 GB a checkpoint for MBs of adapter).
-    Under FSDP the shards hold everything (DCP writes the whole sharded state). Returns a note for the log."""
-    frozen = _frozen_names(accelerator, model)
-    if not frozen:
-        return None
-
-    def drop_frozen(models, weights, output_dir) -> None:  # Accelerate's save_state pre-hook
-        for state in weights:
-            for name in frozen:
-                state.pop(name, None)
-
-    accelerator.register_save_state_pre_hook(drop_frozen)
-    return f"checkpoints hold the adapter's trainable weights; the {len(frozen)} frozen base tensors come from the pretrained folder"
-
-
-def trainable_only_load(accelerator, model, checkpoint) -> dict:
-    """``load_state``'s arguments for ``checkpoint``: ``strict=False`` when it holds exactly this adapter run's
-    trainable weights (the frozen base is loaded already), nothing otherwise (every weight, or FSDP's shards);
-    weights of another model are one line."""
-    from safetensors import safe_open
-
-    from .checkpointing import WEIGHTS_FILE, CheckpointError  # Accelerate's name for a DDP or one-process checkpoint's model
-
-    frozen, file = _frozen_names(accelerator, model), checkpoint / WEIGHTS_FILE
-    if not frozen or not file.is_file():
-        return {}
-    with safe_open(str(file), "pt") as weights:
-        saved = set(weights.keys())
-    names = set(model.state_dict())
-    if saved == names:
-        return {}
-    if saved == names - frozen:
-        return {"strict": False}
-    raise CheckpointError(f"checkpoint {str(checkpoint)!r} holds other weights than this adapter run's ({len(saved ^ (names - frozen))} "
-                          "names differ): resume with the same base model and LoRA settings")

@@ -22,7 +22,9 @@ def merge(checkpoint: Path, out: Path) -> Path:
     """Write ``out/model.safetensors`` (and the run folder's files beside it) from ``checkpoint``; returns the weights' path."""
     from safetensors.torch import load_file, save_file
 
-    from .checkpointing import WEIGHTS_FILE, check_loadable_without_code, checkpoint_engine, verify_checkpoint
+    from .checkpoint.files import checkpoint_engine, verify_checkpoint
+    from .checkpoint.safe_load import check_loadable_without_code
+    from .run_folder import WEIGHTS_FILE
 
     verify_checkpoint(checkpoint)
     check_loadable_without_code(checkpoint)

@@ -25,31 +25,14 @@ import tempfile
 import uuid
 from pathlib import Path
 
-from .cli import EXIT_BAD_INPUT
 from .options import ConfigError, first_line
-from .hooks.base import Hook
+from .preemption import EXIT_BAD_INPUT
 
 _IN_WORKER = False  # set in a Ray Train worker: builtin_hooks adds RayReport
 
 
 def in_ray_worker() -> bool:
     return _IN_WORKER
-
-
-class RayReport(Hook):
-    """Each published checkpoint and the final summary go to ``ray.train.report`` (every process reports,
-    as Ray Train V2 requires; the main process attaches the checkpoint folder)."""
-
-    def on_save(self, run, folder: Path) -> None:
-        import ray.train
-
-        checkpoint = ray.train.Checkpoint.from_directory(str(folder)) if run.accelerator.is_main_process else None
-        ray.train.report({"step": run.step}, checkpoint=checkpoint)
-
-    def on_fit_end(self, run, summary: dict) -> None:
-        import ray.train
-
-        ray.train.report({k: v for k, v in summary.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
 
 
 def _recipe_argv(argv: list[str]) -> list[str]:
@@ -113,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .bench import unrecognized_arguments
+    from .recipe_loading import unrecognized_arguments
 
     parser = build_parser()
     try:
@@ -123,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
                                                               "after it: acceltrain ray --help")
         _check(args)
         import ray
-        from .bench import recipe_config_class
+        from .recipe_loading import recipe_config_class
         from .config import parse_config
 
         recipe_argv = _recipe_argv(args.recipe_args)

@@ -22,6 +22,7 @@ from accelerate.logging import get_logger
 from accelerate.utils import DistributedType
 from torch import nn
 
+from .accelerate_compat import building_fsdp_on_cpu
 from .distributed import requested_engine, use_cpu
 from .options import ConfigError
 
@@ -42,13 +43,8 @@ def build_accelerator(on_cpu: bool, **kwargs):
     if not use_cpu(False):
         raise ConfigError("FSDP on CPU processes of a machine with an accelerator: FSDP would build its device mesh on the "
                           "accelerator; train on it (accelerate_configs/fsdp.yaml), or use DDP on CPU (multi_cpu.yaml)")
-    shared = PartialState._shared_state
-    shared["distributed_type"] = DistributedType.MULTI_GPU  # read only by AcceleratorState.__init__, which writes FSDP back
-    try:
+    with building_fsdp_on_cpu():
         accelerator = Accelerator(cpu=True, **kwargs)
-    finally:
-        if shared["distributed_type"] == DistributedType.MULTI_GPU:  # the constructor failed half-way
-            shared["distributed_type"] = DistributedType.MULTI_CPU
     if not (accelerator.distributed_type == DistributedType.FSDP and accelerator.is_fsdp2 and accelerator.device.type == "cpu"):
         raise ConfigError(f"FSDP2 on CPU processes could not be set up (Accelerate set up {accelerator.distributed_type.value}): "
                           "use DDP on CPU (multi_cpu.yaml)")
@@ -123,6 +119,57 @@ def guard_gradient_average(accelerator, model: nn.Module) -> str | None:
         if isinstance(module, FSDPModule):
             module.set_force_sum_reduction_for_comms(True)
     return "gloo's ReduceOp.AVG sums here (pytorch#162338): FSDP reduces gradients with SUM and divides instead"
+
+
+def keep_norms_in_fp32(accelerator, model: nn.Module, optimizer) -> str | None:
+    """Before ``prepare`` under FSDP with mixed precision: each normalisation layer that keeps running statistics
+    (BatchNorm) becomes an FSDP unit of its own whose parameters stay in fp32. FSDP would cast its weight to bf16 while
+    its running statistics stay fp32, which ``batch_norm`` refuses; in fp32 it takes the bf16 activations as they come
+    (as under autocast, on CPU and GPU alike). Accelerate's own wrapping then leaves these units alone; the optimizer
+    is given the sharded parameters in place of the ones it held (Accelerate maps the others itself)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    if accelerator.distributed_type != DistributedType.FSDP or accelerator.mixed_precision == "no":
+        return None
+    norms = [module for module in model.modules() if _keeps_running_statistics(module)]
+    if not norms:
+        return None
+    plugin = accelerator.state.fsdp_plugin
+    policy = plugin.mixed_precision_policy or MixedPrecisionPolicy()
+    fp32 = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=policy.reduce_dtype, output_dtype=None, cast_forward_inputs=False)
+    before = {id(param): (norm, name) for norm in norms for name, param in norm.named_parameters(recurse=False)}
+    for norm in norms:
+        fully_shard(norm, reshard_after_forward=plugin.reshard_after_forward, offload_policy=plugin.cpu_offload, mp_policy=fp32)
+    for group in optimizer.param_groups:
+        group["params"] = [getattr(*before[id(p)]) if id(p) in before else p for p in group["params"]]
+    return f"FSDP keeps the {len(norms)} normalisation layers with running statistics in fp32 under {accelerator.mixed_precision}"
+
+
+def share_norm_statistics(accelerator, model: nn.Module) -> str | None:
+    """After ``prepare`` under FSDP on several processes: the running statistics of normalisation layers (BatchNorm)
+    are rank 0's on every process after each training forward, as DDP makes them (its buffer broadcast). FSDP leaves
+    buffers alone, so each process would keep statistics of its own batches: a checkpoint (DCP keeps one copy of a
+    replicated tensor) and the exported weights would hold one process's, and a resume would continue the others
+    from them."""
+    import torch.distributed as dist
+
+    if accelerator.distributed_type != DistributedType.FSDP or accelerator.num_processes == 1:
+        return None
+    buffers = [buffer for module in model.modules() if _keeps_running_statistics(module) for buffer in module.buffers(recurse=False)]
+    if not buffers:
+        return None
+
+    def broadcast_from_rank_0(module, args, output):
+        if module.training:
+            for buffer in buffers:
+                dist.broadcast(buffer, src=0)
+
+    model.register_forward_hook(broadcast_from_rank_0)
+    return "FSDP: the normalisation layers' running statistics are rank 0's on every process, as under DDP"
+
+
+def _keeps_running_statistics(module: nn.Module) -> bool:
+    return isinstance(module, nn.modules.batchnorm._NormBase) and module.track_running_stats
 
 
 def parameter_counts(model: nn.Module) -> dict[str, int]:

@@ -186,14 +186,12 @@ def find_batch_size(accelerator, model: nn.Module, optimizer, task, dataset, sta
     return int(agreed)
 
 
-def apply_batch_size(cfg: TrainConfig, found: int, optimizer) -> tuple[TrainConfig, str]:
-    """The config after ``--auto-batch-size`` chose ``found``: the accumulation raised to keep the
+def apply_batch_size(cfg: TrainConfig, found: int, optimizer) -> tuple[dict, str]:
+    """What ``--auto-batch-size`` changes when it chose ``found``: the accumulation raised to keep the
     effective batch (``--keep-effective-batch``), the lr scaled linearly if the effective batch changed
-    and ``--scale-lr linear``. Returns the new config and a sentence saying what was done."""
-    import dataclasses
-
+    and ``--scale-lr linear``. Returns the config fields that change and a sentence saying what was done."""
     if found == cfg.batch_size:
-        return cfg, f"--auto-batch-size: batch {found} fits; nothing changed"
+        return {}, f"--auto-batch-size: batch {found} fits; nothing changed"
     grad_accum = math.ceil(cfg.batch_size * cfg.grad_accum / found) if cfg.keep_effective_batch else cfg.grad_accum
     before, after = cfg.batch_size * cfg.grad_accum, found * grad_accum
     lr = cfg.lr
@@ -205,4 +203,4 @@ def apply_batch_size(cfg: TrainConfig, found: int, optimizer) -> tuple[TrainConf
         f"--auto-batch-size: batch {cfg.batch_size} does not fit, using {found} x {grad_accum} accumulation "
         f"(effective batch per process {before} -> {after}; lr {cfg.lr:g} -> {lr:g})"
     )
-    return dataclasses.replace(cfg, batch_size=found, grad_accum=grad_accum, lr=lr), message
+    return {"batch_size": found, "grad_accum": grad_accum, "lr": lr}, message

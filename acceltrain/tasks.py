@@ -5,6 +5,7 @@ everything the loop reads, and ``fit()`` checks a task against it before any tra
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Protocol
 
 import torch
@@ -28,7 +29,9 @@ class Task(Protocol):
     Optional: ``eval_metrics(sums, samples)`` turns the eval values summed over the eval set into metrics
     (default: their means; a task without the method gets the same); ``flops_per_sample`` (default:
     counted with torch's FLOP counter); ``tokens_per_sample`` (tokens/s is reported when set);
-    ``eval_views`` (forward passes per evaluated sample, default 1; a time budget plans with it).
+    ``eval_views`` (forward passes per evaluated sample, default 1; a time budget plans with it);
+    ``check_batch(batch)``: what is wrong with a batch for this task, or None (``fit()`` asks it of the first batch the
+    collate function makes, before training).
     """
 
     primary_metric: str
@@ -44,6 +47,37 @@ class Task(Protocol):
     def eval_metrics(self, sums: dict[str, float], samples: int) -> dict[str, float]:
         """The eval values summed over the whole eval set -> metrics; by default their means."""
         return {key: total / samples for key, total in sums.items()}
+
+
+def check_first_batch(task, batch, collate_fn) -> None:
+    """The first batch the collate function makes, checked against what the task takes: one line naming the
+    function, instead of an error deep inside the model or the loss (or, for None, an epoch that ends at once)."""
+    name = getattr(collate_fn, "__qualname__", None) or type(collate_fn).__name__
+    if batch is None:
+        raise ConfigError(f"the collate function {name} returned None (a missing return?): it must return a batch "
+                          f"{type(task).__name__} takes")
+    check = getattr(task, "check_batch", None)
+    problem = check(batch) if check is not None else None
+    if problem:
+        raise ConfigError(f"the collate function {name} returned {problem}")
+
+
+def describe(value) -> str:
+    """A short description of a batch or part of one, for an error message."""
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor of shape {list(value.shape)}"
+    if isinstance(value, (list, tuple)):
+        return f"a {type(value).__name__} of {len(value)} items"
+    if isinstance(value, Mapping):
+        return f"a mapping of {', '.join(map(str, list(value)[:6]))}"
+    return f"a {type(value).__name__}"
+
+
+def labels_problem(labels) -> str | None:
+    """What is wrong with a batch's class labels (an integer tensor), or None."""
+    if not isinstance(labels, torch.Tensor) or labels.is_floating_point() or labels.dtype == torch.bool:
+        return f"labels as {describe(labels)}: class labels must be an integer tensor (class ids 0..K-1)"
+    return None
 
 
 def check_task(task, evaluates: bool) -> None:
@@ -83,6 +117,11 @@ class ClassificationTask(Task):
     def train_loss(self, model: nn.Module, batch) -> torch.Tensor:
         inputs, labels = batch
         return F.cross_entropy(model(inputs), labels, label_smoothing=self.label_smoothing)
+
+    def check_batch(self, batch) -> str | None:
+        if not (isinstance(batch, (list, tuple)) and len(batch) == 2):
+            return f"{describe(batch)}; {type(self).__name__} takes an (inputs, labels) pair"
+        return labels_problem(batch[1])
 
     def eval_values(self, model: nn.Module, batch) -> dict[str, torch.Tensor]:
         inputs, labels = batch

@@ -17,7 +17,8 @@ from types import SimpleNamespace
 import pytest
 
 from acceltrain import ConfigError, Hook
-from acceltrain.checkpointing import EXIT_PREEMPTED, complete_checkpoints
+from acceltrain.checkpoint.files import complete_checkpoints
+from acceltrain.preemption import EXIT_PREEMPTED
 from conftest import REPO, TINY_RECIPE, check, launch, read_events, read_summary, run_tiny_in_process, subprocess_env
 
 RUN = ["--batch-size", "4", "--max-steps", "12", "--lr", "0.05", "--no-progress", "--num-workers", "0", "--report-to", "none",
@@ -70,13 +71,14 @@ def test_every_async_checkpoint_is_announced_when_published_even_when_the_next_s
 # In the child: the model file of the step-6 save never finishes writing (a slow disk), so that the run is
 # killed with that save in flight.
 SLOW_WRITE = """
-import runpy, sys, time, accelerate.utils
-original = accelerate.utils.save
-def save(obj, f, **kwargs):
-    if 'step_00000006' in str(f):
+import runpy, sys, time
+from acceltrain.checkpoint import writers
+original = writers.write_part
+def write_part(part, folder, process_group=None):
+    if 'step_00000006' in str(folder):
         time.sleep(3600)
-    return original(obj, f, **kwargs)
-accelerate.utils.save = save
+    return original(part, folder, process_group)
+writers.write_part = write_part
 sys.argv = [sys.argv[1], *sys.argv[2:]]
 runpy.run_path(sys.argv[0], run_name='__main__')
 """
@@ -114,16 +116,16 @@ def _rows(out: Path) -> list[dict]:
 
 
 def test_a_disk_that_fills_during_an_async_write_is_one_line_and_keeps_the_previous_checkpoints(tmp_path, monkeypatch, capsys):
-    import accelerate.utils
+    from acceltrain.checkpoint import writers
 
-    original = accelerate.utils.save
+    original = writers.write_part
 
-    def full_disk(obj, f, **kwargs):
-        if "step_00000006" in str(f):
+    def full_disk(part, folder, process_group=None):
+        if "step_00000006" in str(folder):
             raise OSError(errno.ENOSPC, "No space left on device")
-        return original(obj, f, **kwargs)
+        return original(part, folder, process_group)
 
-    monkeypatch.setattr(accelerate.utils, "save", full_disk)
+    monkeypatch.setattr(writers, "write_part", full_disk)
     out = tmp_path / "run"
     assert run_tiny_in_process(out, *RUN, "--async-checkpoint") == 2
     err = capsys.readouterr().err.strip()
@@ -136,7 +138,7 @@ def test_a_disk_that_fills_during_an_async_write_is_one_line_and_keeps_the_previ
 def test_async_saves_are_refused_where_they_cannot_work():
     from accelerate.utils import DistributedType
 
-    from acceltrain.async_checkpoint import check_async_supported
+    from acceltrain.checkpoint.manager import check_async_supported
 
     with pytest.raises(ConfigError, match="--async-checkpoint works under DDP and FSDP; DeepSpeed writes its checkpoints itself"):
         check_async_supported(SimpleNamespace(distributed_type=DistributedType.DEEPSPEED))

@@ -13,7 +13,8 @@ import torch
 
 from acceltrain.config import ConfigError
 from acceltrain.vision import image_datasets
-from acceltrain.vision.data import UnreadableImage, decode_image_file, scan_image_folder
+from acceltrain.vision.data import scan_image_folder
+from acceltrain.vision.images import UnreadableImage, decode_image_file
 
 REPO = Path(__file__).resolve().parents[1]
 

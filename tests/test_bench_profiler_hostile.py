@@ -44,7 +44,7 @@ def test_a_profile_range_that_starts_after_the_last_step_is_refused_before_train
 @pytest.fixture
 def no_rows(monkeypatch):
     """Fails the test if a row would run; the rows bench would have run otherwise (a valid command line)."""
-    from acceltrain import bench
+    from acceltrain import bench, recipe_loading
 
     ran = []
 
@@ -54,7 +54,7 @@ def no_rows(monkeypatch):
 
     monkeypatch.setattr(bench, "run_row", run_row)
     yield ran
-    sys.modules.pop(bench.RECIPE_MODULE, None)  # a --recipe script bench imported to read its config class
+    sys.modules.pop(recipe_loading.RECIPE_MODULE, None)  # a --recipe script bench imported to read its config class
 
 
 def refusal(capsys, *argv: str, output_dir) -> str:

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from acceltrain import ConfigError, parse_config, run_recipe
-from acceltrain.checkpointing import EXIT_PREEMPTED
+from acceltrain.preemption import EXIT_PREEMPTED
 from conftest import REPO, check, launch, read_events, read_summary, reset_accelerate_state
 
 sys.path.insert(0, str(REPO / "recipes"))

@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from acceltrain.checkpointing import EXIT_PREEMPTED, complete_checkpoints
+from acceltrain.checkpoint.files import complete_checkpoints
+
+from acceltrain.preemption import EXIT_PREEMPTED
 from conftest import run_tiny_in_process
 
 RUN = ["--num-train", "16", "--batch-size", "4", "--epochs", "2", "--no-progress", "--num-workers", "0", "--report-to", "none"]
@@ -178,12 +180,12 @@ def test_a_trainer_state_that_is_not_an_object_is_one_line(checkpoint, capsys):
     (RuntimeError("Some tensors share memory, this will lead to duplicate memory on disk"), False),
 ], ids=["ENOSPC", "EACCES", "shared-tensors"])
 def test_a_failed_save_blames_free_space_only_for_a_full_disk(tmp_path, monkeypatch, capsys, error, free_space):
-    import accelerate
+    from acceltrain.checkpoint import writers
 
-    def fails(self, output_dir=None, **kwargs):
+    def fails(part, folder, process_group=None):
         raise error
 
-    monkeypatch.setattr(accelerate.Accelerator, "save_state", fails)
+    monkeypatch.setattr(writers, "write_part", fails)
     out = tmp_path / "run"
     assert run_tiny_in_process(out, *RUN, "--save-every-steps", "2") == 2
     err = capsys.readouterr().err.strip()

@@ -14,7 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from acceltrain.checkpointing import EXIT_PREEMPTED, complete_checkpoints, verify_checkpoint
+from acceltrain.checkpoint.files import complete_checkpoints, verify_checkpoint
+
+from acceltrain.preemption import EXIT_PREEMPTED
 from conftest import REPO, TINY_RECIPE, check, launch, read_events, read_summary, subprocess_env, run_tiny_in_process
 
 
@@ -199,7 +201,7 @@ def test_toolkit_never_calls_torch_load_without_weights_only():
 def test_rotation_orders_by_step_not_by_name_or_save_count(tmp_path):
     """accelerate#1163, #1601: total_limit deleted the wrong folder and the save counter was lost on resume.
     Checkpoints here are named by global step and rotated by it; nothing to restore."""
-    from acceltrain.checkpointing import rotate_checkpoints
+    from acceltrain.checkpoint.files import rotate_checkpoints
 
     for step in (9, 10, 100, 1000):
         folder = tmp_path / "checkpoints" / f"step_{step:08d}"

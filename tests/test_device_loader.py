@@ -18,7 +18,7 @@ from acceltrain import ConfigError
 from acceltrain.vision import device_loader
 from acceltrain.data import train_loader
 from acceltrain.vision import CropFlip, ImageClassification, image_datasets, synthetic_images
-from acceltrain.vision.data import decode_image_file
+from acceltrain.vision.images import decode_image_file
 from acceltrain.vision import DeviceImageLoader
 
 BATCH = 8

@@ -19,7 +19,7 @@ from acceltrain.config import parse_config, run_changes
 from acceltrain.eval_subset import eval_subset, eval_subset_indices
 from acceltrain.hooks import Console, Evaluation
 from acceltrain.vision import ImageClassification, image_datasets
-from acceltrain.vision.data import decode_image_file
+from acceltrain.vision.images import decode_image_file
 from acceltrain.vision.device_loader import decoded_images
 from conftest import REPO, TINY_RECIPE, check, launch, read_events, read_summary, run_tiny_in_process, subprocess_env
 

@@ -16,7 +16,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from acceltrain.checkpointing import CheckpointError, checkpoint_engine, complete_checkpoints, verify_checkpoint
+from acceltrain.checkpoint.files import checkpoint_engine, complete_checkpoints, verify_checkpoint
+
+from acceltrain.checkpoint.state import CheckpointError
 from acceltrain.cli import main
 from conftest import REPO, TINY_RECIPE, check, launch, read_summary, subprocess_env
 
@@ -130,11 +132,13 @@ def test_what_fsdp_cannot_resume_or_run_is_one_line(tmp_path, runs):
 
     from accelerate.utils import DistributedType
 
-    from acceltrain.loop import _check_engine
+    from acceltrain.checkpoint import Checkpointer
+    from acceltrain.checkpoint.files import verify_checkpoint
 
-    sharded = str(complete_checkpoints(runs["fsdp"])[0])
+    sharded = complete_checkpoints(runs["fsdp"])[0]
+    under_deepspeed = SimpleNamespace(accelerator=SimpleNamespace(distributed_type=DistributedType.DEEPSPEED), engine="DeepSpeed")
     with pytest.raises(CheckpointError, match="holds FSDP model and optimizer state and this run is DEEPSPEED: resume it under FSDP"):
-        _check_engine(SimpleNamespace(distributed_type=DistributedType.DEEPSPEED), sharded)
+        Checkpointer._check_engine(under_deepspeed, sharded, verify_checkpoint(sharded)[0])
     result = fsdp([*TINY, "--batch-size", "4", "--output-dir", str(tmp_path / "ema"), "--ema-decay", "0.9"])
     assert result.returncode != 0 and "EMA needs every process to hold the full weights: FSDP and DeepSpeed ZeRO-3 shard them" in result.stderr
 

@@ -49,7 +49,7 @@ def test_fsdp_sharded_checkpoints_resume_and_a_planted_pickle_in_their_metadata_
     """FSDP's load path: torch.distributed.checkpoint folders, whose ``.metadata`` DCP reads with plain pickle."""
     import shutil
 
-    from acceltrain.checkpointing import complete_checkpoints
+    from acceltrain.checkpoint.files import complete_checkpoints
     from conftest import REPO
     from test_no_code_on_resume import plant
 

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from acceltrain import ConfigError, Hook
-from acceltrain.checkpointing import EXIT_PREEMPTED
+from acceltrain.preemption import EXIT_PREEMPTED
 from acceltrain.hooks.base import Hooks
 from conftest import run_tiny_in_process
 

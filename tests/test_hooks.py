@@ -15,7 +15,8 @@ from accelerate.utils import DistributedType
 from safetensors.torch import load_file
 
 from acceltrain import EMA, ClassificationTask, ConfigError, Hook, Lookahead
-from acceltrain.checkpointing import EXIT_PREEMPTED, complete_checkpoints
+from acceltrain.checkpoint.files import complete_checkpoints
+from acceltrain.preemption import EXIT_PREEMPTED
 from conftest import EventRecorder, read_events, read_summary, run_tiny_in_process
 
 sys.path.insert(0, str(Path(__file__).parent / "helpers"))

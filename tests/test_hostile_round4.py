@@ -14,7 +14,7 @@ import time
 import pytest
 
 from acceltrain import ConfigError, Hook, Options, TrainConfig, option, parse_config
-from acceltrain.checkpointing import EXIT_PREEMPTED
+from acceltrain.preemption import EXIT_PREEMPTED
 from conftest import REPO, TINY_RECIPE, _free_port, check, launch, read_summary, run_tiny_in_process, subprocess_env
 
 # 96 samples a pass on the first process, 88 on the second: at batch 8 on 2 processes with 2 loader workers each,

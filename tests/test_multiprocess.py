@@ -128,7 +128,7 @@ def test_a_failing_process_other_than_the_main_one_waits_only_until_the_launcher
     probe = ("import os, sys, time; os.environ['RANK'] = '1'\n"
              "import acceltrain.cli; acceltrain.cli.MAIN_PROCESS_GRACE_SECONDS = 3600\n"  # only the SIGTERM can end the wait
              "sleep = time.sleep; time.sleep = lambda s: (print('waiting', flush=True), sleep(s))\n"
-             "from acceltrain.checkpointing import PreemptionSignals; PreemptionSignals().install()\n"
+             "from acceltrain.preemption import PreemptionSignals; PreemptionSignals().install()\n"
              f"from acceltrain.cli import _fail; print('failing', flush=True); _fail('boom', {code})")
     process = subprocess.Popen([sys.executable, "-c", probe], cwd=REPO, env=subprocess_env(), stdout=subprocess.PIPE, text=True)
     assert process.stdout.readline() == "failing\n"

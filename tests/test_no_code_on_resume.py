@@ -11,7 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from acceltrain.checkpointing import EXIT_PREEMPTED, _sha256, complete_checkpoints
+from acceltrain.checkpoint.files import complete_checkpoints
+
+from acceltrain.checkpoint.files import _sha256
+
+from acceltrain.preemption import EXIT_PREEMPTED
 from conftest import RECIPE, check, launch, run_tiny_in_process
 
 
@@ -93,7 +97,7 @@ def test_deepspeeds_own_load_runs_without_code_too():
     import io
     import pickle
 
-    from acceltrain.checkpointing import loading_without_code
+    from acceltrain.checkpoint.safe_load import loading_without_code
 
     buffer = io.BytesIO()
     torch.save({"state": Payload(Path("/nonexistent/never"))}, buffer)
@@ -124,7 +128,9 @@ def _saved(value) -> Path:
 def test_an_allowed_enum_pickled_by_name_loads_and_other_attributes_do_not():
     import enum
 
-    from acceltrain.checkpointing import CheckpointError, allowed_enums, check_loadable_without_code
+    from acceltrain.checkpoint.safe_load import allowed_enums, check_loadable_without_code
+
+    from acceltrain.checkpoint.state import CheckpointError
 
     Stage = next(iter(allowed_enums()), None)
     if Stage is None:
@@ -153,7 +159,9 @@ def test_fsdp_sharded_checkpoints_load_and_a_planted_pickle_in_their_metadata_or
     file with torch.load(weights_only=False): both are checked before the resume."""
     import pickle
 
-    from acceltrain.checkpointing import CheckpointError, check_loadable_without_code
+    from acceltrain.checkpoint.safe_load import check_loadable_without_code
+
+    from acceltrain.checkpoint.state import CheckpointError
 
     check_loadable_without_code(_sharded(tmp_path / "clean"))
     marker = tmp_path / "payload-ran"
@@ -172,7 +180,7 @@ def test_dcp_metadata_with_enum_members_pickled_by_name_loads_and_other_attribut
 
     from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
 
-    from acceltrain.checkpointing import _load_dcp_metadata
+    from acceltrain.checkpoint.safe_load import load_dcp_metadata as _load_dcp_metadata
 
     member = next(iter(_MEM_FORMAT_ENCODING))
     (tmp_path / "enum").write_bytes(pickle.dumps(ByName(_MEM_FORMAT_ENCODING, member.name)))
@@ -190,7 +198,11 @@ def test_dcp_metadata_cannot_rewrite_an_allowed_class_nor_hide_in_a_fallback_fil
     import pickle
     import shutil
 
-    from acceltrain.checkpointing import CheckpointError, _load_dcp_metadata, check_loadable_without_code
+    from acceltrain.checkpoint.safe_load import check_loadable_without_code
+
+    from acceltrain.checkpoint.state import CheckpointError
+
+    from acceltrain.checkpoint.safe_load import load_dcp_metadata as _load_dcp_metadata
 
     (tmp_path / "build").write_bytes(b"cpathlib\nPosixPath\n}X\x06\x00\x00\x00parentX\x06\x00\x00\x00hackedsb.")
     with pytest.raises(pickle.UnpicklingError, match="BUILD on a type is not allowed"):

@@ -16,7 +16,8 @@ import torch
 from safetensors.torch import load_file
 
 from acceltrain import Hook
-from acceltrain.checkpointing import EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_PREEMPTED, complete_checkpoints, verify_checkpoint
+from acceltrain.checkpoint.files import complete_checkpoints, verify_checkpoint
+from acceltrain.preemption import EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_PREEMPTED
 from conftest import REPO, TINY_RECIPE, check, launch, read_events, read_summary, subprocess_env, run_tiny_in_process
 
 
@@ -257,7 +258,7 @@ def test_a_run_that_raises_gives_the_signal_handlers_back(tmp_path, capsys):
 
 
 def test_a_nan_metric_is_never_the_best():
-    from acceltrain.run import _improves
+    from acceltrain.progress import _improves
 
     assert not _improves(float("nan"), None, higher_is_better=True)
     assert not _improves(float("nan"), 0.5, higher_is_better=False)
@@ -303,21 +304,18 @@ def test_after_a_resume_train_loss_covers_the_same_window(tmp_path, full):
 
 
 def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch, capsys):
-    import accelerate
+    from acceltrain.checkpoint import writers
 
     out = tmp_path / "run"
-    save_state = accelerate.Accelerator.save_state
-    calls = {"n": 0}
+    write_part = writers.write_part
 
-    def fills_the_disk(self, output_dir=None, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 2:
-            Path(output_dir).mkdir(parents=True, exist_ok=True)
-            (Path(output_dir) / "model.safetensors").write_bytes(b"partial")
+    def fills_the_disk(part, folder, process_group=None):
+        if folder.name.endswith("step_00000004"):
+            (folder / part.name).write_bytes(b"partial")
             raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 64 vs 0: file write failed")
-        return save_state(self, output_dir, **kwargs)
+        return write_part(part, folder, process_group)
 
-    monkeypatch.setattr(accelerate.Accelerator, "save_state", fills_the_disk)
+    monkeypatch.setattr(writers, "write_part", fills_the_disk)
     assert run_tiny(out, "--save-every-steps", "2") == 2
     err = capsys.readouterr().err.strip()
     assert "could not write checkpoint" in err and "step_00000004" in err and "file write failed" in err and "\n" not in err

@@ -11,7 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from acceltrain.checkpointing import EXIT_PREEMPTED, CheckpointError, RunState
+from acceltrain.checkpoint.state import CheckpointError, RunState
+
+from acceltrain.preemption import EXIT_PREEMPTED
 from conftest import TINY_RECIPE, check, launch, read_events, read_summary, run_tiny_in_process
 
 # 96 samples, 2 epochs. Per-process micro-batch 4 everywhere, so BatchNorm sees the same batches in every
@@ -127,11 +129,14 @@ def test_deepspeed_state_is_refused_on_another_process_count_and_fsdp_state_is_n
 
     from accelerate.utils import DistributedType
 
-    from acceltrain.loop import _check_relayout_supported
+    from acceltrain.checkpoint import Checkpointer
 
-    deepspeed = SimpleNamespace(distributed_type=DistributedType.DEEPSPEED)
+    def under(engine):  # a checkpointer as far as this check reads it
+        return SimpleNamespace(accelerator=SimpleNamespace(distributed_type=engine))
+
+    deepspeed = under(DistributedType.DEEPSPEED)
     with pytest.raises(CheckpointError, match="partitioned over 2 processes and this run has 1: resume on 2 processes"):
-        _check_relayout_supported(deepspeed, state(), state(num_processes=1, global_batch_size=4, grad_accum=4), "ckpt")
-    _check_relayout_supported(deepspeed, state(), state(global_batch_size=16, grad_accum=1, batches_per_epoch=6), "ckpt")
-    fsdp = SimpleNamespace(distributed_type=DistributedType.FSDP)
-    _check_relayout_supported(fsdp, state(), state(num_processes=1, global_batch_size=4, grad_accum=4), "ckpt")
+        Checkpointer._check_relayout_supported(deepspeed, state(), state(num_processes=1, global_batch_size=4, grad_accum=4), "ckpt")
+    Checkpointer._check_relayout_supported(deepspeed, state(), state(global_batch_size=16, grad_accum=1, batches_per_epoch=6), "ckpt")
+    fsdp = under(DistributedType.FSDP)
+    Checkpointer._check_relayout_supported(fsdp, state(), state(num_processes=1, global_batch_size=4, grad_accum=4), "ckpt")

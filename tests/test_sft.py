@@ -15,7 +15,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from acceltrain.checkpointing import EXIT_PREEMPTED, complete_checkpoints
+from acceltrain.checkpoint.files import complete_checkpoints
+
+from acceltrain.preemption import EXIT_PREEMPTED
 from acceltrain.text import IGNORE_INDEX, sft_examples, sft_kept
 from conftest import REPO, read_summary, subprocess_env
 from test_causal_lm import offline_on_one_thread

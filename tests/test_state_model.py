@@ -16,7 +16,8 @@ from safetensors.torch import load_file
 
 import acceltrain.loop
 from acceltrain import Hook, Run
-from acceltrain.checkpointing import RunState, complete_checkpoints
+from acceltrain.checkpoint.files import complete_checkpoints
+from acceltrain.checkpoint.state import RunState
 from acceltrain.hooks import TrainingLog
 from acceltrain.run import RUN_DEPRECATED, RUN_PUBLIC
 from conftest import read_events, read_summary, run_tiny_in_process

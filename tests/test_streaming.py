@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from acceltrain.checkpointing import EXIT_PREEMPTED
+from acceltrain.preemption import EXIT_PREEMPTED
 from conftest import TINY_RECIPE, check, launch, read_events, read_summary, run_tiny_in_process
 
 # 96 samples a pass, batch 8: 12 micro-batches a pass. Accumulating 5, the windows run across the passes'

@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 
 from acceltrain import ConfigError, parse_config
-from acceltrain.checkpointing import EXIT_PREEMPTED
+from acceltrain.preemption import EXIT_PREEMPTED
 from conftest import REPO, read_summary, subprocess_env
 from test_causal_lm import offline_on_one_thread
 
@@ -312,3 +312,25 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, data, bad, ca
 def test_a_model_is_required():
     with pytest.raises(ConfigError, match="give the pretrained model to fine-tune with --model-name-or-path"):
         parse_config(text_classification.TextClassificationConfig, ["--train-file", "t.csv"])
+
+
+def test_a_failed_save_keeps_the_run_its_checkpoints_metrics_and_tokenizer(tmp_path, data, monkeypatch, capsys):
+    """Issue 36 item 4: the recipe removed an output folder its launch had made on any ConfigError, and a failed save
+    is one (CheckpointError): a full disk at the step-4 save deleted the step-2 checkpoint, metrics.jsonl and the
+    tokenizer, right after saying the previous checkpoints were intact."""
+    from acceltrain.checkpoint import writers
+    from acceltrain.checkpoint.files import complete_checkpoints
+
+    write_part = writers.write_part
+
+    def full_disk(part, folder, process_group=None):
+        if folder.name.endswith("step_00000004"):
+            raise OSError(28, "No space left on device")
+        return write_part(part, folder, process_group)
+
+    monkeypatch.setattr(writers, "write_part", full_disk)
+    out = tmp_path / "run"
+    assert run(out, *TINY, *source(data), "--max-steps", "6", "--save-every-steps", "2", "--log-every", "1") == 2
+    assert "the previous checkpoints are intact" in capsys.readouterr().err
+    assert [p.name for p in complete_checkpoints(out)] == ["step_00000002"]
+    assert (out / "metrics.jsonl").read_text().count('"step": 2') >= 1 and (out / "tokenizer.json").is_file()

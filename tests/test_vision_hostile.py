@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 from acceltrain import run_recipe
 from acceltrain.recipes.resnet_cifar import CifarConfig, main as cifar_main
 from acceltrain.vision import data, image_datasets
-from acceltrain.vision.data import decode_image_file, rgb_chw
+from acceltrain.vision.images import decode_image_file, rgb_chw
 from acceltrain.vision.device_loader import decoded_images
 from conftest import reset_accelerate_state
 

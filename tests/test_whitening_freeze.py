@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from safetensors.torch import load_file
 
-from acceltrain.checkpointing import complete_checkpoints
+from acceltrain.checkpoint.files import complete_checkpoints
 from acceltrain.cli import run_recipe
 from acceltrain.recipes.resnet_cifar import CifarConfig
 from acceltrain.recipes.resnet_cifar import main as cifar_main

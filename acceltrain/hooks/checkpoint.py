@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import time
 
-from ..checkpointing import PreemptionSignals, checkpoint_dir, rotate_checkpoints
+from ..checkpoint.files import checkpoint_dir, rotate_checkpoints
+from ..preemption import PreemptionSignals
 from ..options import CheckpointOptions
 from .base import Hook
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from accelerate.logging import get_logger
 
-from ..checkpointing import write_summary
+from ..run_folder import write_summary
 from ..distributed import main_process_only
 from ..hub import (
     CARD_FILE,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from accelerate.logging import get_logger
 
-from ..checkpointing import METRICS_FILE
+from ..run_folder import METRICS_FILE
 from ..logs import show_progress
 from ..metrics import EventLog, peak_memory_mb, synchronize
 from ..options import LoggingOptions

@@ -6,11 +6,10 @@ import importlib.util
 import json
 from pathlib import Path
 
-from ..checkpointing import METRICS_FILE
+from ..run_folder import CURVES_FILE, METRICS_FILE
 from ..options import ConfigError, PlotOptions
 from .base import Hook
 
-CURVES_FILE = "curves.png"
 
 
 class Curves(Hook):

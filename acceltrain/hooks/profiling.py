@@ -10,9 +10,9 @@ import torch
 from accelerate.logging import get_logger
 
 from ..options import ConfigError, ProfilingOptions, parse_step_range
+from ..run_folder import MEMORY_FILE
 from .base import Hook
 
-MEMORY_FILE = "memory.json"  # --memory-report's rows, at the top of the output folder
 
 logger = get_logger(__name__)
 

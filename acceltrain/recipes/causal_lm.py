@@ -100,22 +100,22 @@ class CausalLMConfig(LoraOptions, TrainConfig):
 def main(cfg: CausalLMConfig, task_class: type | None = None) -> dict:
     """``task_class``: a CausalLMTask subclass (the tests count targets with one); default: CausalLMTask."""
     # imported here, not at the top: --help and bad flags answer in a fraction of a second, without torch
-    from acceltrain import setup_run, show_progress
+    from acceltrain import claim_run_folder, show_progress
     from acceltrain.lora import check_backend
-    from acceltrain.text import CausalLMTask, removed_on_bad_input, show_progress_bars
+    from acceltrain.text import CausalLMTask, show_progress_bars
 
     task_class = task_class or CausalLMTask
     # the output folder first: the tokenizer lives there; DeepSpeed is refused before any tokenising
-    run = setup_run(cfg, NAME, task=task_class)
+    folder = claim_run_folder(cfg, NAME, task=task_class)
     if cfg.lora_r is not None:
-        check_backend(run.distributed_type, merge=cfg.merge_lora)
-    show_progress_bars(show_progress(cfg.progress) and run.is_main_process)
-    with removed_on_bad_input(run.output_dir):
+        check_backend(folder.distributed_type, merge=cfg.merge_lora)
+    show_progress_bars(show_progress(cfg.progress) and folder.is_main_process)
+    with folder.left_as_found():  # bad input leaves nothing behind; a failure once training started keeps everything
         train = _supervised if cfg.train_file is not None else _continued
-        return train(run.cfg, run, task_class)
+        return train(folder.cfg, folder, task_class)
 
 
-def _continued(cfg: CausalLMConfig, run, task_class) -> dict:
+def _continued(cfg: CausalLMConfig, folder, task_class) -> dict:
     """Text read, tokenised and packed into blocks: a model trained from scratch, or a pretrained one continued."""
     from acceltrain import build_optimizer, fit
     from acceltrain.text import (
@@ -132,7 +132,7 @@ def _continued(cfg: CausalLMConfig, run, task_class) -> dict:
         tokenizer_for_run,
     )
 
-    output_dir = run.output_dir
+    output_dir = folder.output_dir
     texts = load_text(cfg.text_files, cfg.dataset_name, cfg.dataset_config, streaming=cfg.streaming)
     first_lines = texts
     if cfg.streaming:  # its first --eval-lines lines are held out; they (or its first BPE_LINES) train a BPE
@@ -154,12 +154,12 @@ def _continued(cfg: CausalLMConfig, run, task_class) -> dict:
     else:
         model = build_causal_lm(cfg.model, **shape, dropout=cfg.dropout, end_of_text_id=tokenizer.eos_token_id)
     task = task_class(cfg.block_size, flops_per_block(model, cfg.block_size))
-    if run.is_main_process:  # before training: the run folder loads with from_pretrained, tokenizer included
+    if folder.is_main_process:  # before training: the run folder loads with from_pretrained, tokenizer included
         save_tokenizer(tokenizer, output_dir)
     return fit(cfg, model, build_optimizer(model, cfg), train_set, eval_set, task=task, name=NAME)
 
 
-def _supervised(cfg: CausalLMConfig, run, task_class) -> dict:
+def _supervised(cfg: CausalLMConfig, folder, task_class) -> dict:
     """SFT: prompt/response (or conversation) rows, the loss on response tokens only, one example per sequence,
     padded per batch."""
     from acceltrain import build_optimizer, fit
@@ -208,8 +208,8 @@ def _supervised(cfg: CausalLMConfig, run, task_class) -> dict:
         "dropped_examples": {"train": train_counts["dropped"], "eval": eval_counts["dropped"]},
         "padded_token_fraction": first_epoch_padding(train_set, lengths, batch_size=cfg.batch_size, seed=cfg.seed),
     })
-    if run.is_main_process:  # before training: the run folder loads with from_pretrained, tokenizer included
-        save_tokenizer(tokenizer, run.output_dir)
+    if folder.is_main_process:  # before training: the run folder loads with from_pretrained, tokenizer included
+        save_tokenizer(tokenizer, folder.output_dir)
     return fit(cfg, model, build_optimizer(model, cfg), train_set, eval_set, task=task, name=NAME, hooks=[report],
                collate_fn=sft_batches(tokenizer))
 

@@ -70,7 +70,7 @@ class TextClassificationConfig(LoraOptions, TrainConfig):
 
 def main(cfg: TextClassificationConfig) -> dict:
     # imported here, not at the top: --help and bad flags answer in a fraction of a second, without torch
-    from acceltrain import apply_lora, build_optimizer, fit, setup_run, show_progress
+    from acceltrain import apply_lora, build_optimizer, claim_run_folder, fit, show_progress
     from acceltrain.lora import check_backend
     from acceltrain.text import (
         ClassificationReport,
@@ -90,17 +90,16 @@ def main(cfg: TextClassificationConfig) -> dict:
         load_rows,
         pretrained_tokenizer,
         read_labels,
-        removed_on_bad_input,
         save_tokenizer,
         show_progress_bars,
     )
 
-    run = setup_run(cfg, NAME)  # the output folder first: the tokenizer is saved there before training
-    cfg, output_dir = run.cfg, run.output_dir
+    folder = claim_run_folder(cfg, NAME)  # the output folder first: the tokenizer is saved there before training
+    cfg, output_dir = folder.cfg, folder.output_dir
     if cfg.lora_r is not None:
-        check_backend(run.distributed_type, merge=cfg.merge_lora)
-    show_progress_bars(show_progress(cfg.progress) and run.is_main_process)
-    with removed_on_bad_input(output_dir):
+        check_backend(folder.distributed_type, merge=cfg.merge_lora)
+    show_progress_bars(show_progress(cfg.progress) and folder.is_main_process)
+    with folder.left_as_found():  # bad input leaves nothing behind; a failure once training started keeps everything
         train_rows, eval_rows, train_where, eval_where = load_rows(cfg.train_file, cfg.eval_file, cfg.dataset_name, cfg.dataset_config)
         columns = {"text_column": cfg.text_column, "text_pair_column": cfg.text_pair_column, "label_column": cfg.label_column}
         for rows, where in ((train_rows, train_where), (eval_rows, eval_where)):
@@ -134,7 +133,7 @@ def main(cfg: TextClassificationConfig) -> dict:
             "truncated_examples": {"train": train_truncated, "eval": eval_truncated},
             "padded_token_fraction": first_epoch_padding(train_set, lengths, batch_size=cfg.batch_size, seed=cfg.seed),
         })
-        if run.is_main_process:  # before training: the run folder loads with from_pretrained, tokenizer included
+        if folder.is_main_process:  # before training: the run folder loads with from_pretrained, tokenizer included
             save_tokenizer(tokenizer, output_dir)
         return fit(cfg, model, build_optimizer(model, cfg), train_set, eval_set, task=task, name=NAME,
                    hooks=[ClassificationReport(task), report], collate_fn=classification_batches(tokenizer))

@@ -7,7 +7,7 @@ from ..lazy_exports import lazy_exports
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     "MODEL_PRESETS": "names", "transformer_default": "names",
-    "TOKENIZER_FILE": "corpus", "load_text": "corpus", "removed_on_bad_input": "corpus", "save_tokenizer": "corpus",
+    "TOKENIZER_FILE": "corpus", "load_text": "corpus", "save_tokenizer": "corpus",
     "show_progress_bars": "corpus", "split_blocks": "corpus", "expand_text_files": "corpus", "text_fingerprint": "corpus",
     "held_out_lines": "corpus", "streamed_blocks": "corpus", "token_blocks": "corpus", "tokenizer_for_run": "corpus",
     "IGNORE_INDEX": "lm", "CausalLMTask": "lm", "build_causal_lm": "lm", "flops_per_block": "lm", "load_causal_lm": "lm",

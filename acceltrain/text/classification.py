@@ -7,15 +7,30 @@ last one for the end-of-run report (:class:`~acceltrain.text.classification_repo
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..tasks import Task
+from ..tasks import Task, describe, labels_problem
+
+
+def _is_pair(batch) -> bool:
+    """An ``(inputs, labels)`` tuple (a list is taken for a list of samples: a collate function that collated nothing)."""
+    return isinstance(batch, tuple) and len(batch) == 2 and isinstance(batch[0], Mapping)
+
+
+def split(batch) -> tuple[Mapping, torch.Tensor]:
+    """(the model's inputs, the labels) of a batch: a mapping with ``labels``, or an ``(inputs, labels)`` pair."""
+    if _is_pair(batch):
+        return batch[0], batch[1]
+    return {key: value for key, value in batch.items() if key != "labels"}, batch["labels"]
 
 
 class TextClassificationTask(Task):
-    """Batches are a tokenizer's padded output with ``labels``; ``labels`` names the classes in order.
+    """Batches are a tokenizer's padded output with ``labels``, or an ``(inputs, labels)`` pair of the two;
+    ``labels`` names the classes in order.
     ``tokens_per_sample`` and ``flops_per_sample`` (optional) are an example's mean: tokens/s and MFU are reported
     with them (torch's FLOP counter cannot count a Transformers encoder, whose mask code reads tensor values)."""
 
@@ -27,14 +42,21 @@ class TextClassificationTask(Task):
         self.tokens_per_sample, self.flops_per_sample = tokens_per_sample, flops_per_sample
         self.confusion: list[list[int]] | None = None  # of the last evaluation: [true class][predicted class]
 
-    def logits(self, model: nn.Module, batch) -> torch.Tensor:
-        return model(**{key: value for key, value in batch.items() if key != "labels"}).logits.float()
+    def logits_and_labels(self, model: nn.Module, batch) -> tuple[torch.Tensor, torch.Tensor]:
+        inputs, labels = split(batch)
+        return model(**inputs).logits.float(), labels
 
     def train_loss(self, model: nn.Module, batch) -> torch.Tensor:
-        return F.cross_entropy(self.logits(model, batch), batch["labels"])
+        return F.cross_entropy(*self.logits_and_labels(model, batch))
+
+    def check_batch(self, batch) -> str | None:
+        if not (isinstance(batch, Mapping) and "labels" in batch or _is_pair(batch)):
+            return (f"{describe(batch)}; {type(self).__name__} takes a mapping of the model's inputs and 'labels' (a "
+                    "tokenizer's padded output), or an (inputs, labels) pair")
+        return labels_problem(split(batch)[1])
 
     def eval_values(self, model: nn.Module, batch) -> dict[str, torch.Tensor]:
-        logits, labels = self.logits(model, batch), batch["labels"]
+        logits, labels = self.logits_and_labels(model, batch)
         classes = len(self.labels)
         cells = F.one_hot(labels * classes + logits.argmax(dim=-1), classes * classes).T.float()
         return {"loss": F.cross_entropy(logits, labels, reduction="none"), **{f"confusion_{i}": cell for i, cell in enumerate(cells)}}

@@ -14,11 +14,9 @@ the others find the cache files (:func:`~acceltrain.distributed.on_main_process_
 
 from __future__ import annotations
 
-import contextlib
 import glob
 import os
-import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -34,21 +32,6 @@ TOKENIZER_FILE = "tokenizer.json"
 END_OF_TEXT = "<|endoftext|>"
 PACK_ROWS = 10_000  # rows concatenated per packing batch; each batch drops its last partial block
 STREAM_SHUFFLE_BUFFER = 10_000  # blocks (about 20 MB at 256 tokens) a stream is shuffled through
-
-
-@contextlib.contextmanager
-def removed_on_bad_input(output_dir: Path) -> Iterator[None]:
-    """Bad input leaves nothing behind: the tokenizer is written before the loop checks the rest, so an
-    output folder that this launch created is removed again (by the main process) on a ConfigError."""
-    from accelerate import PartialState
-
-    created_here = not output_dir.exists()
-    try:
-        yield
-    except ConfigError:
-        if created_here and PartialState().is_main_process:
-            shutil.rmtree(output_dir, ignore_errors=True)
-        raise
 
 
 def show_progress_bars(enabled: bool) -> None:

@@ -20,25 +20,26 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from accelerate.data_loader import DataLoaderStateMixin
 from accelerate.logging import get_logger
 from accelerate.state import GradientState
 
+from ..accelerate_compat import LoaderStateMixin
 from ..data import EpochSampler
 from ..distributed import on_main_process_first
 from ..logs import show_progress
 from ..options import ConfigError, first_line
-from .data import CropFlip, ImageClassification, decode_image_file
+from .augment import CropFlip
+from .images import decode_image_file
 
 logger = get_logger(__name__)
 
 CACHE_ENV = "ACCELTRAIN_CACHE"
 
 
-class DeviceImageLoader(DataLoaderStateMixin):
+class DeviceImageLoader(LoaderStateMixin):
     """Ready training batches ``(float32 normalised images, int64 labels)`` made on ``device``.
 
-    Subclasses Accelerate's ``DataLoaderStateMixin`` and registers itself with ``GradientState`` while
+    Subclasses Accelerate's loader state (``accelerate_compat.LoaderStateMixin``) and registers itself with ``GradientState`` while
     iterated, exactly as a prepared ``DataLoaderShard`` does, so ``Accelerator.accumulate`` syncs at the
     end of each epoch without this loader going through ``accelerator.prepare``.
     """
@@ -75,12 +76,12 @@ class DeviceImageLoader(DataLoaderStateMixin):
         self.sampler = EpochSampler(len(images), seed=seed, shuffle=True)
         self.epoch = 0
         self.gradient_state = GradientState()
-        self._drop_last = True  # read by DataLoaderStateMixin.begin: no padded remainder to drop in gather_for_metrics
+        self._drop_last = True  # read by LoaderStateMixin.begin: no padded remainder to drop in gather_for_metrics
 
     @classmethod
     def from_dataset(
         cls,
-        dataset: ImageClassification,
+        dataset,
         *,
         batch_size: int,
         seed: int,

@@ -73,6 +73,6 @@ def _pixels(name: str, split_set, split: str, image_column: str, label_column: s
 
 def _to_pixels(batch: dict, column: str, image_size: int) -> dict:
     """Dataset.map: PIL images -> RGB CHW uint8 arrays of ``image_size`` (converted as image files are)."""
-    from .data import rgb_chw
+    from .images import rgb_chw
 
     return {"pixels": [rgb_chw(image, image_size) for image in batch[column]]}

@@ -1,0 +1,307 @@
+"""The one owner of a run's checkpoints, after torchtitan's ``CheckpointManager``: the loop calls :meth:`restore`
+once, :meth:`save` when the processes agree to save, :meth:`poll` at each optimizer step, :meth:`wait` before it
+stops and :meth:`close` at the end. It knows what a checkpoint holds (the model and optimizer through
+:mod:`.state_dicts`, Accelerate's RNG and loader files, the LR scheduler, the loop's :class:`RunState` and the hooks'
+states), which engine wrote it, whether an adapter run's frozen base is left out, and whether the bytes are written
+now or while training goes on; the loop knows none of it."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Protocol
+
+import torch
+from accelerate.logging import get_logger
+from accelerate.utils import DistributedType
+
+from ..accelerate_compat import save_loop_state, set_micro_step
+from ..config import TrainConfig, run_changes
+from ..options import ConfigError, first_line
+from ..preemption import TrainingDiverged
+from ..run_folder import CHECKPOINTS_DIR, finished_steps
+from . import adapters
+from .files import checkpoint_engine, failed_save_refused, find_resume_checkpoint, staging_folder
+from .safe_load import DCP_METADATA, check_loadable_without_code, load_dcp_metadata, loading_without_code
+from .state import STATE_FILE, CheckpointError, RunState, check_scheduler_state
+from .state_dicts import SHARDED_MODEL, checkpoint_parts, engine_name, writes_whole_copy
+from .writers import AsyncWriter, SyncWriter
+
+logger = get_logger(__name__)
+
+
+class TrainerState(Protocol):
+    """What the loop gives the checkpointer of its own state."""
+
+    total_steps: int
+    step: int
+
+    def layout(self) -> RunState: ...  # the layout fields of this run (what a resume must keep or map)
+
+    def snapshot(self) -> RunState: ...  # the state a checkpoint taken now records (may be a collective)
+
+    def restore(self, state: RunState) -> None: ...
+
+
+class Checkpointer:
+    def __init__(self, accelerator, cfg: TrainConfig, *, model, optimizer, scheduler, hooks, trainer: TrainerState,
+                 output_dir: Path, announce: Callable[[Path], None]):
+        if cfg.async_checkpoint:
+            check_async_supported(accelerator)
+        self.accelerator, self.cfg, self.model, self.optimizer, self.scheduler = accelerator, cfg, model, optimizer, scheduler
+        self.hooks, self.trainer, self.output_dir, self._announce = hooks, trainer, output_dir, announce
+        self.frozen = adapters.frozen_names(accelerator, model)
+        self.writer = AsyncWriter(accelerator) if cfg.async_checkpoint else SyncWriter(accelerator)
+        self.engine = engine_name(accelerator)
+        self.last_saved_step: int | None = None
+        self.resumed_from_step: int | None = None
+        self.seconds_blocked = 0.0  # this launch's time blocked by saves
+
+    @property
+    def note(self) -> str | None:
+        """What the start-up log says of the checkpoints' contents, if anything."""
+        return adapters.describe(self.frozen)
+
+    # ---- saving
+
+    def save(self) -> float:
+        """Checkpoint now (every process): published at once, or with ``--async-checkpoint`` once written (announced
+        by a later :meth:`poll`); at most one save in flight. Returns the seconds this call blocked training."""
+        started = time.perf_counter()
+        self._published(self.writer.wait())
+        self._refuse_non_finite_weights()
+        state = dataclasses.replace(self.trainer.snapshot(), scheduler=self.scheduler.state_dict(),
+                                    hooks=list(self.hooks.stateful), engine=self.engine)
+        final, staging = staging_folder(self.accelerator, self.output_dir, state.step)
+        with failed_save_refused(final, staging):
+            staging.mkdir(parents=True, exist_ok=True)
+            self.accelerator.wait_for_everyone()
+            parts = checkpoint_parts(self.accelerator, self.model, self.optimizer, self.frozen)
+            save_loop_state(self.accelerator, staging)
+            if self.accelerator.is_main_process:
+                self.hooks.save_states(staging)
+                (staging / STATE_FILE).write_text(_as_json(state))
+            self.writer.start(parts, staging, final)
+        self.last_saved_step = state.step
+        self._published(self.writer.poll())
+        blocked = time.perf_counter() - started
+        self.seconds_blocked += blocked
+        return blocked
+
+    def poll(self) -> None:
+        """Announce a save in flight that has been published (every process, at each optimizer step)."""
+        if self.writer.in_flight:
+            self._published(self.writer.poll())
+
+    def wait(self) -> None:
+        """Block until a save in flight is published, and announce it."""
+        self._published(self.writer.wait())
+
+    def close(self) -> None:
+        self.wait()
+
+    def _published(self, folder: Path | None) -> None:
+        if folder is not None:
+            self._announce(folder)
+            logger.info(f"checkpoint: {folder}")
+
+    def _refuse_non_finite_weights(self) -> None:
+        """A finite loss can still leave inf weights behind: never checkpoint them (agreed by every process: a
+        sharded model's non-finite values may sit on one process only)."""
+        local = [p.to_local() if hasattr(p, "to_local") else p for p in self.model.parameters()]  # FSDP: this process's shard
+        finite = torch.stack([torch.isfinite(p).all() for p in local]).all()
+        if self.accelerator.num_processes > 1:
+            finite = self.accelerator.reduce(finite.float(), "min") > 0
+        if not finite:
+            kept = f"; the last checkpoint is step {self.last_saved_step}" if self.last_saved_step is not None else ""
+            raise TrainingDiverged(f"training diverged at step {self.trainer.step}: the weights are not finite; nothing was "
+                                   f"saved from this step on{kept}; lower --lr or clip with --max-grad-norm")
+
+    # ---- restoring
+
+    def restore(self) -> bool:
+        """``--resume``: find and verify the checkpoint on the main process, agree on it everywhere, check that it
+        continues this run, and load it: the model, optimizer, grad scaler and RNG (Accelerate's ``load_state``),
+        the scheduler, the loop's state and the hooks' states. False when the run in the folder finished at that
+        checkpoint: nothing to do."""
+        path, saved, kept_in_state = self._agreed_checkpoint()
+        finished = finished_steps(self.output_dir)
+        if path is None:
+            if finished is not None:
+                raise ConfigError(f"--output-dir {str(self.output_dir)!r} holds a finished run but no checkpoint to resume: "
+                                  "use --overwrite to replace it")
+            logger.info(f"--resume auto: no complete checkpoint in {self.output_dir / CHECKPOINTS_DIR}; starting fresh")
+            return True
+        self._check_engine(path, saved)
+        current = self.trainer.layout()
+        saved.check_compatible(current, path)
+        relayout = saved.relayout(current)
+        if relayout:
+            self._check_relayout_supported(saved, current, path)
+        changes = run_changes(saved.config, self.cfg, layout_free=relayout)
+        if finished is not None:
+            if saved.step >= finished and not changes:
+                return False
+            raise ConfigError(
+                f"--output-dir {str(self.output_dir)!r} holds a finished run ({finished} steps): resuming the checkpoint of "
+                f"step {saved.step} there would overwrite it; give another --output-dir to continue from that checkpoint into it"
+            )
+        described = ", ".join(f"{name} {old} -> {new}" for name, (old, new) in changes.items())
+        if changes and not self.cfg.allow_config_change:
+            raise ConfigError(
+                f"checkpoint {str(path)!r} was written with other settings: {described}; resume with the same settings, "
+                "or pass --allow-config-change to apply the new ones"
+            )
+        if saved.step > self.trainer.total_steps:
+            raise CheckpointError(f"checkpoint {str(path)!r} is at step {saved.step}, past the {self.trainer.total_steps} optimizer "
+                                  "steps of this run: resume with the --max-steps or --epochs it was written with, or start a "
+                                  "new --output-dir")
+        check_scheduler_state(saved.scheduler, self.scheduler.state_dict(), saved.step, path)
+        check_loadable_without_code(path, digests_required=bool(saved.engine))
+        self._check_shards_fit(path)
+        self.hooks.load_states(path, saved.hooks, kept_in_state)
+        fresh = [{key: value for key, value in group.items() if key != "params"} for group in self.optimizer.param_groups]
+        self._load(path)
+        if relayout:
+            saved = self._continue_in_layout(saved, current)
+        if saved.scheduler:
+            self.scheduler.load_state_dict(saved.scheduler)
+        if changes:
+            saved.config_changes.update(changes)
+            self._apply_changes(fresh)
+            logger.info(f"--allow-config-change: applying {described}")
+        self.trainer.restore(saved)
+        self.last_saved_step = self.resumed_from_step = saved.step
+        logger.info(f"resumed from {path} at step {saved.step} (epoch {saved.epoch}, {saved.batch_in_epoch} batches into it)")
+        if not current.batches_per_epoch and current.data_fingerprint is None:  # a stream: no length to compare either
+            logger.info("the training stream has no fingerprint attribute: whether it still holds the data the checkpoint was "
+                        "trained on cannot be checked")
+        return True
+
+    def _agreed_checkpoint(self) -> tuple[Path | None, RunState | None, dict]:
+        """The checkpoint to resume, found and verified on the main process, the same on every process."""
+        from accelerate.utils import broadcast_object_list
+
+        found = [None, None, None, None]  # path, state fields, hook states kept in them, error
+        if self.accelerator.is_main_process:
+            try:
+                hit = find_resume_checkpoint(self.cfg.resume, self.output_dir, warn=logger.warning)
+                if hit is not None:
+                    found[:3] = [str(hit[0]), dataclasses.asdict(hit[1]), hit[2]]
+            except ConfigError as err:
+                found[3] = str(err)
+        broadcast_object_list(found, from_process=0)
+        path, fields, kept_in_state, error = found
+        if error:
+            raise ConfigError(error)
+        if path is None:
+            return None, None, {}
+        return Path(path), RunState(**fields), kept_in_state
+
+    def _load(self, path: Path) -> None:
+        """Accelerate's ``load_state``: every ``torch.load`` without running code; a model or optimizer that does not
+        fit is one line."""
+        from safetensors import SafetensorError
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        arguments = adapters.load_arguments(self.accelerator, self.model, self.frozen, path)
+        try:
+            with loading_without_code():
+                self.accelerator.load_state(str(path), **arguments)
+        except (RuntimeError, KeyError, ValueError, IndexError, SafetensorError, CheckpointException) as err:
+            raise CheckpointError(f"checkpoint {str(path)!r} does not fit this model or optimizer: {first_line(err)}") from None
+
+    def _check_engine(self, path: Path, saved: RunState) -> None:
+        """A checkpoint loads under the engine that wrote it (Accelerate would look for files that are not there)."""
+        wrote = checkpoint_engine(path, saved)
+        if wrote != self.engine:
+            weights = " (its weights alone: DeepSpeed's zero_to_fp32.py in that folder)" if wrote == "DeepSpeed" else ""
+            shown = "DDP or single-process" if wrote == "DDP" else wrote
+            raise CheckpointError(
+                f"checkpoint {str(path)!r} holds {shown} model and optimizer state and this run is "
+                f"{self.accelerator.distributed_type.value}: resume it under {shown}, as it was written{weights}, or start a new "
+                "--output-dir"
+            )
+
+    def _check_shards_fit(self, path: Path) -> None:
+        """FSDP's shards hold this model's tensors, by name and whole shape (DCP would fail on every process with a
+        CheckpointException naming one tensor, deep inside its load plan)."""
+        if self.accelerator.distributed_type != DistributedType.FSDP:
+            return
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        metadata = path / SHARDED_MODEL / DCP_METADATA
+        if not metadata.is_file():  # full state dicts: the engine's own files
+            return
+        saved = {name.removeprefix("model."): tuple(meta.size) for name, meta in
+                 load_dcp_metadata(metadata).state_dict_metadata.items() if hasattr(meta, "size")}
+        mine = {name: tuple(tensor.shape) for name, tensor in get_model_state_dict(self.model).items()}
+        differ = sorted(name for name in saved.keys() | mine.keys() if saved.get(name) != mine.get(name))
+        if differ:
+            name = differ[0]
+            raise CheckpointError(
+                f"checkpoint {str(path)!r} holds another model than this run's: {len(differ)} tensors differ (e.g. {name}: "
+                f"{_shape(saved.get(name))} in the checkpoint, {_shape(mine.get(name))} here); resume with the model it was "
+                "written with, or start a new --output-dir"
+            )
+
+    def _check_relayout_supported(self, saved: RunState, current: RunState, path: Path) -> None:
+        """DeepSpeed partitions optimizer state per process: its checkpoints load on their own count. (FSDP's DCP
+        shards are resharded on load: they continue on another count.)"""
+        if self.accelerator.distributed_type == DistributedType.DEEPSPEED and saved.num_processes != current.num_processes:
+            raise CheckpointError(
+                f"checkpoint {str(path)!r} holds DeepSpeed ZeRO state partitioned over {saved.num_processes} processes and this "
+                f"run has {current.num_processes}: resume on {saved.num_processes} processes (or convert it with DeepSpeed's "
+                "ds_to_universal.py and load it with its universal-checkpoint support, outside acceltrain; a run trained under "
+                "DDP or FSDP resumes on another process count)"
+            )
+
+    def _continue_in_layout(self, saved: RunState, current: RunState) -> RunState:
+        """A checkpoint of another layout: the same samples of the epoch done, counted in this layout's batches.
+        The data order and augmentation are keyed on (seed, epoch, index), so they continue unchanged; the
+        per-process RNG streams (dropout) cannot map onto another count and are re-derived from (seed, step,
+        process index)."""
+        from accelerate.utils import set_seed
+
+        from ..data import mix_seed
+
+        if saved.num_processes != current.num_processes:
+            set_seed(mix_seed(self.cfg.seed, saved.step, self.accelerator.process_index) % 2**32)
+        logger.info(f"resuming a checkpoint of {saved.layout()} on {current.layout()}; per-process random streams "
+                    f"{'re-derived' if saved.num_processes != current.num_processes else 'kept'}")
+        moved = saved.in_layout(current)
+        set_micro_step(self.accelerator, moved.batch_in_epoch)
+        return moved
+
+    def _apply_changes(self, fresh_groups: list[dict]) -> None:
+        """After ``load_state`` put the checkpoint's optimizer hyperparameters back: the new settings' (lr,
+        momentum, weight decay) replace them, and the schedule continues from the new peak at the same step."""
+        scheduler = self.scheduler
+        for group, fresh in zip(self.optimizer.param_groups, fresh_groups):
+            group.update(fresh)
+        scheduler.base_lrs = [group["initial_lr"] for group in self.optimizer.param_groups]
+        values = [base * multiplier(scheduler.last_epoch) for base, multiplier in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+        for group, value in zip(self.optimizer.param_groups, values):
+            group["lr"] = value
+        scheduler._last_lr = values
+
+
+def check_async_supported(accelerator) -> None:
+    """DeepSpeed and FSDP's full state dicts write their own files at the save, so nothing can be copied and written later."""
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        raise ConfigError("--async-checkpoint works under DDP and FSDP; DeepSpeed writes its checkpoints itself: drop the flag")
+    if not writes_whole_copy(accelerator):
+        raise ConfigError("--async-checkpoint under FSDP needs fsdp_state_dict_type: SHARDED_STATE_DICT in the accelerate config "
+                          "(accelerate_configs/fsdp_cpu.yaml, fsdp.yaml)")
+
+
+def _shape(shape: tuple | None) -> str:
+    return "absent" if shape is None else f"[{', '.join(map(str, shape))}]"
+
+
+def _as_json(state: RunState) -> str:
+    import json
+
+    return json.dumps(dataclasses.asdict(state), indent=2)

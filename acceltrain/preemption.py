@@ -1,0 +1,79 @@
+"""How a run stops early and what its exit code says: the signals schedulers send before they kill a job
+(SIGTERM, SIGUSR1) and Ctrl-C, each turned into a checkpoint at the next optimizer-step boundary and an exit the
+launcher can act on (75: relaunch with ``--resume auto``), and a diverged run's exit."""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped on a signal after saving; relaunch with --resume auto
+EXIT_INTERRUPTED = 130  # Ctrl-C, as shells report death by SIGINT: saved on the first, at once on the second
+EXIT_BAD_INPUT = 2  # one line on stderr: nothing trained, nothing written
+EXIT_DIVERGED = 3  # a non-finite loss or gradient norm: nothing saved from that step on
+
+
+class StoppedToResume(SystemExit):
+    """The exit of a run that checkpointed to be resumed (75, or 130 after a first Ctrl-C); ``message`` says
+    where and why, for the launcher's report (torchelastic's error file)."""
+
+    def __init__(self, code: int, step: int, reason: str):
+        super().__init__(code)
+        self.message = f"stopped at step {step} to be resumed ({reason}); continue with --resume auto"
+
+
+class TrainingDiverged(Exception):
+    """A non-finite loss or gradient norm: the run stops without saving anything from that step on."""
+
+
+class PreemptionSignals:
+    """SIGTERM and SIGUSR1 (what schedulers send before killing a job) and a first SIGINT (Ctrl-C) set a flag
+    that the loop reads at the next optimizer-step boundary; a second SIGTERM only sets it again, so a save
+    in progress finishes, while a second Ctrl-C raises KeyboardInterrupt: the way to abort at once."""
+
+    SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGUSR1", "SIGINT") if hasattr(signal, name))
+
+    def __init__(self):
+        self.received: int | None = None
+        self._previous = {}
+
+    def install(self) -> "PreemptionSignals":
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    @property
+    def name(self) -> str | None:
+        return signal.Signals(self.received).name if self.received is not None else None
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_INTERRUPTED if self.received == signal.SIGINT else EXIT_PREEMPTED
+
+    def _handle(self, signum, frame) -> None:
+        if self.received is None:
+            self.received = signum
+        if signum == signal.SIGINT:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    def ignore_further(self) -> None:
+        """On the way out after a stop: ignore more SIGTERM/SIGUSR1. A Python handler would be reset to the
+        default (kill) during interpreter shutdown, turning a clean exit 75 into death by SIGTERM."""
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                if sig != signal.SIGINT:
+                    signal.signal(sig, signal.SIG_IGN)
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+
+def ignore_stop_signals(worker_id: int = 0) -> None:
+    """A DataLoader worker's ``worker_init_fn``: leave SIGTERM, SIGUSR1 and SIGINT to the main process. A
+    signal sent to the whole process group (SLURM, ``scancel``, ``docker stop``, Ctrl-C) would otherwise kill
+    the workers first and crash the run before it can save."""
+    for sig in PreemptionSignals.SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
