@@ -183,6 +183,17 @@ def test_length_grouped_epochs_train_each_example_once_in_batches_of_similar_len
     assert sum(spread) / len(spread) < 10, "batches of similar lengths (random batches: ~160 apart)"
 
 
+def test_without_max_length_examples_are_cut_at_the_model_s_positions(tmp_path, data, capsys):
+    """Round 5 (issue 38, item 8): --max-length is checked against the model's positions (a RuntimeError at step 1 with
+    an example longer); left unset it is the default, 256, cut to them (128 here), as causal_lm's --block-size."""
+    long_rows = write_rows(tmp_path / "long.csv", [{**row, "text": row["text"] * 8} for row in reviews(48)])
+    out = tmp_path / "run"
+    given = [arg for arg in TINY if arg not in ("--max-length", "48")]
+    assert run(out, *given, "--model-name-or-path", str(data.bert), "--train-file", str(long_rows), "--max-steps", "1") == 0
+    assert read_summary(out)["config"]["max_length"] == 128 and read_summary(out)["truncated_examples"]["train"] > 0
+    assert f"--max-length 128: the positions of --model-name-or-path {str(data.bert)!r} (the default, 256, is longer)" in capsys.readouterr().out
+
+
 def test_pairs_of_texts_and_integer_labels_train(tmp_path, data):
     rows = [{"premise": row["text"], "hypothesis": row["text"][::-1], "label": int(row["label"] == "pos")} for row in reviews(64)]
     train = write_rows(tmp_path / "pairs.jsonl", rows)
@@ -283,6 +294,7 @@ BAD_INPUTS = [
      "--lora-target-modules 'valeu' is not a module of BertForSequenceClassification: close names: value; its linear layers: "),
     (["--merge-lora"], "--merge-lora needs --lora-r"),
     (["--max-length", "1"], "--max-length 1 is invalid: must be an integer >= 2"),
+    (["--max-length", "512"], "--max-length 512 is longer than --model-name-or-path '{bert}' supports (128 positions)"),  # issue 38 item 8
     (["--model-name-or-path", "google-bert/bert-base-uncased"],
      "--model-name-or-path 'google-bert/bert-base-uncased': could not load a tokenizer from the Hugging Face Hub (offline? pass a local folder instead)"),
     (["--dataset-name", "stanfordnlp/imdb", "--train-file", "x.csv"], "exactly one of --train-file FILE and --dataset-name NAME"),
@@ -300,7 +312,7 @@ def bad(data) -> dict[str, Path]:
 
 @pytest.mark.parametrize("argv,message", BAD_INPUTS, ids=[f"{i}-{m.split()[0]}" for i, (_, m) in enumerate(BAD_INPUTS)])
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, data, bad, capsys, argv, message):
-    names = {**{key: str(path) for key, path in bad.items()}, "train": str(data.train)}
+    names = {**{key: str(path) for key, path in bad.items()}, "train": str(data.train), "bert": str(data.bert)}
     out = tmp_path / "out"
     given = [*TINY, *source(data), *[arg.format(**names) for arg in argv], "--max-steps", "1"]
     assert run(out, *given) == 2

@@ -71,6 +71,34 @@ def pretrained_tokenizer(tokenizer: str | None, model_name_or_path: str):
     return loaded
 
 
+def model_positions(model) -> int | None:
+    """The positions a Transformers model embeds (GPT-2's ``n_positions``, else ``max_position_embeddings``), if its
+    config says."""
+    config = model.config
+    return getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
+
+
+def check_length(length: int, flag: str, model, name_or_path: str) -> None:
+    """A sequence length ``flag`` asks for that is longer than the model's positions: one line now, not an index
+    error inside the model at the first long batch."""
+    positions = model_positions(model)
+    if positions is not None and length > positions:
+        raise ConfigError(f"{flag} {length} is longer than {FLAG} {name_or_path!r} supports ({positions} positions)")
+
+
+def fitting_length(length: int | None, default: int, flag: str, model, name_or_path: str) -> int:
+    """``length`` as given, checked (:func:`check_length`); unset (None): ``default``, cut to the model's positions
+    when they are fewer, logged (Transformers' ``run_clm.py``: ``min(default, the model's limit)``)."""
+    if length is not None:
+        check_length(length, flag, model, name_or_path)
+        return length
+    positions = model_positions(model)
+    if positions is None or positions >= default:
+        return default
+    logger.info(f"{flag} {positions}: the positions of {FLAG} {name_or_path!r} (the default, {default}, is longer)")
+    return positions
+
+
 def check_vocabulary(model, tokenizer, name_or_path: str) -> None:
     """A tokenizer with more tokens than the model embeds would index past its embedding table."""
     embedded = model.get_input_embeddings().num_embeddings
