@@ -291,7 +291,7 @@ BAD_INPUTS = [
     (["--model-name-or-path", "{no_pad}"], "the tokenizer has neither a pad token nor an end-of-text token to pad batches with"),
     (["--model-name-or-path", "{peft_names}"], "its weights do not fit its config.json ("),
     (["--lora-r", "4", "--lora-target-modules", "query,valeu"],
-     "--lora-target-modules 'valeu' is not a module of BertForSequenceClassification: close names: value; its linear layers: "),
+     "--lora-target-modules 'valeu' is not a module of BertForSequenceClassification: close names: value; its linear layers to adapt: "),
     (["--merge-lora"], "--merge-lora needs --lora-r"),
     (["--max-length", "1"], "--max-length 1 is invalid: must be an integer >= 2"),
     (["--max-length", "512"], "--max-length 512 is longer than --model-name-or-path '{bert}' supports (128 positions)"),  # issue 38 item 8
