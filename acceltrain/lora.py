@@ -88,6 +88,9 @@ def apply_lora(model, options: LoraOptions, *, missing_keys: Iterable[str] | Non
 
     if options.lora_r is None:
         raise ConfigError("apply_lora needs options with lora_r set (--lora-r): the rank of the adapter")
+    if is_peft_model(model):
+        raise ConfigError("--lora-r adds a LoRA adapter to a model that has one (--model-name-or-path a PEFT adapter folder: its "
+                          "adapter trains on, with its own settings): drop --lora-r")
     task_type = _peft_task(model)[0]
     fresh = _fresh_modules(model, _fresh_parameters(model, missing_keys))
     inside_fresh = sorted(name for name, _ in model.named_modules() if any(_within(name, top) for top in fresh))

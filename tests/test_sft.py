@@ -170,6 +170,22 @@ def test_a_lora_chat_run_resumes_byte_identically_and_its_adapter_reloads_in_a_f
     torch.testing.assert_close(torch.load(full / "reloaded_logits.pt"), predictions.logits["full"], rtol=1e-4, atol=1e-5)
 
 
+def test_an_adapter_folder_as_the_model_trains_its_adapter_on(tmp_path, data):
+    """Round 5 (issue 38, item 11): an SFT adapter folder as --model-name-or-path was "ValueError: optimizer got an empty
+    parameter list" (Transformers loaded its adapter frozen), the tokenizer left in the output folder."""
+    from safetensors.torch import load_file
+
+    adapter, continued = tmp_path / "adapter", tmp_path / "continued"
+    args = [*QUIET, "--train-file", str(data.chat), "--batch-size", "4", "--max-steps", "2"]
+    assert run(adapter, *args, "--model-name-or-path", str(data.llama), "--lora-r", "4", "--lora-target-modules", "q_proj,v_proj") == 0
+    assert run(continued, *args, "--model-name-or-path", str(adapter), "--lr", "1e-12") == 0
+    before, after = load_file(str(adapter / "adapter_model.safetensors")), load_file(str(continued / "adapter_model.safetensors"))
+    assert before.keys() == after.keys()
+    for name, tensor in after.items():
+        torch.testing.assert_close(tensor, before[name], msg=name)
+    assert 0 < read_summary(continued)["trainable_parameters"] < read_summary(continued)["parameters"]
+
+
 # --------------------------------------------------------------------------- bad input
 
 

@@ -194,6 +194,57 @@ def test_without_max_length_examples_are_cut_at_the_model_s_positions(tmp_path, 
     assert f"--max-length 128: the positions of --model-name-or-path {str(data.bert)!r} (the default, 256, is longer)" in capsys.readouterr().out
 
 
+def test_an_adapter_folder_as_the_model_trains_its_adapter_on(tmp_path, data, capsys):
+    """Round 5 (issue 38, item 11): a LoRA adapter folder as --model-name-or-path (Transformers loaded it onto its base,
+    frozen) was an AttributeError in check_vocabulary with the adapter on the embeddings. Its adapter trains on now,
+    from its own weights, with its own settings; LoRA flags beside it are one line."""
+    from safetensors.torch import load_file
+
+    adapter, continued = tmp_path / "adapter", tmp_path / "continued"
+    data_args = ["--train-file", str(data.train), "--eval-file", str(data.eval), "--max-steps", "2"]
+    assert run(adapter, *TINY, "--model-name-or-path", str(data.bert), *data_args, "--lora-r", "4",
+               "--lora-target-modules", "word_embeddings,query") == 0
+    assert run(continued, *TINY, "--model-name-or-path", str(adapter), *data_args, "--lr", "1e-12") == 0
+    before, after = load_file(str(adapter / "adapter_model.safetensors")), load_file(str(continued / "adapter_model.safetensors"))
+    assert before.keys() == after.keys() and any("embeddings" in name for name in after)
+    for name, tensor in after.items():  # a learning rate of 1e-12: the adapter as it was given, not a fresh one (lora_B = 0)
+        torch.testing.assert_close(tensor, before[name], msg=name)
+    assert any("lora_B" in name and tensor.abs().sum() > 0 for name, tensor in after.items())
+    summary = read_summary(continued)
+    assert 0 < summary["trainable_parameters"] == read_summary(adapter)["trainable_parameters"] < summary["parameters"]
+    assert f"continues training the LoRA adapter of --model-name-or-path {str(adapter)!r}" in capsys.readouterr().out
+    assert run(tmp_path / "twice", *TINY, "--model-name-or-path", str(adapter), *data_args, "--lora-r", "4") == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("error: --lora-r adds a LoRA adapter to a model that has one (--model-name-or-path a PEFT adapter folder: its "
+                   "adapter trains on, with its own settings): drop --lora-r"), err
+    assert not (tmp_path / "twice").exists()
+    three = write_rows(tmp_path / "three.csv", reviews(48, labels=("neg", "pos", "meh")))
+    assert run(tmp_path / "three", *TINY, "--model-name-or-path", str(adapter), "--train-file", str(three), "--max-steps", "2") == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: --model-name-or-path {str(adapter)!r}: its LoRA adapter does not load onto its base model (")
+    assert "size mismatch" in err and "\n" not in err and not (tmp_path / "three").exists()
+    headless = adapter_without_its_head(tmp_path / "headless", data.bert)
+    assert run(tmp_path / "random", *TINY, "--model-name-or-path", str(headless), *data_args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"error: --model-name-or-path {str(headless)!r}: its LoRA adapter does not carry bert.pooler.dense.bias, "
+                   "bert.pooler.dense.weight, classifier.bias ..., which its base model lacks too: they would train frozen at random "
+                   "values (an adapter saved without its new head?)"), err
+    assert not (tmp_path / "random").exists()
+
+
+def adapter_without_its_head(folder: Path, bert: Path) -> Path:
+    """An adapter made without a task type: peft then saves neither the new head nor the new pooler."""
+    import shutil
+
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForSequenceClassification
+
+    get_peft_model(AutoModelForSequenceClassification.from_pretrained(bert), LoraConfig(r=2, target_modules=["query"])).save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(bert / name, folder / name)
+    return folder
+
+
 def test_pairs_of_texts_and_integer_labels_train(tmp_path, data):
     rows = [{"premise": row["text"], "hypothesis": row["text"][::-1], "label": int(row["label"] == "pos")} for row in reviews(64)]
     train = write_rows(tmp_path / "pairs.jsonl", rows)

@@ -45,10 +45,10 @@ def load_causal_lm(name_or_path: str, *, vocab_size: int, block_size: int | None
     """(model, missing keys): a pretrained model from a local folder (or, online, the Hub), checked against the
     tokenizer and the block size (None: not chosen yet, see :func:`~acceltrain.text.pretrained.fitting_length`)
     before any training starts (see :func:`~acceltrain.text.pretrained.load_pretrained`)."""
-    from .pretrained import check_length, load_pretrained
+    from .pretrained import check_length, embedded_tokens, load_pretrained
 
     model, missing = load_pretrained("AutoModelForCausalLM", name_or_path)
-    embedded = model.get_input_embeddings().num_embeddings
+    embedded = embedded_tokens(model)
     if vocab_size > embedded:
         raise ConfigError(
             f"--model-name-or-path {name_or_path!r} embeds {embedded} tokens but the tokenizer has {vocab_size}: "
