@@ -63,8 +63,13 @@ def _check_is_checkpoint(path: Path) -> None:
     if not path.is_dir():
         raise ConfigError(f"CHECKPOINT {str(path)!r}: no such checkpoint folder")
     folder = path.resolve()
-    run_folder = folder if (folder / CHECKPOINTS_DIR).is_dir() else folder.parent if folder.name == CHECKPOINTS_DIR else None
-    if run_folder is None or (folder / COMPLETE_FILE).exists():
+    if (folder / COMPLETE_FILE).exists():
+        return
+    if (folder / CHECKPOINTS_DIR).is_dir():
+        run_folder = folder
+    elif folder.name == CHECKPOINTS_DIR:
+        run_folder = folder.parent
+    else:
         return
     found = complete_checkpoints(run_folder)
     what = "a run folder" if run_folder == folder else "the checkpoints folder of a run"
@@ -124,8 +129,8 @@ def _write_described(tensors: dict, checkpoint: Path, out: Path) -> None:
     problem = weights_mismatch(skeleton, {name: tuple(tensor.shape) for name, tensor in tensors.items()})
     if problem:
         raise ConfigError(f"checkpoint {str(checkpoint)!r} holds weights that would not load into the model of "
-                          f"{_described(checkpoint, CONFIG_FILE)} ({problem}): a checkpoint of another model? Merge it in its own "
-                          "run folder")
+                          f"{_described(checkpoint, CONFIG_FILE)} ({problem}): a checkpoint of another model? Merge "
+                          "it in its own run folder")
     _save_tensors(tensors, out)
 
 
@@ -159,10 +164,12 @@ def _merge_adapter(tensors: dict, checkpoint: Path, out: Path) -> None:
     where = f"checkpoint {str(checkpoint)!r}"
     adapter_file, config_file = _described(checkpoint, ADAPTER_CONFIG_FILE), _described(checkpoint, CONFIG_FILE)
     if adapter_file is None or config_file is None:
-        missing = " and ".join(name for name, found in ((ADAPTER_CONFIG_FILE, adapter_file), (CONFIG_FILE, config_file)) if found is None)
-        raise ConfigError(f"{where} holds a LoRA adapter's weights (peft names) and no {missing} beside its checkpoints or in its run "
-                          "folder describes its model (an earlier acceltrain wrote none): merge the run's final adapter folder with "
-                          "peft (AutoPeftModelFor....from_pretrained(RUN).merge_and_unload())")
+        found = {ADAPTER_CONFIG_FILE: adapter_file, CONFIG_FILE: config_file}
+        lacking = " and ".join(name for name, path in found.items() if path is None)
+        raise ConfigError(f"{where} holds a LoRA adapter's weights (peft names) and no {lacking} beside its "
+                          "checkpoints or in its run folder describes its model (an earlier acceltrain wrote none): "
+                          "merge the run's final adapter folder with peft "
+                          "(AutoPeftModelFor....from_pretrained(RUN).merge_and_unload())")
     adapter = PeftConfig.from_pretrained(str(adapter_file.parent))
     adapter.inference_mode = False  # its weights trainable: those the checkpoint must hold
     config = AutoConfig.from_pretrained(config_file.parent)
@@ -170,15 +177,16 @@ def _merge_adapter(tensors: dict, checkpoint: Path, out: Path) -> None:
     verbosity = transformers_logging.get_verbosity()
     transformers_logging.set_verbosity_error()  # the base lacks a new head: its random start is replaced here
     try:
-        base = load_local_or_hub(lambda path: model_class.from_pretrained(path, config=config), adapter.base_model_name_or_path,
-                                 f"{where} holds a LoRA adapter for the base model", "a model")
+        base = load_local_or_hub(lambda path: model_class.from_pretrained(path, config=config),
+                                 adapter.base_model_name_or_path, f"{where} holds a LoRA adapter for the base model",
+                                 "a model")
     finally:
         transformers_logging.set_verbosity(verbosity)
     model = get_peft_model(base, adapter)
 
     def other(why: str) -> ConfigError:
-        return ConfigError(f"{where} holds other weights than the LoRA adapter {adapter_file} describes ({why}): a checkpoint of "
-                           "another run? Merge it in its own run folder")
+        return ConfigError(f"{where} holds other weights than the LoRA adapter {adapter_file} describes ({why}): a "
+                           "checkpoint of another run? Merge it in its own run folder")
 
     try:
         unexpected = model.load_state_dict(tensors, strict=False).unexpected_keys
@@ -198,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = _OneLineParser(prog="acceltrain merge", description=__doc__, allow_abbrev=False)
     parser.add_argument("checkpoint", help="a checkpoint folder, e.g. runs/NAME/checkpoints/step_00001000")
-    parser.add_argument("out", help="a new folder for model.safetensors, its config and the run folder's tokenizer files")
+    parser.add_argument("out", help="a new folder for model.safetensors, its config and the run's tokenizer files")
     try:
         args = parser.parse_args(argv)
         weights = merge(Path(args.checkpoint), Path(args.out))
@@ -206,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     alone = "" if (weights.parent / CONFIG_FILE).is_file() else (
-        f", without a {CONFIG_FILE}: no config describes the checkpoint's model (a module its recipe builds: load the weights into it)")
+        f", without a {CONFIG_FILE}: no config describes the checkpoint's model (a module its recipe builds: load the "
+        "weights into it)")
     print(f"wrote {weights}{alone}")
     return 0

@@ -175,9 +175,9 @@ def test_a_target_module_trained_in_full_is_said_so(data):
         apply_lora(model, parse_config(Config, ["--lora-r", "4", "--lora-target-modules", "query,classifier"]),
                    missing_keys=loading["missing_keys"])
     assert str(caught.value) == (
-        "--lora-target-modules 'classifier' is trained in full, not adapted: the checkpoint of this BertForSequenceClassification does "
-        "not hold it, so it is trained and saved whole with the adapter (peft's modules_to_save); its linear layers to adapt: dense, "
-        "key, query, value (or all-linear)")
+        "--lora-target-modules 'classifier' is trained in full, not adapted: the checkpoint of this "
+        "BertForSequenceClassification does not hold it, so it is trained and saved whole with the adapter (peft's "
+        "modules_to_save); its linear layers to adapt: dense, key, query, value (or all-linear)")
 
 
 def test_all_linear_adapts_every_linear_layer_but_the_head(data):

@@ -28,8 +28,8 @@ import text_classification  # noqa: E402
 from in_process import run_in_process  # noqa: E402
 from pretrained_folders import bert_folder, causal_lm_folder, instructions, reviews, write_rows  # noqa: E402
 
-QUIET = ["--num-workers", "0", "--num-proc", "1", "--no-progress", "--report-to", "none", "--no-plots", "--log-every", "2",
-         "--max-steps", "4", "--save-every-steps", "2"]
+QUIET = ["--num-workers", "0", "--num-proc", "1", "--no-progress", "--report-to", "none", "--no-plots",
+         "--log-every", "2", "--max-steps", "4", "--save-every-steps", "2"]
 CLASSIFY = [*QUIET, "--batch-size", "8", "--lr", "5e-3", "--max-length", "48"]
 SFT = [*QUIET, "--batch-size", "4", "--lr", "1e-2", "--block-size", "64"]
 
@@ -61,8 +61,8 @@ def fine_tune(out: Path, data, *args: str) -> int:
 
 @pytest.fixture(scope="module")
 def runs(data) -> SimpleNamespace:
-    """A classifier trained in full, a --merge-lora classifier run and an SFT adapter run, finished; a classifier adapter
-    run and a full SFT run, stopped at step 2 (their folders hold no config.json of their own)."""
+    """A classifier trained in full, a --merge-lora classifier run and an SFT adapter run, finished; a classifier
+    adapter run and a full SFT run, stopped at step 2 (their folders hold no config.json of their own)."""
     root = data.root / "runs"
     made = SimpleNamespace(merged=root / "merged", adapter=root / "adapter", stopped_adapter=root / "stopped_adapter",
                            stopped=root / "stopped", full=root / "full")
@@ -111,7 +111,8 @@ def test_an_sft_adapter_run_s_checkpoint_merges_as_peft_merges_its_adapter(tmp_p
     out = merged(complete_checkpoints(runs.adapter)[-1], tmp_path / "out", capsys)
     model = loads_every_weight(out, "AutoModelForCausalLM")
     expected = AutoPeftModelForCausalLM.from_pretrained(runs.adapter).merge_and_unload().state_dict()
-    assert model.state_dict().keys() == expected.keys() and "lm_head.weight" in load_file(str(out / "model.safetensors"))
+    assert model.state_dict().keys() == expected.keys()
+    assert "lm_head.weight" in load_file(str(out / "model.safetensors")), "tied: under each name, as the run's"
     for name, tensor in expected.items():
         torch.testing.assert_close(model.state_dict()[name], tensor, msg=name)
     assert (out / "generation_config.json").is_file() and not (out / "adapter_config.json").exists()
@@ -160,8 +161,8 @@ def test_a_checkpoint_of_another_model_is_refused_and_out_left_as_it_was(tmp_pat
     assert err.endswith("a checkpoint of another model? Merge it in its own run folder") and "\n" not in err
     assert main(["merge", str(adapter), str(tmp_path / "new" / "out")]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith(f"error: checkpoint {str(adapter)!r} holds a LoRA adapter's weights (peft names) and no adapter_config.json "
-                          "beside its checkpoints or in its run folder describes its model"), err
+    assert err.startswith(f"error: checkpoint {str(adapter)!r} holds a LoRA adapter's weights (peft names) and no "
+                          "adapter_config.json beside its checkpoints or in its run folder describes its model"), err
     assert not any((tmp_path / "empty").iterdir()) and not (tmp_path / "new").exists(), "OUT left as it was"
 
 
@@ -169,11 +170,13 @@ def test_a_lora_checkpoint_whose_base_model_is_not_there_is_one_line(tmp_path, r
     """Items 2 and 3: a LoRA checkpoint merges into its base model, or says it cannot."""
     run = shutil.copytree(runs.stopped_adapter, tmp_path / "run")
     described = run / "checkpoints" / "adapter_config.json"
-    described.write_text(json.dumps({**json.loads(described.read_text()), "base_model_name_or_path": str(tmp_path / "gone")}))
+    adapter = json.loads(described.read_text())
+    described.write_text(json.dumps({**adapter, "base_model_name_or_path": str(tmp_path / "gone")}))
     checkpoint = complete_checkpoints(run)[-1]
     assert main(["merge", str(checkpoint), str(tmp_path / "out")]) == 2
-    assert capsys.readouterr().err.strip() == (f"error: checkpoint {str(checkpoint)!r} holds a LoRA adapter for the base model "
-                                               f"{str(tmp_path / 'gone')!r}: no such file or folder")
+    err = capsys.readouterr().err.strip()
+    assert err == (f"error: checkpoint {str(checkpoint)!r} holds a LoRA adapter for the base model "
+                   f"{str(tmp_path / 'gone')!r}: no such file or folder")
     assert not (tmp_path / "out").exists()
 
 
@@ -181,22 +184,24 @@ def test_relative_checkpoint_paths_find_their_run_folder(tmp_path, runs, capsys,
     """Item 6: checkpoint.parent.parent of a relative path is not the run folder: config and tokenizer were dropped."""
     checkpoint = complete_checkpoints(runs.stopped)[-1]
     monkeypatch.chdir(checkpoint.parent)
-    for name, argv in (("below", [checkpoint.name, str(tmp_path / "below")]), ("inside", [".", str(tmp_path / "inside")])):
+    for name, given in (("below", checkpoint.name), ("inside", ".")):
         if name == "inside":
             monkeypatch.chdir(checkpoint)
-        assert main(["merge", *argv]) == 0
-        assert {"config.json", "tokenizer.json", "model.safetensors"} <= {path.name for path in (tmp_path / name).iterdir()}, name
+        assert main(["merge", given, str(tmp_path / name)]) == 0
+        written = {path.name for path in (tmp_path / name).iterdir()}
+        assert {"config.json", "tokenizer.json", "model.safetensors"} <= written, name
     capsys.readouterr()
 
 
 def test_what_is_not_a_checkpoint_is_said_in_merge_s_words(tmp_path, runs, capsys):
     """Item 13: merge has no --resume, and a run folder is not an incomplete checkpoint."""
-    newest = complete_checkpoints(runs.merged)[-1]
+    newest = f"its newest checkpoint is {str(complete_checkpoints(runs.merged)[-1])!r}"
+    checkpoints = runs.merged / "checkpoints"
     for given, message in (
         (tmp_path / "nothing", f"CHECKPOINT {str(tmp_path / 'nothing')!r}: no such checkpoint folder"),
-        (runs.merged, f"CHECKPOINT {str(runs.merged)!r} is a run folder, not a checkpoint: its newest checkpoint is {str(newest)!r}"),
-        (runs.merged / "checkpoints", f"CHECKPOINT {str(runs.merged / 'checkpoints')!r} is the checkpoints folder of a run, not a "
-                                      f"checkpoint: its newest checkpoint is {str(newest)!r}"),
+        (runs.merged, f"CHECKPOINT {str(runs.merged)!r} is a run folder, not a checkpoint: {newest}"),
+        (checkpoints, f"CHECKPOINT {str(checkpoints)!r} is the checkpoints folder of a run, not a checkpoint: "
+                      f"{newest}"),
     ):
         assert main(["merge", str(given), str(tmp_path / "out")]) == 2
         assert capsys.readouterr().err.strip() == f"error: {message}"
@@ -211,16 +216,19 @@ def test_an_fsdp_lora_checkpoint_merges_into_its_base(tmp_path, data, capsys):
     from peft import AutoPeftModelForSequenceClassification
 
     out = tmp_path / "run"
-    env = {"HF_HUB_OFFLINE": "1", "HF_HOME": str(data.root / "hf" / "home"), "HF_DATASETS_CACHE": str(data.root / "hf" / "datasets")}
-    check(launch(REPO / "recipes" / "text_classification.py", [*CLASSIFY, "--model-name-or-path", str(data.bert), "--train-file",
-                 str(data.train), "--lora-r", "4", "--batch-size", "4", "--output-dir", str(out)],
-                 processes=2, launcher="accelerate", config="fsdp_cpu.yaml", **env))
+    hf = data.root / "hf"
+    env = {"HF_HUB_OFFLINE": "1", "HF_HOME": str(hf / "home"), "HF_DATASETS_CACHE": str(hf / "datasets")}
+    args = [*CLASSIFY, "--model-name-or-path", str(data.bert), "--train-file", str(data.train), "--lora-r", "4",
+            "--batch-size", "4", "--output-dir", str(out)]
+    check(launch(REPO / "recipes" / "text_classification.py", args, processes=2, launcher="accelerate",
+                 config="fsdp_cpu.yaml", **env))
     assert read_summary(out)["distributed_type"] == "FSDP"
     checkpoint = complete_checkpoints(out)[-1]
     assert (checkpoint / "pytorch_model_fsdp_0").is_dir()
     folder = merged(checkpoint, tmp_path / "merged", capsys)
     model = loads_every_weight(folder, "AutoModelForSequenceClassification")
     labels = json.loads((out / "checkpoints" / "config.json").read_text())["id2label"]
-    expected = AutoPeftModelForSequenceClassification.from_pretrained(out, num_labels=len(labels)).merge_and_unload().state_dict()
+    adapter = AutoPeftModelForSequenceClassification.from_pretrained(out, num_labels=len(labels))
+    expected = adapter.merge_and_unload().state_dict()
     for name, tensor in expected.items():
         torch.testing.assert_close(model.state_dict()[name], tensor, rtol=1e-5, atol=1e-6, msg=name)

@@ -171,15 +171,17 @@ def test_a_lora_chat_run_resumes_byte_identically_and_its_adapter_reloads_in_a_f
 
 
 def test_an_adapter_folder_as_the_model_trains_its_adapter_on(tmp_path, data):
-    """Round 5 (issue 38, item 11): an SFT adapter folder as --model-name-or-path was "ValueError: optimizer got an empty
-    parameter list" (Transformers loaded its adapter frozen), the tokenizer left in the output folder."""
+    """Round 5 (issue 38, item 11): an SFT adapter folder as --model-name-or-path was "ValueError: optimizer got an
+    empty parameter list" (Transformers loaded its adapter frozen), the tokenizer left in the output folder."""
     from safetensors.torch import load_file
 
     adapter, continued = tmp_path / "adapter", tmp_path / "continued"
     args = [*QUIET, "--train-file", str(data.chat), "--batch-size", "4", "--max-steps", "2"]
-    assert run(adapter, *args, "--model-name-or-path", str(data.llama), "--lora-r", "4", "--lora-target-modules", "q_proj,v_proj") == 0
+    lora = ["--lora-r", "4", "--lora-target-modules", "q_proj,v_proj"]
+    assert run(adapter, *args, "--model-name-or-path", str(data.llama), *lora) == 0
     assert run(continued, *args, "--model-name-or-path", str(adapter), "--lr", "1e-12") == 0
-    before, after = load_file(str(adapter / "adapter_model.safetensors")), load_file(str(continued / "adapter_model.safetensors"))
+    before = load_file(str(adapter / "adapter_model.safetensors"))
+    after = load_file(str(continued / "adapter_model.safetensors"))
     assert before.keys() == after.keys()
     for name, tensor in after.items():
         torch.testing.assert_close(tensor, before[name], msg=name)
@@ -212,14 +214,17 @@ def bad(data) -> dict[str, Path]:
     tokenizer.chat_template = STRICT_TEMPLATE
     tokenizer.save_pretrained(strict)
     chats = conversations(8)
-    bot = [{"role": "bot" if message["role"] == "assistant" else "user", "content": message["content"]} for message in chats[5]["messages"]]
-    greeting = [{"role": "assistant", "content": "good"}, {"role": "user", "content": "bad"}, {"role": "assistant", "content": "bad"}]
+    bot = [{"role": "bot" if message["role"] == "assistant" else "user", "content": message["content"]}
+           for message in chats[5]["messages"]]
+    greeting = [{"role": "assistant", "content": "good"}, {"role": "user", "content": "bad"},
+                {"role": "assistant", "content": "bad"}]
     return {
         "empty_response": write_rows(root / "empty_response.jsonl", [*rows[:2], {"prompt": "good", "response": " "}, *rows[2:]]),
         "long_prompts": write_rows(root / "long_prompts.jsonl", [{"prompt": "good " * 70, "response": " bad"}] * 4),
         "no_assistant": write_rows(root / "no_assistant.jsonl", [{"messages": [{"role": "user", "content": "good"}]}] * 4),
         "strict": strict,
-        "bot_role": write_rows(root / "bot_role.jsonl", [*chats[:5], {"messages": [*bot, *chats[5]["messages"]]}, *chats[6:]]),
+        "bot_role": write_rows(root / "bot_role.jsonl",
+                               [*chats[:5], {"messages": [*bot, *chats[5]["messages"]]}, *chats[6:]]),
         "assistant_first": write_rows(root / "assistant_first.jsonl", [*chats[:3], {"messages": greeting}, *chats[3:]]),
     }
 
@@ -235,11 +240,11 @@ BAD_INPUTS = [
      "row 0 of --train-file '{no_assistant}': the conversation has no assistant message to train on"),
     # issue 38 items 9 and 10: a jinja2 TemplateError through the tokenising pool; ValueError: ... an empty conversation
     (["--model-name-or-path", "{strict}", "--train-file", "{bot_role}", "--num-proc", "2"],
-     "row 5 of --train-file '{bot_role}': the tokenizer's chat template refuses the conversation: Conversation roles must be user, "
-     "assistant or system"),
+     "row 5 of --train-file '{bot_role}': the tokenizer's chat template refuses the conversation: Conversation roles "
+     "must be user, assistant or system"),
     (["--model-name-or-path", "{llama}", "--train-file", "{assistant_first}"],
-     "row 3 of --train-file '{assistant_first}': the conversation starts with an assistant message, which no prompt precedes to "
-     "train it on: start it with a user (or system) message"),
+     "row 3 of --train-file '{assistant_first}': the conversation starts with an assistant message, which no prompt "
+     "precedes to train it on: start it with a user (or system) message"),
     (["--model-name-or-path", "{gpt2}", "--train-file", "{rows}", "--prompt-column", "question"],
      "--prompt-column 'question' is not a column of --train-file '{rows}': its columns are prompt, response"),
     (["--train-file", "{rows}"], "--train-file fine-tunes a pretrained model: give it with --model-name-or-path"),

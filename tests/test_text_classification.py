@@ -189,9 +189,11 @@ def test_without_max_length_examples_are_cut_at_the_model_s_positions(tmp_path, 
     long_rows = write_rows(tmp_path / "long.csv", [{**row, "text": row["text"] * 8} for row in reviews(48)])
     out = tmp_path / "run"
     given = [arg for arg in TINY if arg not in ("--max-length", "48")]
-    assert run(out, *given, "--model-name-or-path", str(data.bert), "--train-file", str(long_rows), "--max-steps", "1") == 0
+    given += ["--model-name-or-path", str(data.bert), "--train-file", str(long_rows), "--max-steps", "1"]
+    assert run(out, *given) == 0
     assert read_summary(out)["config"]["max_length"] == 128 and read_summary(out)["truncated_examples"]["train"] > 0
-    assert f"--max-length 128: the positions of --model-name-or-path {str(data.bert)!r} (the default, 256, is longer)" in capsys.readouterr().out
+    logged = f"--max-length 128: the positions of --model-name-or-path {str(data.bert)!r} (the default, 256, is longer)"
+    assert logged in capsys.readouterr().out
 
 
 def test_an_adapter_folder_as_the_model_trains_its_adapter_on(tmp_path, data, capsys):
@@ -205,9 +207,10 @@ def test_an_adapter_folder_as_the_model_trains_its_adapter_on(tmp_path, data, ca
     assert run(adapter, *TINY, "--model-name-or-path", str(data.bert), *data_args, "--lora-r", "4",
                "--lora-target-modules", "word_embeddings,query") == 0
     assert run(continued, *TINY, "--model-name-or-path", str(adapter), *data_args, "--lr", "1e-12") == 0
-    before, after = load_file(str(adapter / "adapter_model.safetensors")), load_file(str(continued / "adapter_model.safetensors"))
+    before = load_file(str(adapter / "adapter_model.safetensors"))
+    after = load_file(str(continued / "adapter_model.safetensors"))
     assert before.keys() == after.keys() and any("embeddings" in name for name in after)
-    for name, tensor in after.items():  # a learning rate of 1e-12: the adapter as it was given, not a fresh one (lora_B = 0)
+    for name, tensor in after.items():  # a learning rate of 1e-12: the adapter as given, not a fresh one (lora_B = 0)
         torch.testing.assert_close(tensor, before[name], msg=name)
     assert any("lora_B" in name and tensor.abs().sum() > 0 for name, tensor in after.items())
     summary = read_summary(continued)
@@ -215,20 +218,22 @@ def test_an_adapter_folder_as_the_model_trains_its_adapter_on(tmp_path, data, ca
     assert f"continues training the LoRA adapter of --model-name-or-path {str(adapter)!r}" in capsys.readouterr().out
     assert run(tmp_path / "twice", *TINY, "--model-name-or-path", str(adapter), *data_args, "--lora-r", "4") == 2
     err = capsys.readouterr().err.strip()
-    assert err == ("error: --lora-r adds a LoRA adapter to a model that has one (--model-name-or-path a PEFT adapter folder: its "
-                   "adapter trains on, with its own settings): drop --lora-r"), err
+    assert err == ("error: --lora-r adds a LoRA adapter to a model that has one (--model-name-or-path a PEFT adapter "
+                   "folder: its adapter trains on, with its own settings): drop --lora-r"), err
     assert not (tmp_path / "twice").exists()
     three = write_rows(tmp_path / "three.csv", reviews(48, labels=("neg", "pos", "meh")))
-    assert run(tmp_path / "three", *TINY, "--model-name-or-path", str(adapter), "--train-file", str(three), "--max-steps", "2") == 2
+    args = ["--model-name-or-path", str(adapter), "--train-file", str(three), "--max-steps", "2"]
+    assert run(tmp_path / "three", *TINY, *args) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith(f"error: --model-name-or-path {str(adapter)!r}: its LoRA adapter does not load onto its base model (")
+    assert err.startswith(f"error: --model-name-or-path {str(adapter)!r}: its LoRA adapter does not load onto its base "
+                          "model (")
     assert "size mismatch" in err and "\n" not in err and not (tmp_path / "three").exists()
     headless = adapter_without_its_head(tmp_path / "headless", data.bert)
     assert run(tmp_path / "random", *TINY, "--model-name-or-path", str(headless), *data_args) == 2
     err = capsys.readouterr().err.strip()
-    assert err == (f"error: --model-name-or-path {str(headless)!r}: its LoRA adapter does not carry bert.pooler.dense.bias, "
-                   "bert.pooler.dense.weight, classifier.bias ..., which its base model lacks too: they would train frozen at random "
-                   "values (an adapter saved without its new head?)"), err
+    assert err == (f"error: --model-name-or-path {str(headless)!r}: its LoRA adapter does not carry "
+                   "bert.pooler.dense.bias, bert.pooler.dense.weight, classifier.bias ..., which its base model lacks "
+                   "too: they would train frozen at random values (an adapter saved without its new head?)"), err
     assert not (tmp_path / "random").exists()
 
 
@@ -239,7 +244,8 @@ def adapter_without_its_head(folder: Path, bert: Path) -> Path:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForSequenceClassification
 
-    get_peft_model(AutoModelForSequenceClassification.from_pretrained(bert), LoraConfig(r=2, target_modules=["query"])).save_pretrained(folder)
+    model = AutoModelForSequenceClassification.from_pretrained(bert)
+    get_peft_model(model, LoraConfig(r=2, target_modules=["query"])).save_pretrained(folder)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(bert / name, folder / name)
     return folder
@@ -342,10 +348,12 @@ BAD_INPUTS = [
     (["--model-name-or-path", "{no_pad}"], "the tokenizer has neither a pad token nor an end-of-text token to pad batches with"),
     (["--model-name-or-path", "{peft_names}"], "its weights do not fit its config.json ("),
     (["--lora-r", "4", "--lora-target-modules", "query,valeu"],
-     "--lora-target-modules 'valeu' is not a module of BertForSequenceClassification: close names: value; its linear layers to adapt: "),
+     "--lora-target-modules 'valeu' is not a module of BertForSequenceClassification: close names: value; its linear "
+     "layers to adapt: "),
     (["--merge-lora"], "--merge-lora needs --lora-r"),
     (["--max-length", "1"], "--max-length 1 is invalid: must be an integer >= 2"),
-    (["--max-length", "512"], "--max-length 512 is longer than --model-name-or-path '{bert}' supports (128 positions)"),  # issue 38 item 8
+    # issue 38 item 8: a RuntimeError at the first batch longer than the positions
+    (["--max-length", "512"], "--max-length 512 is longer than --model-name-or-path '{bert}' supports (128 positions)"),
     (["--model-name-or-path", "google-bert/bert-base-uncased"],
      "--model-name-or-path 'google-bert/bert-base-uncased': could not load a tokenizer from the Hugging Face Hub (offline? pass a local folder instead)"),
     (["--dataset-name", "stanfordnlp/imdb", "--train-file", "x.csv"], "exactly one of --train-file FILE and --dataset-name NAME"),

@@ -1,9 +1,10 @@
 """Every finished run folder Hub-ready (``config.json``, model card, ``train_config.yaml``; see
 :mod:`acceltrain.hub`), and ``--push-to-hub``: the repo checked and created before the first step,
-the folder uploaded at the end. From a launch's first save on, the model's config (and a LoRA adapter's
-``adapter_config.json``) is beside the checkpoints too, for ``acceltrain merge`` of a run that stops early. A model whose folder could not be written as its ecosystem loads it (a
+the folder uploaded at the end. A model whose folder could not be written as its ecosystem loads it (a
 Transformers model whose weights do not fit its own config, an adapter under DeepSpeed) is refused before
-training; the parameter counts (trained, total) go into the summary."""
+training; the parameter counts (trained, total) go into the summary. From a launch's first save on, the
+model's config (and a LoRA adapter's ``adapter_config.json``) is beside the checkpoints too, for
+``acceltrain merge`` of a run that stops early."""
 
 from __future__ import annotations
 

@@ -61,8 +61,8 @@ class CausalLMConfig(LoraOptions, TrainConfig):
     )
     vocab_size: int = option(8192, "vocabulary of the BPE trained when there is no --tokenizer")
     block_size: int | None = option(
-        None, f"tokens per training sequence (context length); with --train-file, per example at most (longer ones cut); "
-        f"default: {BLOCK_SIZE}, or the --model-name-or-path model's positions when it has fewer",
+        None, "tokens per training sequence (context length); with --train-file, per example at most (longer ones "
+        f"cut); default: {BLOCK_SIZE}, or the --model-name-or-path model's positions when it has fewer",
     )
     eval_fraction: float = option(
         0.05, "fraction of the blocks (with --train-file: of the rows) held out for evaluation, chosen by --seed (0: no evaluation)"
@@ -228,7 +228,8 @@ def _pretrained(cfg: CausalLMConfig, *, vocab_size: int) -> tuple:
     from acceltrain.text import fitting_length, load_causal_lm
 
     model, missing = load_causal_lm(cfg.model_name_or_path, vocab_size=vocab_size, block_size=None)
-    cfg = dataclasses.replace(cfg, block_size=fitting_length(cfg.block_size, BLOCK_SIZE, "--block-size", model, cfg.model_name_or_path))
+    block_size = fitting_length(cfg.block_size, BLOCK_SIZE, "--block-size", model, cfg.model_name_or_path)
+    cfg = dataclasses.replace(cfg, block_size=block_size)
     return (apply_lora(model, cfg, missing_keys=missing) if cfg.lora_r is not None else model), cfg
 
 

@@ -50,8 +50,8 @@ class TextClassificationConfig(LoraOptions, TrainConfig):
     text_pair_column: str | None = option(None, "a second text column, for pairs of texts (entailment, paraphrase)")
     label_column: str = option("label", "the column of labels: class names (strings) or class ids 0..K-1 (integers)")
     max_length: int | None = option(
-        None, f"tokens per example at most: longer ones are cut (counted in summary.json as truncated_examples); default: "
-        f"{MAX_LENGTH}, or the model's positions when it has fewer",
+        None, "tokens per example at most: longer ones are cut (counted in summary.json as truncated_examples); "
+        f"default: {MAX_LENGTH}, or the model's positions when it has fewer",
     )
     eval_fraction: float = option(0.1, "without eval rows: the fraction of the training rows held out for evaluation, chosen by --seed")
     group_by_length: bool = option(False, "batches of examples of similar lengths (less padding; still exactly resumable)")
@@ -120,7 +120,8 @@ def main(cfg: TextClassificationConfig) -> dict:
             label2id=labels.label2id, pad_token_id=tokenizer.pad_token_id, ignore_mismatched_sizes=True,
         )
         check_vocabulary(model, tokenizer, cfg.model_name_or_path)
-        cfg = dataclasses.replace(cfg, max_length=fitting_length(cfg.max_length, MAX_LENGTH, "--max-length", model, cfg.model_name_or_path))
+        max_length = fitting_length(cfg.max_length, MAX_LENGTH, "--max-length", model, cfg.model_name_or_path)
+        cfg = dataclasses.replace(cfg, max_length=max_length)
         if cfg.lora_r is not None:
             model = apply_lora(model, cfg, missing_keys=missing)
         encoding = {"text": cfg.text_column, "pair": cfg.text_pair_column, "label": cfg.label_column, "max_length": cfg.max_length,

@@ -30,11 +30,13 @@ def load_pretrained(auto_class: str, name_or_path: str, **settings):
 
     model_class = getattr(transformers, auto_class)
     base = adapter_base(name_or_path)
-    source, flag = (base, f"the base model of {FLAG} {name_or_path!r} (its adapter_config.json)") if base else (name_or_path, FLAG)
+    source, flag = name_or_path, FLAG
+    if base:
+        source, flag = base, f"the base model of {FLAG} {name_or_path!r} (its adapter_config.json)"
 
     def load():
-        return load_local_or_hub(lambda path: model_class.from_pretrained(path, output_loading_info=True, **settings), source, flag,
-                                 "a model")
+        return load_local_or_hub(lambda path: model_class.from_pretrained(path, output_loading_info=True, **settings),
+                                 source, flag, "a model")
 
     model, info = on_main_process_first(load)
     reshaped = sorted(key for key, *_ in info.get("mismatched_keys", ()))
@@ -55,7 +57,8 @@ def load_pretrained(auto_class: str, name_or_path: str, **settings):
 
 
 def adapter_base(name_or_path: str) -> str | None:
-    """The base model of a PEFT adapter folder (or Hub repo: ``adapter_config.json``, as Transformers finds it), else None."""
+    """The base model of a PEFT adapter folder (or Hub repo: ``adapter_config.json``, as Transformers finds it), else
+    None."""
     from transformers.utils import find_adapter_config_file
 
     try:
@@ -65,11 +68,11 @@ def adapter_base(name_or_path: str) -> str | None:
         return None
     from peft import PeftConfig
 
-    base = load_local_or_hub(PeftConfig.from_pretrained, name_or_path, FLAG, "a PEFT adapter's config").base_model_name_or_path
-    if not base:
-        raise ConfigError(f"{FLAG} {name_or_path!r} is a PEFT adapter folder whose adapter_config.json names no base model "
-                          "(base_model_name_or_path)")
-    return base
+    adapter = load_local_or_hub(PeftConfig.from_pretrained, name_or_path, FLAG, "a PEFT adapter's config")
+    if not adapter.base_model_name_or_path:
+        raise ConfigError(f"{FLAG} {name_or_path!r} is a PEFT adapter folder whose adapter_config.json names no base "
+                          "model (base_model_name_or_path)")
+    return adapter.base_model_name_or_path
 
 
 def continue_adapter(base, name_or_path: str, missing: set[str]):
@@ -84,17 +87,19 @@ def continue_adapter(base, name_or_path: str, missing: set[str]):
     try:
         model = PeftModel.from_pretrained(base, name_or_path, is_trainable=True)
     except (RuntimeError, ValueError, KeyError) as err:
-        raise ConfigError(f"{FLAG} {name_or_path!r}: its LoRA adapter does not load onto its base model ({one_line(err, 400)})") from None
+        raise ConfigError(f"{FLAG} {name_or_path!r}: its LoRA adapter does not load onto its base model "
+                          f"({one_line(err, 400)})") from None
     trained = {name.removeprefix("base_model.model.").replace(".base_layer.", "."): param.requires_grad
                for name, param in model.named_parameters()}
     random = sorted(name for name in missing if trained.get(name) is False)
     if random:
-        raise ConfigError(f"{FLAG} {name_or_path!r}: its LoRA adapter does not carry {', '.join(random[:3])}"
-                          f"{' ...' if len(random) > 3 else ''}, which its base model lacks too: they would train frozen at random "
-                          "values (an adapter saved without its new head?)")
+        more = " ..." if len(random) > 3 else ""
+        raise ConfigError(f"{FLAG} {name_or_path!r}: its LoRA adapter does not carry {', '.join(random[:3])}{more}, "
+                          "which its base model lacks too: they would train frozen at random values (an adapter saved "
+                          "without its new head?)")
     trainable, total = parameter_counts(model)
-    logger.info(f"continues training the LoRA adapter of {FLAG} {name_or_path!r} ({describe(model)}): {trainable:,} "
-                f"trainable of {total:,} parameters")
+    logger.info(f"continues training the LoRA adapter of {FLAG} {name_or_path!r} ({describe(model)}): "
+                f"{trainable:,} trainable of {total:,} parameters")
     return model
 
 

@@ -98,7 +98,8 @@ def _conversation_pieces(tokenizer, column: str, where: str):
         try:
             return tokenizer.apply_chat_template(messages, tokenize=False, **options)
         except TemplateError as err:  # the template's own raise_exception("Conversation roles must be ...")
-            raise ConfigError(f"row {index} of {where}: the tokenizer's chat template refuses the conversation: {first_line(err)}") from None
+            raise ConfigError(f"row {index} of {where}: the tokenizer's chat template refuses the conversation: "
+                              f"{first_line(err)}") from None
 
     def pieces(row, index):
         messages = row[column]
@@ -110,8 +111,8 @@ def _conversation_pieces(tokenizer, column: str, where: str):
         if not turns:
             raise ConfigError(f"row {index} of {where}: the conversation has no assistant message to train on")
         if turns[0] == 0:  # its generation prompt would be that of an empty conversation, which templates refuse
-            raise ConfigError(f"row {index} of {where}: the conversation starts with an assistant message, which no prompt precedes "
-                              "to train it on: start it with a user (or system) message")
+            raise ConfigError(f"row {index} of {where}: the conversation starts with an assistant message, which no "
+                              "prompt precedes to train it on: start it with a user (or system) message")
         whole, cuts = render(messages, index), []
         for turn in turns:
             if not messages[turn]["content"].strip():
