@@ -57,12 +57,12 @@ def _write(plain, state_dict: dict, weights: dict | None, output_dir: Path, adap
         state_dict = plain.state_dict()
     tensors = _on_cpu(state_dict)
     if not is_transformers_model(plain):
-        _save_tensors(tensors, output_dir)
+        save_tensors(tensors, output_dir)
         return
     try:
         check_fits_own_config(plain, {name: tuple(tensor.shape) for name, tensor in tensors.items()})
     except ConfigError as err:  # the trained weights are kept, under names no config claims to load
-        _save_tensors(tensors, output_dir)
+        save_tensors(tensors, output_dir)
         raise ConfigError(f"{err}; the trained weights are kept in {output_dir / WEIGHTS_FILE}, without a config.json") from None
     plain.save_pretrained(output_dir, state_dict=tensors)
 
@@ -74,7 +74,7 @@ def _on_cpu(state_dict: dict) -> dict:
     return {name: tensor.detach().to("cpu").contiguous().clone() for name, tensor in state_dict.items()}
 
 
-def _save_tensors(tensors: dict, output_dir: Path) -> None:
+def save_tensors(tensors: dict, output_dir: Path) -> None:
     """Written by hand rather than with ``save_model``, which silently drops every tensor that shares storage
     with another as an "alias" (a logger warning only)."""
     from safetensors.torch import save_file

@@ -80,6 +80,19 @@ def load_model(name_or_path: str | Path) -> nn.Module:
     folder that does not make the trained model is one ConfigError. A PEFT adapter folder is refused in one
     line that names the ``peft`` class that loads it (its README.md shows the call)."""
     folder = _model_folder(str(name_or_path))
+    build, load = _model_builders(folder)
+    check_matches(_skeleton(build, folder), folder / WEIGHTS_FILE)
+    return load().eval()
+
+
+def model_skeleton(folder: Path) -> nn.Module:
+    """The model that ``folder``'s ``config.json`` describes, built on the meta device within the memory available:
+    what :func:`load_model` checks the folder's weights against (names and shapes: :func:`weights_mismatch`)."""
+    return _skeleton(_model_builders(folder)[0], folder)
+
+
+def _model_builders(folder: Path) -> tuple[Callable[[], nn.Module], Callable[[], nn.Module]]:
+    """(build, load) of the model of ``folder``'s ``config.json``: a Transformers model or an acceltrain builder's."""
     if (folder / ADAPTER_CONFIG_FILE).is_file() and not (folder / CONFIG_FILE).is_file():
         raise ConfigError(f"{str(folder)!r} is a PEFT adapter folder ({ADAPTER_CONFIG_FILE}): load it with peft's "
                           f"AutoPeftModelFor... class as its {CARD_FILE} shows, onto its base model")
@@ -87,9 +100,7 @@ def load_model(name_or_path: str | Path) -> nn.Module:
     if "builder" in config and "model_type" in config:
         raise ConfigError(f"{folder / CONFIG_FILE} names both an acceltrain builder ({shorten(config['builder'])}) and a "
                           f"Transformers model_type ({shorten(config['model_type'])}): a run writes one or the other")
-    build, load = _transformers_model(folder) if "model_type" in config else _acceltrain_model(config, folder)
-    _check_matches(_skeleton(build, folder), folder / WEIGHTS_FILE)
-    return load().eval()
+    return _transformers_model(folder) if "model_type" in config else _acceltrain_model(config, folder)
 
 
 def _model_folder(name_or_path: str) -> Path:
@@ -150,12 +161,12 @@ def _transformers_model(folder: Path) -> tuple[Callable[[], nn.Module], Callable
         config = AutoConfig.from_pretrained(folder, trust_remote_code=False)
     except Exception as err:  # noqa: BLE001 - whatever the library makes of a malformed file, the file is at fault
         raise ConfigError(f"{folder / CONFIG_FILE} does not build a model: {type(err).__name__}: {first_line(err)}") from None
-    model_class = _transformers_class(config, folder)
+    model_class = transformers_class(config, folder)
     return (functools.partial(model_class.from_config, config, trust_remote_code=False),
             functools.partial(model_class.from_pretrained, folder, config=config, use_safetensors=True, trust_remote_code=False))
 
 
-def _transformers_class(config, folder: Path):
+def transformers_class(config, folder: Path):
     """The Auto class of ``config``'s architecture, else that architecture's own class in ``transformers``; a
     folder that names neither (a custom architecture) is one line."""
     import transformers
@@ -242,15 +253,15 @@ def _stopped_past(limit: int):
             handle.remove()
 
 
-def _check_matches(skeleton: nn.Module, weights: Path) -> None:
+def check_matches(skeleton: nn.Module, weights: Path) -> None:
     """The model's tensors are exactly the file's, by name and shape (read from its header): a missing one
     would stay random."""
-    problem = _tensor_mismatch(skeleton, _saved_shapes(weights))
+    problem = weights_mismatch(skeleton, _saved_shapes(weights))
     if problem:
         raise ConfigError(f"{weights} does not match {CONFIG_FILE}: {problem}")
 
 
-def _tensor_mismatch(skeleton: nn.Module, saved: dict[str, tuple[int, ...]]) -> str | None:
+def weights_mismatch(skeleton: nn.Module, saved: dict[str, tuple[int, ...]]) -> str | None:
     """How the tensors ``saved`` (name -> shape) differ from those of ``skeleton`` (built from the config, on the
     meta device), or None when they are the same: missing ones, unexpected ones, ones of another shape."""
     expected = {name: tuple(tensor.shape) for name, tensor in skeleton.state_dict().items()}
@@ -301,6 +312,36 @@ def write_model_files(model: nn.Module, output_dir: Path) -> str | None:
     return _BUILDERS[build["builder"]][1]
 
 
+def describe_checkpoints(model: nn.Module, checkpoints: Path) -> None:
+    """The files that describe the model being trained, written into the run's ``checkpoints/`` folder (by the
+    :class:`~acceltrain.hooks.HubReady` hook, at each launch's first save): what ``acceltrain merge`` turns any
+    checkpoint into a loadable folder with, also that of a run stopped before its end, whose folder has none of its
+    own yet (the run folder gets ``config.json`` with its final weights). A Transformers model's ``config.json`` (its
+    class in ``architectures``, as ``save_pretrained`` writes it) and ``generation_config.json``; for a PEFT model its
+    base model's, as training set them (a new head's labels), and its ``adapter_config.json``; a registered builder's
+    ``config.json``; nothing for a module that no config describes. Each file is replaced whole."""
+    import copy
+    import os
+    import tempfile
+
+    from .lora import is_peft_model
+
+    base = model.get_base_model() if is_peft_model(model) else model
+    with tempfile.TemporaryDirectory(dir=checkpoints) as staging:
+        if is_transformers_model(base):
+            config = copy.deepcopy(base.config)
+            config.architectures = [own_class(base).__name__]
+            config.save_pretrained(staging)
+            if base.can_generate():
+                base.generation_config.save_pretrained(staging)
+            if is_peft_model(model):
+                model.peft_config["default"].save_pretrained(staging)
+        else:
+            write_model_files(base, Path(staging))
+        for name in os.listdir(staging):
+            os.replace(Path(staging) / name, checkpoints / name)
+
+
 def model_head(model: nn.Module) -> tuple[str, str] | None:
     """(Auto class, pipeline tag) of a Transformers model, or of a PEFT adapter's base model, by its class: the
     class ``save_pretrained`` records in ``config.architectures``. None for any other module, and for an
@@ -334,7 +375,7 @@ def check_fits_own_config(model: nn.Module, shapes: dict[str, tuple[int, ...]] |
         shapes = {name: tuple(getattr(tensor, "ds_shape", tensor.shape)) for name, tensor in model.state_dict(keep_vars=True).items()}
     with torch.device("meta"):
         skeleton = own_class(model)._from_config(copy.deepcopy(model.config))
-    problem = _tensor_mismatch(skeleton, shapes)
+    problem = weights_mismatch(skeleton, shapes)
     if problem:
         raise ConfigError(f"the {own_class(model).__name__}'s weights would not load into the model its own {CONFIG_FILE} builds, so "
                           f"from_pretrained would leave them random: {problem}; keep its modules as its config builds them")

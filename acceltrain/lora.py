@@ -87,6 +87,9 @@ def apply_lora(model, options: LoraOptions, *, missing_keys: Iterable[str] | Non
 
     if options.lora_r is None:
         raise ConfigError("apply_lora needs options with lora_r set (--lora-r): the rank of the adapter")
+    if is_peft_model(model):
+        raise ConfigError("--lora-r adds a LoRA adapter to a model that has one (--model-name-or-path a PEFT adapter "
+                          "folder: its adapter trains on, with its own settings): drop --lora-r")
     task_type = _peft_task(model)[0]
     fresh = _fresh_modules(model, _fresh_parameters(model, missing_keys))
     inside_fresh = sorted(name for name, _ in model.named_modules() if any(_within(name, top) for top in fresh))
@@ -238,22 +241,35 @@ def _target_names(spec: str) -> list[str]:
 
 def _targets(model, spec: str | None, excluded: list[str]):
     """``--lora-target-modules`` as peft takes it, each name checked against the model: one line naming the close
-    names (and the linear layers) when a name matches no module."""
+    names (and the linear layers an adapter may go on) when a name matches no module, or only modules ``excluded``
+    (those trained in full)."""
     if spec is None:
         return None  # peft's default for the architecture (peft names it when it has none)
     names = _target_names(spec)
     if names == [ALL_LINEAR]:
         return ALL_LINEAR
-    modules = [name for name, _ in model.named_modules() if name and not any(_within(name, fresh) for fresh in excluded)]
-    leaves = sorted({name.rpartition(".")[2] for name in modules})
+    every = [(name, module) for name, module in model.named_modules() if name]
+    adaptable = [(name, module) for name, module in every if not any(_within(name, fresh) for fresh in excluded)]
+    linear = sorted({name.rpartition(".")[2] for name, module in adaptable if _is_linear(module)})
+    shown_linear = f"its linear layers to adapt: {', '.join(linear) or 'none'} (or {ALL_LINEAR})"
     for target in names:
-        if not any(name == target or name.endswith(f".{target}") for name in modules):
-            close = difflib.get_close_matches(target, leaves, n=4, cutoff=0.5)
-            linear = sorted({name.rpartition(".")[2] for name, module in model.named_modules() if _is_linear(module)})
-            shown_close = f": close names: {', '.join(close)}" if close else ""
-            raise ConfigError(f"--lora-target-modules {target!r} is not a module of {type(model).__name__}{shown_close}; its linear "
-                              f"layers: {', '.join(linear) or 'none'} (or {ALL_LINEAR})")
+        if _matches(target, adaptable):
+            continue
+        flag = f"--lora-target-modules {target!r}"
+        if _matches(target, every):  # inside a new module (a head the checkpoint lacks), which apply_lora excludes
+            raise ConfigError(f"{flag} is trained in full, not adapted: the checkpoint of this {type(model).__name__} "
+                              "does not hold it, so it is trained and saved whole with the adapter (peft's "
+                              f"modules_to_save); {shown_linear}")
+        leaves = sorted({name.rpartition(".")[2] for name, _ in adaptable})
+        close = difflib.get_close_matches(target, leaves, n=4, cutoff=0.5)
+        shown_close = f": close names: {', '.join(close)}" if close else ""
+        raise ConfigError(f"{flag} is not a module of {type(model).__name__}{shown_close}; {shown_linear}")
     return names
+
+
+def _matches(target: str, modules: list) -> bool:
+    """Whether a ``(name, module)`` of ``modules`` is ``target`` or ends with it, as peft matches a target name."""
+    return any(name == target or name.endswith(f".{target}") for name, _ in modules)
 
 
 def _is_linear(module) -> bool:

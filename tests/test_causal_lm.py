@@ -208,6 +208,25 @@ def test_continues_training_a_local_pretrained_folder_with_its_tokenizer(tmp_pat
     assert read_summary(out)["eval_loss"] is not None
 
 
+def test_without_block_size_a_pretrained_model_trains_at_its_limit_one_given_is_checked(tmp_path, text_file, capsys):
+    """Round 5 (issue 38, item 12): the default --block-size (256) was refused on a model of 128 positions, as if the
+    user had asked for it; only a block size given is refused now (run_clm's min(default, model limit))."""
+    sys.path.insert(0, str(REPO / "tests" / "helpers"))
+    from pretrained_folders import causal_lm_folder
+
+    model = causal_lm_folder(tmp_path / "short", positions=128)
+    args = ["--text-files", str(text_file), "--model-name-or-path", str(model), "--num-proc", "1", "--num-workers", "0",
+            "--no-progress", "--report-to", "none", "--batch-size", "2", "--max-steps", "1"]
+    assert run(causal_lm.main, tmp_path / "unsized", *args) == 0
+    assert read_summary(tmp_path / "unsized")["config"]["block_size"] == 128
+    logged = f"--block-size 128: the positions of --model-name-or-path {str(model)!r} (the default, 256, is longer)"
+    assert logged in capsys.readouterr().out
+    assert run(causal_lm.main, tmp_path / "sized", *args, "--block-size", "256") == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"error: --block-size 256 is longer than --model-name-or-path {str(model)!r} supports (128 positions)"
+    assert not (tmp_path / "sized").exists()
+
+
 def test_llama_preset_and_flop_count():
     model = build_causal_lm("llama-tiny", vocab_size=300, block_size=32)
     layers, width = model.config.num_hidden_layers, model.config.hidden_size

@@ -164,7 +164,20 @@ def test_an_unknown_target_module_lists_the_close_names_and_the_linear_layers(da
     with pytest.raises(ConfigError) as caught:
         apply_lora(model, parse_config(Config, ["--lora-r", "4", "--lora-target-modules", "qurey"]))
     assert str(caught.value) == ("--lora-target-modules 'qurey' is not a module of BertForSequenceClassification: close names: query, "
-                                 "key; its linear layers: classifier, dense, key, query, value (or all-linear)")
+                                 "key; its linear layers to adapt: dense, key, query, value (or all-linear)")
+
+
+def test_a_target_module_trained_in_full_is_said_so(data):
+    """Round 5 (issue 38, item 13): 'classifier' was "not a module", and then listed among the linear layers. It is the
+    new head, which the checkpoint does not hold: trained in full and saved with the adapter, never adapted."""
+    model, loading = classifier(data)
+    with pytest.raises(ConfigError) as caught:
+        apply_lora(model, parse_config(Config, ["--lora-r", "4", "--lora-target-modules", "query,classifier"]),
+                   missing_keys=loading["missing_keys"])
+    assert str(caught.value) == (
+        "--lora-target-modules 'classifier' is trained in full, not adapted: the checkpoint of this "
+        "BertForSequenceClassification does not hold it, so it is trained and saved whole with the adapter (peft's "
+        "modules_to_save); its linear layers to adapt: dense, key, query, value (or all-linear)")
 
 
 def test_all_linear_adapts_every_linear_layer_but_the_head(data):

@@ -172,18 +172,62 @@ def test_a_lora_chat_run_resumes_byte_identically_and_its_adapter_reloads_in_a_f
     torch.testing.assert_close(torch.load(full / "reloaded_logits.pt"), predictions.logits["full"], rtol=1e-4, atol=1e-5)
 
 
+def test_an_adapter_folder_as_the_model_trains_its_adapter_on(tmp_path, data):
+    """Round 5 (issue 38, item 11): an SFT adapter folder as --model-name-or-path was "ValueError: optimizer got an
+    empty parameter list" (Transformers loaded its adapter frozen), the tokenizer left in the output folder."""
+    from safetensors.torch import load_file
+
+    adapter, continued = tmp_path / "adapter", tmp_path / "continued"
+    args = [*QUIET, "--train-file", str(data.chat), "--batch-size", "4", "--max-steps", "2"]
+    lora = ["--lora-r", "4", "--lora-target-modules", "q_proj,v_proj"]
+    assert run(adapter, *args, "--model-name-or-path", str(data.llama), *lora) == 0
+    assert run(continued, *args, "--model-name-or-path", str(adapter), "--lr", "1e-12") == 0
+    before = load_file(str(adapter / "adapter_model.safetensors"))
+    after = load_file(str(continued / "adapter_model.safetensors"))
+    assert before.keys() == after.keys()
+    for name, tensor in after.items():
+        torch.testing.assert_close(tensor, before[name], msg=name)
+    assert 0 < read_summary(continued)["trainable_parameters"] < read_summary(continued)["parameters"]
+
+
 # --------------------------------------------------------------------------- bad input
+
+
+# as many published chat templates do: a role it does not know is the template's own exception
+STRICT_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] not in ['user', 'assistant', 'system'] %}"
+    "{{ raise_exception('Conversation roles must be user, assistant or system') }}{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 @pytest.fixture(scope="module")
 def bad(data) -> dict[str, Path]:
+    import shutil
+
+    from transformers import AutoTokenizer
+
     root = data.root / "bad"
     root.mkdir()
     rows = instructions(6)
+    strict = shutil.copytree(data.llama, root / "strict")
+    tokenizer = AutoTokenizer.from_pretrained(strict)
+    tokenizer.chat_template = STRICT_TEMPLATE
+    tokenizer.save_pretrained(strict)
+    chats = conversations(8)
+    bot = [{"role": "bot" if message["role"] == "assistant" else "user", "content": message["content"]}
+           for message in chats[5]["messages"]]
+    greeting = [{"role": "assistant", "content": "good"}, {"role": "user", "content": "bad"},
+                {"role": "assistant", "content": "bad"}]
     return {
         "empty_response": write_rows(root / "empty_response.jsonl", [*rows[:2], {"prompt": "good", "response": " "}, *rows[2:]]),
         "long_prompts": write_rows(root / "long_prompts.jsonl", [{"prompt": "good " * 70, "response": " bad"}] * 4),
         "no_assistant": write_rows(root / "no_assistant.jsonl", [{"messages": [{"role": "user", "content": "good"}]}] * 4),
+        "strict": strict,
+        "bot_role": write_rows(root / "bot_role.jsonl",
+                               [*chats[:5], {"messages": [*bot, *chats[5]["messages"]]}, *chats[6:]]),
+        "assistant_first": write_rows(root / "assistant_first.jsonl", [*chats[:3], {"messages": greeting}, *chats[3:]]),
     }
 
 
@@ -196,6 +240,13 @@ BAD_INPUTS = [
      "--train-file '{chat}' has a 'messages' column but the tokenizer has no chat template to render it"),
     (["--model-name-or-path", "{llama}", "--train-file", "{no_assistant}"],
      "row 0 of --train-file '{no_assistant}': the conversation has no assistant message to train on"),
+    # issue 38 items 9 and 10: a jinja2 TemplateError through the tokenising pool; ValueError: ... an empty conversation
+    (["--model-name-or-path", "{strict}", "--train-file", "{bot_role}", "--num-proc", "2"],
+     "row 5 of --train-file '{bot_role}': the tokenizer's chat template refuses the conversation: Conversation roles "
+     "must be user, assistant or system"),
+    (["--model-name-or-path", "{llama}", "--train-file", "{assistant_first}"],
+     "row 3 of --train-file '{assistant_first}': the conversation starts with an assistant message, which no prompt "
+     "precedes to train it on: start it with a user (or system) message"),
     (["--model-name-or-path", "{gpt2}", "--train-file", "{rows}", "--prompt-column", "question"],
      "--prompt-column 'question' is not a column of --train-file '{rows}': its columns are prompt, response"),
     (["--train-file", "{rows}"], "--train-file fine-tunes a pretrained model: give it with --model-name-or-path"),

@@ -183,6 +183,74 @@ def test_length_grouped_epochs_train_each_example_once_in_batches_of_similar_len
     assert sum(spread) / len(spread) < 10, "batches of similar lengths (random batches: ~160 apart)"
 
 
+def test_without_max_length_examples_are_cut_at_the_model_s_positions(tmp_path, data, capsys):
+    """Round 5 (issue 38, item 8): --max-length is checked against the model's positions (a RuntimeError at step 1 with
+    an example longer); left unset it is the default, 256, cut to them (128 here), as causal_lm's --block-size."""
+    long_rows = write_rows(tmp_path / "long.csv", [{**row, "text": row["text"] * 8} for row in reviews(48)])
+    out = tmp_path / "run"
+    given = [arg for arg in TINY if arg not in ("--max-length", "48")]
+    given += ["--model-name-or-path", str(data.bert), "--train-file", str(long_rows), "--max-steps", "1"]
+    assert run(out, *given) == 0
+    assert read_summary(out)["config"]["max_length"] == 128 and read_summary(out)["truncated_examples"]["train"] > 0
+    logged = f"--max-length 128: the positions of --model-name-or-path {str(data.bert)!r} (the default, 256, is longer)"
+    assert logged in capsys.readouterr().out
+
+
+def test_an_adapter_folder_as_the_model_trains_its_adapter_on(tmp_path, data, capsys):
+    """Round 5 (issue 38, item 11): a LoRA adapter folder as --model-name-or-path (Transformers loaded it onto its base,
+    frozen) was an AttributeError in check_vocabulary with the adapter on the embeddings. Its adapter trains on now,
+    from its own weights, with its own settings; LoRA flags beside it are one line."""
+    from safetensors.torch import load_file
+
+    adapter, continued = tmp_path / "adapter", tmp_path / "continued"
+    data_args = ["--train-file", str(data.train), "--eval-file", str(data.eval), "--max-steps", "2"]
+    assert run(adapter, *TINY, "--model-name-or-path", str(data.bert), *data_args, "--lora-r", "4",
+               "--lora-target-modules", "word_embeddings,query") == 0
+    assert run(continued, *TINY, "--model-name-or-path", str(adapter), *data_args, "--lr", "1e-12") == 0
+    before = load_file(str(adapter / "adapter_model.safetensors"))
+    after = load_file(str(continued / "adapter_model.safetensors"))
+    assert before.keys() == after.keys() and any("embeddings" in name for name in after)
+    for name, tensor in after.items():  # a learning rate of 1e-12: the adapter as given, not a fresh one (lora_B = 0)
+        torch.testing.assert_close(tensor, before[name], msg=name)
+    assert any("lora_B" in name and tensor.abs().sum() > 0 for name, tensor in after.items())
+    summary = read_summary(continued)
+    assert 0 < summary["trainable_parameters"] == read_summary(adapter)["trainable_parameters"] < summary["parameters"]
+    assert f"continues training the LoRA adapter of --model-name-or-path {str(adapter)!r}" in capsys.readouterr().out
+    assert run(tmp_path / "twice", *TINY, "--model-name-or-path", str(adapter), *data_args, "--lora-r", "4") == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("error: --lora-r adds a LoRA adapter to a model that has one (--model-name-or-path a PEFT adapter "
+                   "folder: its adapter trains on, with its own settings): drop --lora-r"), err
+    assert not (tmp_path / "twice").exists()
+    three = write_rows(tmp_path / "three.csv", reviews(48, labels=("neg", "pos", "meh")))
+    args = ["--model-name-or-path", str(adapter), "--train-file", str(three), "--max-steps", "2"]
+    assert run(tmp_path / "three", *TINY, *args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: --model-name-or-path {str(adapter)!r}: its LoRA adapter does not load onto its base "
+                          "model (")
+    assert "size mismatch" in err and "\n" not in err and not (tmp_path / "three").exists()
+    headless = adapter_without_its_head(tmp_path / "headless", data.bert)
+    assert run(tmp_path / "random", *TINY, "--model-name-or-path", str(headless), *data_args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"error: --model-name-or-path {str(headless)!r}: its LoRA adapter does not carry "
+                   "bert.pooler.dense.bias, bert.pooler.dense.weight, classifier.bias ..., which its base model lacks "
+                   "too: they would train frozen at random values (an adapter saved without its new head?)"), err
+    assert not (tmp_path / "random").exists()
+
+
+def adapter_without_its_head(folder: Path, bert: Path) -> Path:
+    """An adapter made without a task type: peft then saves neither the new head nor the new pooler."""
+    import shutil
+
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(bert)
+    get_peft_model(model, LoraConfig(r=2, target_modules=["query"])).save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(bert / name, folder / name)
+    return folder
+
+
 def test_pairs_of_texts_and_integer_labels_train(tmp_path, data):
     rows = [{"premise": row["text"], "hypothesis": row["text"][::-1], "label": int(row["label"] == "pos")} for row in reviews(64)]
     train = write_rows(tmp_path / "pairs.jsonl", rows)
@@ -280,9 +348,12 @@ BAD_INPUTS = [
     (["--model-name-or-path", "{no_pad}"], "the tokenizer has neither a pad token nor an end-of-text token to pad batches with"),
     (["--model-name-or-path", "{peft_names}"], "its weights do not fit its config.json ("),
     (["--lora-r", "4", "--lora-target-modules", "query,valeu"],
-     "--lora-target-modules 'valeu' is not a module of BertForSequenceClassification: close names: value; its linear layers: "),
+     "--lora-target-modules 'valeu' is not a module of BertForSequenceClassification: close names: value; its linear "
+     "layers to adapt: "),
     (["--merge-lora"], "--merge-lora needs --lora-r"),
     (["--max-length", "1"], "--max-length 1 is invalid: must be an integer >= 2"),
+    # issue 38 item 8: a RuntimeError at the first batch longer than the positions
+    (["--max-length", "512"], "--max-length 512 is longer than --model-name-or-path '{bert}' supports (128 positions)"),
     (["--model-name-or-path", "google-bert/bert-base-uncased"],
      "--model-name-or-path 'google-bert/bert-base-uncased': could not load a tokenizer from the Hugging Face Hub (offline? pass a local folder instead)"),
     (["--dataset-name", "stanfordnlp/imdb", "--train-file", "x.csv"], "exactly one of --train-file FILE and --dataset-name NAME"),
@@ -300,7 +371,7 @@ def bad(data) -> dict[str, Path]:
 
 @pytest.mark.parametrize("argv,message", BAD_INPUTS, ids=[f"{i}-{m.split()[0]}" for i, (_, m) in enumerate(BAD_INPUTS)])
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, data, bad, capsys, argv, message):
-    names = {**{key: str(path) for key, path in bad.items()}, "train": str(data.train)}
+    names = {**{key: str(path) for key, path in bad.items()}, "train": str(data.train), "bert": str(data.bert)}
     out = tmp_path / "out"
     given = [*TINY, *source(data), *[arg.format(**names) for arg in argv], "--max-steps", "1"]
     assert run(out, *given) == 2

@@ -47,7 +47,7 @@ set of stateful hooks is refused. Its ``name`` keys that state and names its fil
 name): 1 to 100 ASCII letters, digits, '_', '-' and '.', not starting with '.', distinct ignoring case.
 The built-in hooks keep their state the same way (``CheckpointSchedule`` the best checkpoint,
 ``Trackers`` the W&B run id, ``TimeBudget`` the evaluation's duration); all else a resume needs is the
-run's own :class:`~acceltrain.checkpointing.RunState`.
+run's own :class:`~acceltrain.checkpoint.RunState`.
 """
 
 from __future__ import annotations

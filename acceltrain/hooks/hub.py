@@ -2,7 +2,9 @@
 :mod:`acceltrain.hub`), and ``--push-to-hub``: the repo checked and created before the first step,
 the folder uploaded at the end. A model whose folder could not be written as its ecosystem loads it (a
 Transformers model whose weights do not fit its own config, an adapter under DeepSpeed) is refused before
-training; the parameter counts (trained, total) go into the summary."""
+training; the parameter counts (trained, total) go into the summary. From a launch's first save on, the
+model's config (and a LoRA adapter's ``adapter_config.json``) is beside the checkpoints too, for
+``acceltrain merge`` of a run that stops early."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from ..distributed import main_process_only
 from ..hub import (
     CARD_FILE,
     check_fits_own_config,
+    describe_checkpoints,
     is_transformers_model,
     model_card,
     prepare_repo,
@@ -35,6 +38,7 @@ class HubReady(Hook):
         self.push = push
         self.repo_id: str | None = None
         self.parameters: dict[str, int] = {}
+        self.described = False  # this launch wrote the model's description beside the checkpoints
 
     @classmethod
     def from_config(cls, cfg: HubOptions) -> HubReady:
@@ -55,6 +59,11 @@ class HubReady(Hook):
             self.repo_id = prepare_repo(run.cfg, run.output_dir)
 
         main_process_only(prepare)
+
+    def on_save(self, run, folder) -> None:
+        if not self.described and run.accelerator.is_main_process:
+            describe_checkpoints(run.accelerator.unwrap_model(run.model), folder.parent)
+        self.described = True
 
     def on_fit_end(self, run, summary: dict) -> None:
         summary.update(self.parameters)

@@ -14,6 +14,7 @@ with --lora-r it is a PEFT adapter folder (AutoPeftModelForCausalLM), with --mer
 Every flag: acceltrain-causal-lm --help (or python recipes/causal_lm.py --help in a checkout)
 """
 
+import dataclasses
 from dataclasses import dataclass
 
 from acceltrain import ConfigError, TrainConfig, option, require, run_recipe
@@ -24,6 +25,7 @@ from acceltrain.text import MODEL_PRESETS, transformer_default
 __all__ = ["CausalLMConfig", "cli", "main"]
 
 NAME = "causal_lm"
+BLOCK_SIZE = 256  # without --block-size: a pretrained model's positions when it has fewer
 BPE_LINES = 2000  # with --streaming --eval-lines 0: the stream's first lines that train a BPE (not held out)
 
 
@@ -58,7 +60,10 @@ class CausalLMConfig(LoraOptions, TrainConfig):
         None, "tokenizer.json, tokenizer folder or Hub name; default: the --model-name-or-path folder's, else a BPE trained on the text"
     )
     vocab_size: int = option(8192, "vocabulary of the BPE trained when there is no --tokenizer")
-    block_size: int = option(256, "tokens per training sequence (context length); with --train-file, per example at most (longer ones cut)")
+    block_size: int | None = option(
+        None, "tokens per training sequence (context length); with --train-file, per example at most (longer ones "
+        f"cut); default: {BLOCK_SIZE}, or the --model-name-or-path model's positions when it has fewer",
+    )
     eval_fraction: float = option(
         0.05, "fraction of the blocks (with --train-file: of the rows) held out for evaluation, chosen by --seed (0: no evaluation)"
     )
@@ -85,7 +90,8 @@ class CausalLMConfig(LoraOptions, TrainConfig):
             raise ConfigError("--streaming reads --text-files or --dataset-name as a stream; --train-file rows are read into memory")
         if self.dataset_config is not None and self.dataset_name is None:
             raise ConfigError("--dataset-config needs --dataset-name")
-        require(self.block_size >= 2, "block_size", self.block_size, "an integer >= 2 (one token and the next)")
+        if self.block_size is not None:
+            require(self.block_size >= 2, "block_size", self.block_size, "an integer >= 2 (one token and the next)")
         require(self.vocab_size >= 257, "vocab_size", self.vocab_size, "an integer >= 257 (256 bytes and <|endoftext|>)")
         require(0 <= self.eval_fraction < 1, "eval_fraction", self.eval_fraction, "a fraction in [0, 1)")
         require(0 <= self.dropout < 1, "dropout", self.dropout, "a number in [0, 1)")
@@ -140,6 +146,12 @@ def _continued(cfg: CausalLMConfig, folder, task_class) -> dict:
         texts = rest if cfg.eval_lines else texts
     tokenizer_source, flag = (cfg.tokenizer, "--tokenizer") if cfg.tokenizer else (cfg.model_name_or_path, "--model-name-or-path")
     tokenizer = tokenizer_for_run(tokenizer_source, flag, first_lines, output_dir, cfg.vocab_size, resuming=cfg.resume is not None)
+    if cfg.model_name_or_path:
+        model, cfg = _pretrained(cfg, vocab_size=len(tokenizer))
+    else:
+        cfg = dataclasses.replace(cfg, block_size=cfg.block_size or BLOCK_SIZE)
+        model = build_causal_lm(cfg.model, vocab_size=len(tokenizer), block_size=cfg.block_size, dropout=cfg.dropout,
+                                end_of_text_id=tokenizer.eos_token_id)
     if cfg.streaming:
         train_set = streamed_blocks(texts, tokenizer, block_size=cfg.block_size, seed=cfg.seed)
         eval_set = token_blocks(first_lines, tokenizer, block_size=cfg.block_size).with_format("torch") if cfg.eval_lines else None
@@ -148,11 +160,6 @@ def _continued(cfg: CausalLMConfig, folder, task_class) -> dict:
         train_set, eval_set = split_blocks(blocks, eval_fraction=cfg.eval_fraction, seed=cfg.seed)
     if cfg.text_files:  # a resume refuses text that changed since (a Hub dataset has no fingerprint here)
         train_set.fingerprint = text_fingerprint(expand_text_files(cfg.text_files))
-    shape = {"vocab_size": len(tokenizer), "block_size": cfg.block_size}
-    if cfg.model_name_or_path:
-        model = _pretrained(cfg, **shape)
-    else:
-        model = build_causal_lm(cfg.model, **shape, dropout=cfg.dropout, end_of_text_id=tokenizer.eos_token_id)
     task = task_class(cfg.block_size, flops_per_block(model, cfg.block_size))
     if folder.is_main_process:  # before training: the run folder loads with from_pretrained, tokenizer included
         save_tokenizer(tokenizer, output_dir)
@@ -186,7 +193,7 @@ def _supervised(cfg: CausalLMConfig, folder, task_class) -> dict:
         if rows is not None:
             check_columns(rows, where, **columns)
     tokenizer = pretrained_tokenizer(cfg.tokenizer, cfg.model_name_or_path)
-    model = _pretrained(cfg, vocab_size=len(tokenizer), block_size=cfg.block_size)
+    model, cfg = _pretrained(cfg, vocab_size=len(tokenizer))
     encoding = {"block_size": cfg.block_size, "prompt": cfg.prompt_column, "response": cfg.response_column,
                 "messages": cfg.messages_column if chat else None, "num_proc": cfg.num_proc}
     train_set = sft_examples(train_rows, tokenizer, where=train_where, **encoding)
@@ -214,13 +221,16 @@ def _supervised(cfg: CausalLMConfig, folder, task_class) -> dict:
                collate_fn=sft_batches(tokenizer))
 
 
-def _pretrained(cfg: CausalLMConfig, *, vocab_size: int, block_size: int):
-    """The --model-name-or-path model, with a LoRA adapter when --lora-r asks for one."""
+def _pretrained(cfg: CausalLMConfig, *, vocab_size: int) -> tuple:
+    """(the --model-name-or-path model, with a LoRA adapter when --lora-r asks for one; ``cfg`` with its block size:
+    unset, the default cut to the model's positions)."""
     from acceltrain import apply_lora
-    from acceltrain.text import load_causal_lm
+    from acceltrain.text import fitting_length, load_causal_lm
 
-    model, missing = load_causal_lm(cfg.model_name_or_path, vocab_size=vocab_size, block_size=block_size)
-    return apply_lora(model, cfg, missing_keys=missing) if cfg.lora_r is not None else model
+    model, missing = load_causal_lm(cfg.model_name_or_path, vocab_size=vocab_size, block_size=None)
+    block_size = fitting_length(cfg.block_size, BLOCK_SIZE, "--block-size", model, cfg.model_name_or_path)
+    cfg = dataclasses.replace(cfg, block_size=block_size)
+    return (apply_lora(model, cfg, missing_keys=missing) if cfg.lora_r is not None else model), cfg
 
 
 def cli() -> None:

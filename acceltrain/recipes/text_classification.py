@@ -13,6 +13,7 @@ with AutoModelForSequenceClassification.from_pretrained; with --lora-r it is a P
 Every flag: acceltrain-text-classification --help (or python recipes/text_classification.py --help in a checkout)
 """
 
+import dataclasses
 from dataclasses import dataclass
 
 from acceltrain import ConfigError, TrainConfig, option, require, run_recipe
@@ -23,6 +24,7 @@ from acceltrain.text import transformer_default
 __all__ = ["TextClassificationConfig", "cli", "main"]
 
 NAME = "text_classification"
+MAX_LENGTH = 256  # without --max-length, cut to the model's positions when it has fewer
 
 
 @dataclass
@@ -47,7 +49,10 @@ class TextClassificationConfig(LoraOptions, TrainConfig):
     text_column: str = option("text", "the column of text to classify")
     text_pair_column: str | None = option(None, "a second text column, for pairs of texts (entailment, paraphrase)")
     label_column: str = option("label", "the column of labels: class names (strings) or class ids 0..K-1 (integers)")
-    max_length: int = option(256, "tokens per example at most: longer ones are cut (counted in summary.json as truncated_examples)")
+    max_length: int | None = option(
+        None, "tokens per example at most: longer ones are cut (counted in summary.json as truncated_examples); "
+        f"default: {MAX_LENGTH}, or the model's positions when it has fewer",
+    )
     eval_fraction: float = option(0.1, "without eval rows: the fraction of the training rows held out for evaluation, chosen by --seed")
     group_by_length: bool = option(False, "batches of examples of similar lengths (less padding; still exactly resumable)")
     num_proc: int | None = option(
@@ -62,7 +67,8 @@ class TextClassificationConfig(LoraOptions, TrainConfig):
             raise ConfigError("give the training rows with exactly one of --train-file FILE and --dataset-name NAME")
         if self.dataset_config is not None and self.dataset_name is None:
             raise ConfigError("--dataset-config needs --dataset-name")
-        require(self.max_length >= 2, "max_length", self.max_length, "an integer >= 2")
+        if self.max_length is not None:
+            require(self.max_length >= 2, "max_length", self.max_length, "an integer >= 2")
         require(0 <= self.eval_fraction < 1, "eval_fraction", self.eval_fraction, "a fraction in [0, 1)")
         if self.num_proc is not None:
             require(self.num_proc >= 1, "num_proc", self.num_proc, "an integer >= 1")
@@ -83,6 +89,7 @@ def main(cfg: TextClassificationConfig) -> dict:
         classification_examples,
         encode_classification,
         file_fingerprint,
+        fitting_length,
         first_epoch_padding,
         flops_per_block,
         hold_out,
@@ -112,6 +119,8 @@ def main(cfg: TextClassificationConfig) -> dict:
             label2id=labels.label2id, pad_token_id=tokenizer.pad_token_id, ignore_mismatched_sizes=True,
         )
         check_vocabulary(model, tokenizer, cfg.model_name_or_path)
+        max_length = fitting_length(cfg.max_length, MAX_LENGTH, "--max-length", model, cfg.model_name_or_path)
+        cfg = dataclasses.replace(cfg, max_length=max_length)
         if cfg.lora_r is not None:
             model = apply_lora(model, cfg, missing_keys=missing)
         encoding = {"text": cfg.text_column, "pair": cfg.text_pair_column, "label": cfg.label_column, "max_length": cfg.max_length,

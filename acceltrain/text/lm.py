@@ -41,23 +41,21 @@ def build_causal_lm(preset: str, *, vocab_size: int, block_size: int, dropout: f
     return AutoModelForCausalLM.from_config(config)
 
 
-def load_causal_lm(name_or_path: str, *, vocab_size: int, block_size: int):
+def load_causal_lm(name_or_path: str, *, vocab_size: int, block_size: int | None):
     """(model, missing keys): a pretrained model from a local folder (or, online, the Hub), checked against the
-    tokenizer and the block size before any training starts (see :func:`~acceltrain.text.pretrained.load_pretrained`)."""
-    from .pretrained import load_pretrained
+    tokenizer and the block size (None: not chosen yet, see :func:`~acceltrain.text.pretrained.fitting_length`)
+    before any training starts (see :func:`~acceltrain.text.pretrained.load_pretrained`)."""
+    from .pretrained import check_length, embedded_tokens, load_pretrained
 
     model, missing = load_pretrained("AutoModelForCausalLM", name_or_path)
-    embedded = model.get_input_embeddings().num_embeddings
+    embedded = embedded_tokens(model)
     if vocab_size > embedded:
         raise ConfigError(
             f"--model-name-or-path {name_or_path!r} embeds {embedded} tokens but the tokenizer has {vocab_size}: "
             "use the model's own tokenizer (--tokenizer)"
         )
-    positions = getattr(model.config, "n_positions", None) or getattr(model.config, "max_position_embeddings", None)
-    if positions is not None and block_size > positions:
-        raise ConfigError(
-            f"--block-size {block_size} is longer than --model-name-or-path {name_or_path!r} supports ({positions} positions)"
-        )
+    if block_size is not None:
+        check_length(block_size, "--block-size", model, name_or_path)
     return model, missing
 
 

@@ -5,13 +5,15 @@ only (-100 elsewhere), one example per sequence (no packing), padded per batch.
 A prompt and its response are joined as they are (put any separator in the prompt) and the response ends with
 the end-of-text token, so the model learns to stop. In a conversation every assistant turn is a response: its
 tokens are those the template adds for it after the generation prompt (``add_generation_prompt=True``) of the
-conversation before it. An example longer than ``block_size`` tokens is cut at the end (its response
-shortened, counted); one whose prompt leaves no response token within it is dropped (counted)."""
+conversation before it (so a conversation starts with a user or system message); a conversation the template
+itself refuses (its ``raise_exception``) is one line naming the row. An example longer than ``block_size`` tokens
+is cut at the end (its response shortened, counted); one whose prompt leaves no response token within it is
+dropped (counted)."""
 
 from __future__ import annotations
 
 from ..distributed import on_main_process_first
-from ..options import ConfigError, shorten
+from ..options import ConfigError, first_line, shorten
 from .corpus import default_num_proc
 from .lm import IGNORE_INDEX
 
@@ -90,8 +92,14 @@ def _conversation_pieces(tokenizer, column: str, where: str):
     """Row -> the rendered conversation cut into pieces, each assistant turn trained: the text the template adds
     for it after the generation prompt of the conversation before it."""
 
-    def render(messages, **options) -> str:
-        return tokenizer.apply_chat_template(messages, tokenize=False, **options)
+    def render(messages, index: int, **options) -> str:
+        from jinja2 import TemplateError
+
+        try:
+            return tokenizer.apply_chat_template(messages, tokenize=False, **options)
+        except TemplateError as err:  # the template's own raise_exception("Conversation roles must be ...")
+            raise ConfigError(f"row {index} of {where}: the tokenizer's chat template refuses the conversation: "
+                              f"{first_line(err)}") from None
 
     def pieces(row, index):
         messages = row[column]
@@ -102,11 +110,14 @@ def _conversation_pieces(tokenizer, column: str, where: str):
         turns = [turn for turn, message in enumerate(messages) if message["role"] == "assistant"]
         if not turns:
             raise ConfigError(f"row {index} of {where}: the conversation has no assistant message to train on")
-        whole, cuts = render(messages), []
+        if turns[0] == 0:  # its generation prompt would be that of an empty conversation, which templates refuse
+            raise ConfigError(f"row {index} of {where}: the conversation starts with an assistant message, which no "
+                              "prompt precedes to train it on: start it with a user (or system) message")
+        whole, cuts = render(messages, index), []
         for turn in turns:
             if not messages[turn]["content"].strip():
                 raise ConfigError(f"row {index} of {where}: assistant message {turn} is empty: nothing to train on")
-            start, end = render(messages[:turn], add_generation_prompt=True), render(messages[: turn + 1])
+            start, end = render(messages[:turn], index, add_generation_prompt=True), render(messages[: turn + 1], index)
             if not (whole.startswith(end) and end.startswith(start)):
                 raise ConfigError("the tokenizer's chat template does not render a conversation's beginning as the beginning of the "
                                   "whole, so its assistant tokens cannot be told apart: use prompt and response columns")

@@ -92,9 +92,10 @@ def bert_folder(path: Path, *, with_tokenizer: bool = True) -> Path:
     return path
 
 
-def causal_lm_folder(path: Path, *, arch: str = "gpt2", pad_token: bool = False, chat_template: bool = False) -> Path:
-    """A 2-layer GPT-2 (or Llama) causal LM with a word-level tokenizer that has <|endoftext|> (and, if asked, a
-    pad token and a chat template with <|im_start|> and <|im_end|>)."""
+def causal_lm_folder(path: Path, *, arch: str = "gpt2", pad_token: bool = False, chat_template: bool = False,
+                     positions: int = 256) -> Path:
+    """A 2-layer GPT-2 (or Llama) causal LM of ``positions`` positions with a word-level tokenizer that has
+    <|endoftext|> (and, if asked, a pad token and a chat template with <|im_start|> and <|im_end|>)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
@@ -108,12 +109,13 @@ def causal_lm_folder(path: Path, *, arch: str = "gpt2", pad_token: bool = False,
         fast.chat_template = CHAT_TEMPLATE
     eos = fast.eos_token_id
     if arch == "gpt2":
-        config = GPT2Config(vocab_size=len(fast), n_positions=256, n_embd=32, n_layer=2, n_head=2, bos_token_id=eos, eos_token_id=eos,
-                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        config = GPT2Config(vocab_size=len(fast), n_positions=positions, n_embd=32, n_layer=2, n_head=2,
+                            bos_token_id=eos, eos_token_id=eos, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
         model = _seeded(GPT2LMHeadModel, config)
     else:
-        config = LlamaConfig(vocab_size=len(fast), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                             num_key_value_heads=2, max_position_embeddings=256, bos_token_id=eos, eos_token_id=eos, tie_word_embeddings=True)
+        config = LlamaConfig(vocab_size=len(fast), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                             num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=positions,
+                             bos_token_id=eos, eos_token_id=eos, tie_word_embeddings=True)
         model = _seeded(LlamaForCausalLM, config)
     model.save_pretrained(path)
     fast.save_pretrained(path)
