@@ -21,7 +21,7 @@ from typing import Any, Literal
 import yaml
 
 from .options import (  # noqa: F401 (ConfigError, option, require, ...: also importable from here, their first home)
-    CheckpointOptions, ConfigError, EvaluationOptions, HubOptions, LoggingOptions, Options, PlotOptions, ProfilingOptions, ReportTo,
+    CheckpointOptions, ConfigError, EarlyStoppingOptions, EvaluationOptions, HubOptions, LoggingOptions, Options, PlotOptions, ProfilingOptions, ReportTo,
     TimeBudgetOptions, TrackingOptions, WandbMode, check_option_groups, first_line, flag_name, option, parse_step_range, read_small_file, require, shorten,
 )
 
@@ -156,7 +156,7 @@ class LoopOptions(Options):
 
 @dataclasses.dataclass
 class TrainConfig(HubOptions, TrackingOptions, PlotOptions, LoggingOptions, CheckpointOptions, ProfilingOptions,
-                  TimeBudgetOptions, EvaluationOptions, LoopOptions):
+                  TimeBudgetOptions, EarlyStoppingOptions, EvaluationOptions, LoopOptions):
     """Settings every recipe shares: the loop's own, then each built-in hook's group, in this order in
     ``--help`` (a dataclass lists its bases' fields from the last base to the first). A recipe subclasses
     it to add its own fields; ``validate`` checks every group."""
