@@ -14,8 +14,8 @@ from acceltrain.checkpointing import EXIT_PREEMPTED
 from acceltrain.hooks import EarlyStopping, Evaluation
 from conftest import read_summary, run_tiny_in_process
 
-QUIET = ["--num-train", "64", "--batch-size", "8", "--lr", "0.05", "--no-progress", "--num-workers", "0", "--report-to", "none",
-         "--no-plots"]
+QUIET = ["--num-train", "64", "--batch-size", "8", "--lr", "0.05", "--no-progress", "--num-workers", "0", "--report-to",
+         "none", "--no-plots"]
 
 
 class Plateau(ClassificationTask):
@@ -32,7 +32,8 @@ def run(output_dir, *args: str) -> int:
 @pytest.mark.parametrize("argv,message", [
     (["--early-stopping-patience", "0"], "--early-stopping-patience 0 is invalid: must be an integer >= 1"),
     (["--early-stopping-threshold", "0.01"], "--early-stopping-threshold needs --early-stopping-patience"),
-    (["--early-stopping-patience", "2", "--early-stopping-threshold", "-1"], "--early-stopping-threshold -1.0 is invalid: must be a number >= 0"),
+    (["--early-stopping-patience", "2", "--early-stopping-threshold", "-1"],
+     "--early-stopping-threshold -1.0 is invalid: must be a number >= 0"),
 ])
 def test_bad_flags_are_one_line(argv, message):
     with pytest.raises(ConfigError, match=f"^{re.escape(message)}"):
@@ -69,7 +70,8 @@ def test_a_run_stops_after_patience_evaluations_and_says_why(tmp_path):
     assert run(tmp_path / "run", "--max-steps", "20", "--eval-every", "1", "--early-stopping-patience", "3") == 0
     summary = read_summary(tmp_path / "run")
     assert summary["steps"] == 4, "the best at step 1, then 3 evaluations without improvement"
-    assert summary["stop_reason"] == ("early stopping: eval_accuracy has not improved by more than 0 in 3 evaluations (best 0.5)")
+    reason = "early stopping: eval_accuracy has not improved by more than 0 in 3 evaluations (best 0.5)"
+    assert summary["stop_reason"] == reason
 
 
 def test_the_count_survives_a_resume(tmp_path):
@@ -86,8 +88,9 @@ def test_patience_that_can_never_stop_the_run_is_one_line_and_writes_nothing(tmp
     out = tmp_path / "run"
     assert run(out, "--max-steps", "4", "--eval-every", "2", "--early-stopping-patience", "2") == 2
     err = capsys.readouterr().err.strip()
-    assert err == ("error: --early-stopping-patience 2 can never stop this run: it evaluates 2 times (every 2 steps), and stopping "
-                   "takes 2 evaluations after the best one: evaluate more often (--eval-every N) or lower the patience"), err
+    assert err == ("error: --early-stopping-patience 2 can never stop this run: it evaluates 2 times (every 2 steps), "
+                   "and stopping takes 2 evaluations after the best one: evaluate more often (--eval-every N) or lower "
+                   "the patience"), err
     assert not out.exists()
 
 
@@ -98,7 +101,8 @@ def test_patience_without_an_eval_set_is_one_line_and_writes_nothing(tmp_path):
 
     model = torch.nn.Linear(4, 2)
     rows = [(torch.randn(4), torch.tensor(index % 2)) for index in range(16)]
-    cfg = TrainConfig(output_dir=str(tmp_path / "run"), early_stopping_patience=2, report_to="none", num_workers=0, batch_size=4)
-    with pytest.raises(ConfigError, match=r"^--early-stopping-patience 2 counts evaluations, and this run has no eval set"):
+    cfg = TrainConfig(output_dir=str(tmp_path / "run"), early_stopping_patience=2, report_to="none", num_workers=0,
+                      batch_size=4)
+    with pytest.raises(ConfigError, match=r"^--early-stopping-patience 2 counts evaluations, and this run has no eval"):
         fit(cfg, model, build_optimizer(model, cfg), rows)
     assert not (tmp_path / "run").exists()
