@@ -36,6 +36,7 @@ _HOME = {  # public name -> the submodule that defines it
     "LoraOptions": "lora", "apply_lora": "lora",
     "show_progress": "logs",
     "build_optimizer": "optim",
+    "predict": "predict",
     "Run": "run", "RunSetup": "run", "Stop": "run", "evaluate": "run", "setup_run": "run",
     "ClassificationTask": "tasks", "Task": "tasks",
     "run_recipe": "cli",

@@ -41,7 +41,7 @@ def option(default: Any, help: str, **metadata: Any) -> Any:
     """A dataclass field with its CLI help text (and optional ``choices``). ``free_on_resume=True``: a
     setting that does not change the run's maths (speed, logging, outputs) and may differ on ``--resume``;
     ``list_like=True``: comma-separated values, also given as a YAML list; ``aliases={old: new}``: old
-    names still accepted, stored as the new one."""
+    names still accepted, stored as the new one; ``positional=True``: an operand of a command, not a flag."""
     return dataclasses.field(default=default, metadata={"help": help, **metadata})
 
 

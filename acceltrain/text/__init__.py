@@ -14,7 +14,8 @@ __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     "matmul_parameters": "lm",
     "check_columns": "tables", "file_fingerprint": "tables", "hold_out": "tables", "load_rows": "tables", "load_table": "tables",
     "check_vocabulary": "pretrained", "load_pretrained": "pretrained", "pretrained_tokenizer": "pretrained",
-    "Labels": "classification_data", "encode_classification": "classification_data",
+    "Labels": "classification_data", "check_texts": "classification_data",
+    "encode_classification": "classification_data",
     "classification_examples": "classification_data", "read_labels": "classification_data",
     "TextClassificationTask": "classification", "balanced_class_weights": "classification",
     "per_class": "classification",
@@ -22,5 +23,5 @@ __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     "DataReport": "data_report",
     "LengthGrouped": "length_grouping", "first_epoch_padding": "length_grouping",
     "sft_examples": "sft", "sft_kept": "sft",
-    "classification_batches": "padding", "sft_batches": "padding",
+    "classification_batches": "padding", "generation_batches": "padding", "sft_batches": "padding",
 })
