@@ -36,6 +36,7 @@ _HOME = {  # public name -> the submodule that defines it
     "LoraOptions": "lora", "apply_lora": "lora",
     "show_progress": "logs",
     "build_optimizer": "optim",
+    "predict": "predict",
     "Run": "run", "Stop": "run", "evaluate": "run",
     "RunFolder": "run_folder", "claim_run_folder": "run_folder", "RunSetup": "run_folder", "setup_run": "run_folder",
     "ClassificationTask": "tasks", "Task": "tasks",

@@ -1,6 +1,6 @@
 """acceltrain: commands around the training loop. Training itself runs from a recipe script
 (python recipes/resnet_cifar.py --help lists its flags); these commands report on the machine, measure
-speed, run a recipe on Ray and merge a checkpoint into a loadable folder."""
+speed, run a recipe on Ray, merge a checkpoint into a loadable folder and predict with a fine-tuned one."""
 
 from __future__ import annotations
 
@@ -253,7 +253,13 @@ def main(argv: list[str] | None = None) -> int:
     commands.add_parser("ray", help="run a recipe on a Ray cluster through Ray Train (see ray --help)", add_help=False)
     commands.add_parser("merge", help="a checkpoint's model (FSDP's shards merged) as a folder that loads by itself (see merge --help)",
                         add_help=False)
+    commands.add_parser("predict", help="a fine-tuned run folder's predictions for the rows of a file: labels and "
+                        "probabilities, or generated responses (see predict --help)", add_help=False)
     args, rest = parser.parse_known_args(argv)
+    if args.command == "predict":
+        from .predict import main as predict_main
+
+        return predict_main(rest)
     if args.command == "merge":
         from .merge import main as merge_main
 

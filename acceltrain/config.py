@@ -21,7 +21,7 @@ from typing import Any, Literal
 import yaml
 
 from .options import (  # noqa: F401 (ConfigError, option, require, ...: also importable from here, their first home)
-    CheckpointOptions, ConfigError, EvaluationOptions, HubOptions, LoggingOptions, Options, PlotOptions, ProfilingOptions, ReportTo,
+    CheckpointOptions, ConfigError, EarlyStoppingOptions, EvaluationOptions, HubOptions, LoggingOptions, Options, PlotOptions, ProfilingOptions, ReportTo,
     TimeBudgetOptions, TrackingOptions, WandbMode, check_option_groups, first_line, flag_name, option, parse_step_range, read_small_file, require, shorten,
 )
 
@@ -46,7 +46,7 @@ class LoopOptions(Options):
 
     config: str | None = option(None, "YAML preset to load; explicit flags override its values", free_on_resume=True)
     # -- length and batch
-    batch_size: int = option(128, "micro-batch size per process")
+    batch_size: int = option(128, "micro-batch size per process (an epoch's last incomplete batch is dropped)")
     grad_accum: int = option(1, "micro-batches accumulated per optimizer step")
     epochs: float = option(1.0, "epochs to train when --max-steps is not given")
     max_steps: int | None = option(None, "optimizer steps to train; overrides --epochs")
@@ -156,7 +156,7 @@ class LoopOptions(Options):
 
 @dataclasses.dataclass
 class TrainConfig(HubOptions, TrackingOptions, PlotOptions, LoggingOptions, CheckpointOptions, ProfilingOptions,
-                  TimeBudgetOptions, EvaluationOptions, LoopOptions):
+                  TimeBudgetOptions, EarlyStoppingOptions, EvaluationOptions, LoopOptions):
     """Settings every recipe shares: the loop's own, then each built-in hook's group, in this order in
     ``--help`` (a dataclass lists its bases' fields from the last base to the first). A recipe subclasses
     it to add its own fields; ``validate`` checks every group."""
@@ -278,17 +278,21 @@ def _help_with_default(field: dataclasses.Field) -> str:
     return f"{text} (default: {shown})"
 
 
-def build_parser(cls: type[TrainConfig], description: str | None = None) -> argparse.ArgumentParser:
+def build_parser(cls: type[TrainConfig], description: str | None = None,
+                 prog: str | None = None) -> argparse.ArgumentParser:
     check_option_groups(cls)  # --help too: a clashing group would document the wrong flag
     parser = _OneLineParser(
-        description=description, argument_default=argparse.SUPPRESS, formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog=prog, description=description, argument_default=argparse.SUPPRESS,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         allow_abbrev=False,  # --max-step is a typo, not --max-steps
     )
     for field in dataclasses.fields(cls):
         base, choices, *_ = _field_kind(cls, field)
         flag = f"--{flag_name(field.name)}"
         help_text = _help_with_default(field)
-        if base is bool:
+        if field.metadata.get("positional"):  # a command's operand (acceltrain predict RUN_FOLDER FILE)
+            parser.add_argument(field.name, metavar=field.name.upper(), help=field.metadata.get("help", ""))
+        elif base is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_text)
         else:
             metavar = "{" + ",".join(map(str, choices)) + "}" if choices else base.__name__.upper()
@@ -367,9 +371,11 @@ def load_yaml_preset(path: str) -> dict[str, Any]:
 SHOWN_KEYS = 10  # unknown preset keys named in the one line
 
 
-def parse_config(cls: type[TrainConfig], argv: list[str] | None = None, description: str | None = None):
-    """Build a validated ``cls`` from defaults, an optional YAML preset and the command line."""
-    parser = build_parser(cls, description)
+def parse_config(cls: type[TrainConfig], argv: list[str] | None = None, description: str | None = None,
+                 prog: str | None = None):
+    """Build a validated ``cls`` from defaults, an optional YAML preset and the command line (``prog``: the command's
+    name in ``--help``, default the script's)."""
+    parser = build_parser(cls, description, prog)
     parsed, unknown = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     if unknown:
         flags = [f"--{flag_name(f.name)}" for f in dataclasses.fields(cls)]

@@ -15,6 +15,7 @@ import contextlib
 import functools
 import inspect
 import json
+import os
 import shlex
 import sys
 import sysconfig
@@ -29,9 +30,18 @@ from torch.nn.modules.module import register_module_buffer_registration_hook, re
 
 from . import __version__
 from .config import TrainConfig
+from .logs import quiet_model_loading
 from .network import check_reachable
 from .options import ConfigError, first_line, parse_json, shorten
-from .run_folder import ADAPTER_CONFIG_FILE, CARD_FILE, CONFIG_FILE, GENERATION_CONFIG_FILE, TRAIN_CONFIG_FILE, WEIGHTS_FILE
+from .run_folder import (
+    ADAPTER_CONFIG_FILE,
+    ADAPTER_SETTINGS_FILE,
+    ADAPTER_WEIGHTS_FILE,
+    CONFIG_FILE,
+    GENERATION_CONFIG_FILE,
+    TRAIN_CONFIG_FILE,
+    WEIGHTS_FILE,
+)
 BUILD_ATTRIBUTE = "acceltrain_build"  # set on a built model: {"builder": key, "kwargs": {...}}
 # what a repo gets from the run folder: top-level files only (no checkpoints/, wandb/, logs/, .lock)
 HUB_FILES = ["README.md", "*.json", "*.jsonl", "*.safetensors", "*.yaml", "*.txt", "*.png"]
@@ -77,12 +87,18 @@ def load_model(name_or_path: str | Path) -> nn.Module:
     Transformers folder through the Auto class of its architecture (``AutoModelForSequenceClassification``,
     ``AutoModelForCausalLM``, ...). Before anything is allocated, the model is built on the meta device, within
     the memory available, and must have exactly the tensors (names and shapes) of ``model.safetensors``: a
-    folder that does not make the trained model is one ConfigError. A PEFT adapter folder is refused in one
-    line that names the ``peft`` class that loads it (its README.md shows the call)."""
+    folder that does not make the trained model is one ConfigError. A run's PEFT adapter folder loads onto its base
+    model through peft's ``AutoPeftModelFor...`` class, with the labels training gave the base config
+    (:func:`acceltrain.lora.load_adapter`)."""
     folder = _model_folder(str(name_or_path))
+    if (folder / ADAPTER_CONFIG_FILE).is_file() and not (folder / CONFIG_FILE).is_file():
+        from .lora import load_adapter
+
+        return load_adapter(folder).eval()
     build, load = _model_builders(folder)
     check_matches(_skeleton(build, folder), folder / WEIGHTS_FILE)
-    return load().eval()
+    with quiet_model_loading():
+        return load().eval()
 
 
 def model_skeleton(folder: Path) -> nn.Module:
@@ -94,8 +110,8 @@ def model_skeleton(folder: Path) -> nn.Module:
 def _model_builders(folder: Path) -> tuple[Callable[[], nn.Module], Callable[[], nn.Module]]:
     """(build, load) of the model of ``folder``'s ``config.json``: a Transformers model or an acceltrain builder's."""
     if (folder / ADAPTER_CONFIG_FILE).is_file() and not (folder / CONFIG_FILE).is_file():
-        raise ConfigError(f"{str(folder)!r} is a PEFT adapter folder ({ADAPTER_CONFIG_FILE}): load it with peft's "
-                          f"AutoPeftModelFor... class as its {CARD_FILE} shows, onto its base model")
+        raise ConfigError(f"{str(folder)!r} is a PEFT adapter folder ({ADAPTER_CONFIG_FILE}): it has no model of its own "
+                          "to build; acceltrain.load_model loads it onto its base model")
     config = _read_config(folder)
     if "builder" in config and "model_type" in config:
         raise ConfigError(f"{folder / CONFIG_FILE} names both an acceltrain builder ({shorten(config['builder'])}) and a "
@@ -111,7 +127,9 @@ def _model_folder(name_or_path: str) -> Path:
 
     from .text.corpus import load_local_or_hub
 
-    download = functools.partial(snapshot_download, allow_patterns=[CONFIG_FILE, GENERATION_CONFIG_FILE, WEIGHTS_FILE, ADAPTER_CONFIG_FILE])
+    files = [CONFIG_FILE, GENERATION_CONFIG_FILE, WEIGHTS_FILE, ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE,
+             ADAPTER_SETTINGS_FILE]
+    download = functools.partial(snapshot_download, allow_patterns=files)
     return Path(load_local_or_hub(download, name_or_path, "load_model", "a run folder"))
 
 
@@ -300,9 +318,13 @@ def _json_type(value) -> str:
 
 def write_model_files(model: nn.Module, output_dir: Path) -> str | None:
     """``config.json`` of a model made by a registered builder (a Transformers model's config and a PEFT adapter's
-    files are written with its weights: :mod:`acceltrain.export`); returns the Hub pipeline tag, None for a
-    model that no builder recorded."""
+    files are written with its weights: :mod:`acceltrain.export`), and beside an adapter the settings its base
+    model's config needs; returns the Hub pipeline tag, None for a model that no builder recorded."""
+    from .lora import is_peft_model, write_adapter_settings
+
     head = model_head(model)
+    if is_peft_model(model):
+        write_adapter_settings(model, output_dir)
     if head is not None:
         return head[1]
     build = getattr(model, BUILD_ATTRIBUTE, None)
@@ -403,7 +425,7 @@ def model_card(run, model: nn.Module, summary: dict, pipeline_tag: str | None, r
         base_model=getattr(cfg, "model_name_or_path", None),
         datasets=getattr(cfg, "dataset_name", None),
     )
-    where = repo_id or str(run.output_dir)
+    where = repo_id or str(run.output_dir.resolve())  # loads from anywhere, as the "same run again" line runs
     if adapter:
         made, load = _adapter_description(model, where)
     elif transformers_model:
@@ -419,6 +441,7 @@ def model_card(run, model: nn.Module, summary: dict, pipeline_tag: str | None, r
         made = f"`{model_class.__name__}`, built by the recipe (no registered builder: rebuild it, then load `model.safetensors`)"
         load = f'from safetensors.torch import load_model\nload_model(model, "{where}/model.safetensors")  # model: the recipe\'s own'
     own_fields = [f for f in type(cfg).__dataclass_fields__ if f not in TrainConfig.__dataclass_fields__]
+    resolved = {**cfg.to_dict(), **cfg.resolved()}  # as the run used them (--lora-alpha unset: 2 x --lora-r)
     samples = [f"training samples: {run.train_samples or 'a stream'}"]
     if run.eval_batches is not None and hasattr(run.eval_batches, "dataset"):
         samples.append(f"evaluation samples: {len(run.eval_batches.dataset)}")
@@ -427,9 +450,11 @@ def model_card(run, model: nn.Module, summary: dict, pipeline_tag: str | None, r
     hardware = {"device": runtime.get("device_name"), "processes": runtime.get("num_processes"),
                 "distributed type": runtime.get("distributed_type"), "mixed precision": summary.get("mixed_precision"),
                 "torch": runtime.get("torch"), "accelerate": runtime.get("accelerate"), "acceltrain": runtime.get("acceltrain")}
-    settings = {key: getattr(cfg, key) for key in KEY_SETTINGS} | {"global batch": runtime.get("global_batch_size")}
+    settings = {key: resolved[key] for key in KEY_SETTINGS} | {"global batch": runtime.get("global_batch_size")}
     script = sys.argv[0] if sys.argv and sys.argv[0] else "RECIPE.py"
-    again = shlex.join(launch_command())
+    # from where it was started: the command and train_config.yaml's data paths may be relative to there
+    preset = str(run.output_dir.resolve() / TRAIN_CONFIG_FILE)
+    again = f"cd {shlex.quote(os.getcwd())} && {shlex.join([*launch_command(), '--config', preset])}"
     return "\n".join([
         f"---\n{data.to_yaml()}\n---",
         f"# {where.rsplit('/', 1)[-1]}",
@@ -438,13 +463,13 @@ def model_card(run, model: nn.Module, summary: dict, pipeline_tag: str | None, r
         "",
         "## Model",
         "",
-        f"{made}, {_parameters(model)}. Load it with one call:",
+        f"{made}, {_parameters(model, summary)}. Load it with one call:",
         "",
         f"```python\n{load}\n```",
         "",
         "## Model and data settings of the recipe",
         "",
-        _table({name: getattr(cfg, name) for name in own_fields}),
+        _table({name: resolved[name] for name in own_fields}),
         "",
         *[f"- {line}" for line in samples],
         "",
@@ -452,7 +477,7 @@ def model_card(run, model: nn.Module, summary: dict, pipeline_tag: str | None, r
         "",
         _table(settings),
         "",
-        f"Every setting: `{TRAIN_CONFIG_FILE}`; the same run again: `{again} --config {TRAIN_CONFIG_FILE}`.",
+        f"Every setting: `{TRAIN_CONFIG_FILE}`; the same run again, from the folder it was started in: `{again}`.",
         "",
         "## Results",
         "",
@@ -480,8 +505,11 @@ def _adapter_description(model: nn.Module, where: str) -> tuple[str, str]:
     base = model.get_base_model()
     made = (f"A LoRA adapter (peft; {describe(model)}) for `{own_class(base).__name__}` (Transformers, `{base.config.model_type}`) on "
             f"the base model `{model.peft_config['default'].base_model_name_or_path}`, which must be there to load it")
+
     arguments = "".join(f", {key}={value!r}" for key, value in settings.items())
-    return made, f'from peft import {loader}\nmodel = {loader}.from_pretrained("{where}"{arguments})'
+    return made, (f'from peft import {loader}\nmodel = {loader}.from_pretrained("{where}"{arguments})\n'
+                  f'# or with no arguments (they are in {ADAPTER_SETTINGS_FILE}): from acceltrain import load_model; '
+                  f'model = load_model("{where}")')
 
 
 def launch_command() -> list[str]:
@@ -497,12 +525,15 @@ def launch_command() -> list[str]:
     return ["python", script]
 
 
-def _parameters(model: nn.Module) -> str:
-    """The parameter count (tied ones once; under ZeRO-3 the full size), and the trainable part when it is not all."""
+def _parameters(model: nn.Module, summary: dict) -> str:
+    """The parameter counts of training, as summary.json has them (tied ones once; under ZeRO-3 the full size), and
+    the trainable part when it is not all; a merged adapter's folder holds fewer (the adapter's weights merged in)."""
     from .lora import parameter_counts
 
-    trainable, total = parameter_counts(model)
-    return f"{total:,} parameters" if trainable == total else f"{trainable:,} trainable of {total:,} parameters"
+    held = parameter_counts(model)
+    trainable, total = summary.get("trainable_parameters", held[0]), summary.get("parameters", held[1])
+    counted = f"{total:,} parameters" if trainable == total else f"{trainable:,} trainable of {total:,} parameters"
+    return counted if held[1] == total else f"{counted} while training, merged into {held[1]:,}"
 
 
 def _table(values: dict) -> str:

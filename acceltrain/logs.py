@@ -21,8 +21,10 @@ Modules log through ``accelerate.logging.get_logger(__name__)`` (main process on
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
+import warnings
 
 ROOT = "acceltrain"
 # The libraries under the loop. In a normal run they warn about things the run cannot act on (DeepSpeed,
@@ -99,3 +101,30 @@ def set_log_level(level: str) -> None:
 
 def _errors_only(record: logging.LogRecord) -> bool:
     return record.levelno >= logging.ERROR
+
+
+# What loading a pretrained model prints that the toolkit says itself, in a line (the weights a checkpoint lacks,
+# those of another shape): transformers' LOAD REPORT table, and the FutureWarning peft triggers by reading
+# transformers' deprecated ``is_gradient_checkpointing``.
+LOAD_REPORT = "LOAD REPORT"
+GRADIENT_CHECKPOINTING_DEPRECATION = r"`is_gradient_checkpointing` is deprecated"
+
+
+def _not_a_load_report(record: logging.LogRecord) -> bool:
+    return LOAD_REPORT not in record.getMessage() or logging.getLogger(ROOT).isEnabledFor(logging.DEBUG)
+
+
+@contextlib.contextmanager
+def quiet_model_loading():
+    """Load a pretrained model inside: transformers' LOAD REPORT table and peft's deprecation FutureWarning stay out
+    (both shown at ``--log-level debug``); every other warning and log record comes through. A filter, not a level:
+    transformers sets its logger's level when it is first imported, which a recipe does after ``--log-level``."""
+    modeling = logging.getLogger("transformers.modeling_utils")
+    modeling.addFilter(_not_a_load_report)
+    try:
+        with warnings.catch_warnings():
+            if not logging.getLogger(ROOT).isEnabledFor(logging.DEBUG):
+                warnings.filterwarnings("ignore", message=GRADIENT_CHECKPOINTING_DEPRECATION, category=FutureWarning)
+            yield
+    finally:
+        modeling.removeFilter(_not_a_load_report)

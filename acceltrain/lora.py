@@ -19,8 +19,10 @@ import importlib.util
 from collections.abc import Iterable
 
 from .options import ConfigError, Options, first_line, flag_name, option, require
+from .run_folder import ADAPTER_SETTINGS_FILE
 
-__all__ = ["LoraOptions", "apply_lora", "check_backend", "is_peft_model", "merge_requested", "parameter_counts"]
+__all__ = ["LoraOptions", "apply_lora", "check_backend", "is_peft_model", "load_adapter", "merge_requested",
+           "parameter_counts", "write_adapter_settings"]
 
 MERGE_ATTRIBUTE = "acceltrain_merge_lora"  # set on the peft model: the run folder gets it merged (acceltrain.export)
 ALL_LINEAR = "all-linear"  # peft's own name for every linear layer but the output head
@@ -55,6 +57,10 @@ class LoraOptions(Options):
     )
     merge_lora: bool = option(False, "write the adapter merged into the base weights (merge_and_unload): a plain Transformers folder")
 
+    def resolved(self) -> dict:
+        alpha = {"lora_alpha": self.lora_alpha or 2 * self.lora_r} if self.lora_r is not None else {}
+        return {**super().resolved(), **alpha}
+
     def validate(self) -> None:
         super().validate()
         if self.lora_r is None:
@@ -85,6 +91,8 @@ def apply_lora(model, options: LoraOptions, *, missing_keys: Iterable[str] | Non
     find them (the weights whose values a new load does not reproduce)."""
     from peft import LoraConfig, get_peft_model
 
+    from .logs import quiet_model_loading
+
     if options.lora_r is None:
         raise ConfigError("apply_lora needs options with lora_r set (--lora-r): the rank of the adapter")
     if is_peft_model(model):
@@ -94,12 +102,13 @@ def apply_lora(model, options: LoraOptions, *, missing_keys: Iterable[str] | Non
     fresh = _fresh_modules(model, _fresh_parameters(model, missing_keys))
     inside_fresh = sorted(name for name, _ in model.named_modules() if any(_within(name, top) for top in fresh))
     config = LoraConfig(
-        r=options.lora_r, lora_alpha=options.lora_alpha or 2 * options.lora_r, lora_dropout=options.lora_dropout,
+        r=options.lora_r, lora_alpha=options.resolved()["lora_alpha"], lora_dropout=options.lora_dropout,
         target_modules=_targets(model, options.lora_target_modules, inside_fresh), task_type=task_type,
         modules_to_save=fresh or None, exclude_modules=inside_fresh or None,
     )
     try:
-        peft_model = get_peft_model(model, config)
+        with quiet_model_loading():  # peft reads transformers' deprecated is_gradient_checkpointing
+            peft_model = get_peft_model(model, config)
     except ValueError as err:  # no default target modules for this architecture, a module peft cannot adapt
         raise ConfigError(f"LoRA cannot adapt this {type(model).__name__}: {first_line(err)} (--lora-target-modules names the modules)") from None
     adapter_config = peft_model.peft_config["default"]
@@ -162,9 +171,58 @@ def adapter_loading(model) -> tuple[str, dict]:
     original = AutoConfig.from_pretrained(adapter.base_model_name_or_path).to_dict()
     bookkeeping = {"architectures", "_name_or_path", "transformers_version", "dtype", "torch_dtype", "_attn_implementation_autoset"}
     changed = {key: value for key, value in trained.items() if key not in bookkeeping and original.get(key) != value}
-    if "id2label" in changed:  # JSON keeps the ids as strings; the config wants ints back
-        changed["id2label"] = {int(key): value for key, value in changed["id2label"].items()}
-    return _peft_task(base)[1], changed
+    return _peft_task(base)[1], _int_ids(changed)
+
+
+def _int_ids(settings: dict) -> dict:
+    """JSON keeps a config's class ids as strings; ``from_pretrained`` wants them back as ints."""
+    if "id2label" in settings:
+        settings = {**settings, "id2label": {int(key): value for key, value in settings["id2label"].items()}}
+    return settings
+
+
+def write_adapter_settings(model, folder) -> None:
+    """The settings training gave the base model's config (a new head's labels), beside the adapter: peft rebuilds
+    the base from its own folder's config, so they must be given to ``from_pretrained``; :func:`load_adapter` reads
+    them."""
+    import json
+
+    (folder / ADAPTER_SETTINGS_FILE).write_text(json.dumps(adapter_loading(model)[1], indent=2) + "\n")
+
+
+def load_adapter(folder):
+    """A run's adapter folder as a peft model on its base model, with the settings of its
+    ``adapter_base_settings.json`` (a new head's labels): no argument to add. The base model must be where
+    ``adapter_config.json`` says."""
+    import peft
+
+    from .logs import quiet_model_loading
+    from .options import parse_json
+    from .text.corpus import load_local_or_hub
+
+    settings_file = folder / ADAPTER_SETTINGS_FILE
+    try:
+        task = parse_json((folder / "adapter_config.json").read_text()).get("task_type")
+        settings = parse_json(settings_file.read_text()) if settings_file.is_file() else {}
+    except (OSError, ValueError, AttributeError) as err:
+        raise ConfigError(f"{str(folder)!r}: its adapter_config.json or {ADAPTER_SETTINGS_FILE} is unreadable "
+                          f"({first_line(err)})") from None
+    loaders = {peft_task: loader for peft_task, loader in PEFT_TASKS.values()}
+    if task not in loaders or not isinstance(settings, dict):
+        raise ConfigError(f"{str(folder)!r}: an adapter of task type {task!r}, which loads with none of peft's "
+                          f"{', '.join(loaders.values())}")
+    loader = getattr(peft, loaders[task])
+
+    def load(source: str):
+        try:
+            return loader.from_pretrained(source, **_int_ids(settings))
+        except RuntimeError as err:  # a head of other labels than the base config's, in a folder without the settings
+            found = next((line.strip() for line in str(err).splitlines() if "size mismatch" in line), first_line(err))
+            raise ValueError(f"{found[:110]} (without {ADAPTER_SETTINGS_FILE}, give the settings its README.md shows to "
+                             "peft's from_pretrained)") from None
+
+    with quiet_model_loading():
+        return load_local_or_hub(load, str(folder), "the adapter folder", "the adapter onto its base model")
 
 
 def merged(model, weights: dict | None):

@@ -13,7 +13,7 @@ import stat
 from typing import Any, Literal
 
 __all__ = [
-    "CheckpointOptions", "ConfigError", "EvaluationOptions", "HubOptions", "LoggingOptions", "Options", "PlotOptions", "ProfilingOptions",
+    "CheckpointOptions", "ConfigError", "EarlyStoppingOptions", "EvaluationOptions", "HubOptions", "LoggingOptions", "Options", "PlotOptions", "ProfilingOptions",
     "ReportTo", "TimeBudgetOptions", "TrackingOptions", "WandbMode", "check_option_groups", "first_line", "flag_name", "option", "parse_step_range",
     "file_kind", "parse_json", "read_small_file", "require", "shorten",
 ]
@@ -41,7 +41,7 @@ def option(default: Any, help: str, **metadata: Any) -> Any:
     """A dataclass field with its CLI help text (and optional ``choices``). ``free_on_resume=True``: a
     setting that does not change the run's maths (speed, logging, outputs) and may differ on ``--resume``;
     ``list_like=True``: comma-separated values, also given as a YAML list; ``aliases={old: new}``: old
-    names still accepted, stored as the new one."""
+    names still accepted, stored as the new one; ``positional=True``: an operand of a command, not a flag."""
     return dataclasses.field(default=default, metadata={"help": help, **metadata})
 
 
@@ -54,6 +54,11 @@ class Options:
     def validate(self) -> None:
         """Raise :class:`ConfigError` on the first bad value (the base: on groups that clash)."""
         check_option_groups(type(self))
+
+    def resolved(self) -> dict[str, Any]:
+        """The fields whose unset value stands for one worked out from other fields, with that value (``--lora-alpha``:
+        2 x ``--lora-r``): the settings as the run used them, for a model card. Each group adds its own."""
+        return {}
 
     def read_only(self):
         """This config, its fields unchangeable from now on (the run's ``run.cfg``: a hook that set ``run.cfg.lr``
@@ -181,6 +186,28 @@ class EvaluationOptions(Options):
                 raise ConfigError("give one of --target-metric and --target-accuracy, not both")
         if self.target_metric is not None:
             require(math.isfinite(self.target_metric), "target_metric", self.target_metric, "a finite number")
+
+
+@dataclasses.dataclass
+class EarlyStoppingOptions(Options):
+    """``EarlyStopping``'s patience: evaluations without improvement of the task's primary metric before the run finishes."""
+
+    early_stopping_patience: int | None = option(
+        None, "finish after N evaluations in a row that do not improve the task's primary metric (accuracy: higher, loss: "
+        "lower) by more than --early-stopping-threshold; the count survives --resume", free_on_resume=True,
+    )
+    early_stopping_threshold: float = option(
+        0.0, "with --early-stopping-patience: the least change of the primary metric that counts as an improvement", free_on_resume=True
+    )
+
+    def validate(self) -> None:
+        super().validate()
+        if self.early_stopping_patience is None:
+            if self.early_stopping_threshold != 0.0:
+                raise ConfigError("--early-stopping-threshold needs --early-stopping-patience (the evaluations to wait for an improvement)")
+            return
+        require(self.early_stopping_patience >= 1, "early_stopping_patience", self.early_stopping_patience, "an integer >= 1")
+        require(self.early_stopping_threshold >= 0, "early_stopping_threshold", self.early_stopping_threshold, "a number >= 0")
 
 
 @dataclasses.dataclass

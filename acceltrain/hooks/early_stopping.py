@@ -1,0 +1,63 @@
+"""Early stopping: finish a run whose evaluations have stopped improving."""
+
+from __future__ import annotations
+
+from accelerate.logging import get_logger
+
+from ..options import ConfigError, EarlyStoppingOptions
+from .base import Hook
+from .evaluation import Evaluation
+
+logger = get_logger(__name__)
+
+
+class EarlyStopping(Hook):
+    """Finish the run (``stop_reason`` in summary.json) once ``patience`` evaluations in a row have not improved the
+    task's primary metric by more than ``threshold`` on the best so far (higher or lower, as the task says). The best
+    value and the count are this hook's state, kept in every checkpoint: a resumed run goes on counting where it
+    stopped (Composer's ``EarlyStopper`` starts again from zero)."""
+
+    def __init__(self, patience: int, threshold: float, evaluation: Evaluation):
+        self.patience, self.threshold, self.evaluation = patience, threshold, evaluation
+        self.best: float | None = None
+        self.waited = 0  # evaluations since the best one
+
+    @classmethod
+    def from_config(cls, cfg: EarlyStoppingOptions, evaluation: Evaluation | None) -> EarlyStopping | None:
+        if cfg.early_stopping_patience is None:
+            return None
+        if evaluation is None:
+            patience = cfg.early_stopping_patience
+            raise ConfigError(f"--early-stopping-patience {patience} counts evaluations, and this run has no eval set: "
+                              "give evaluation rows, or drop --early-stopping-patience")
+        return cls(cfg.early_stopping_patience, cfg.early_stopping_threshold, evaluation)
+
+    def on_fit_start(self, run) -> None:
+        evaluations = self.evaluation.left(run)
+        if run.step == 0 and evaluations <= self.patience:
+            every = self.evaluation.every
+            schedule = f"every {every} steps" if every else "at the end of each epoch and of the run"
+            raise ConfigError(f"--early-stopping-patience {self.patience} can never stop this run: it evaluates "
+                              f"{evaluations} time{'s' if evaluations != 1 else ''} ({schedule}), and stopping takes "
+                              f"{self.patience} evaluations after the best one: evaluate more often (--eval-every N) "
+                              "or lower the patience")
+
+    def on_eval_end(self, run, metrics: dict) -> None:
+        name = f"eval_{run.task.primary_metric}"
+        value = metrics[name]
+        sign = 1 if run.task.higher_is_better else -1
+        if value == value and (self.best is None or (value - self.best) * sign > self.threshold):  # NaN never improves
+            self.best, self.waited = value, 0
+            return
+        self.waited += 1
+        if self.waited >= self.patience:
+            reason = (f"early stopping: {name} has not improved by more than {self.threshold:g} in {self.patience} "
+                      f"evaluations (best {self.best:.4g})")
+            logger.info(reason)
+            run.request_stop(reason, finish=True)
+
+    def state_dict(self) -> dict:
+        return {"best": self.best, "waited": self.waited}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.best, self.waited = state["best"], state["waited"]
