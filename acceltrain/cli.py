@@ -12,36 +12,11 @@ import os
 import sys
 import typing
 from collections.abc import Callable
-from pathlib import Path
 
 from .config import TrainConfig, parse_config
 from .options import ConfigError
-from .preemption import EXIT_BAD_INPUT
+from .preemption import EXIT_BAD_INPUT, report_error, write_error_file
 
-
-
-def _report_error(message: str) -> None:
-    """One line on stderr, from one process only when several run the same recipe, and in the launcher's report."""
-    if os.environ.get("RANK", "0") == "0":
-        print(f"error: {message}", file=sys.stderr, flush=True)
-    _write_error_file(f"error: {message}")
-
-
-def _write_error_file(message: str) -> None:
-    """Under torchrun (and ``accelerate launch`` on several processes, or with DeepSpeed) ``message`` goes into the
-    worker's error file, which the launcher's failure report shows as the root cause instead of "To enable
-    traceback see ...". Written by hand in the format of torch's ``ErrorHandler.record_exception``, which takes
-    an exception and prints its type's name: no torch import for a config error (~3 s), no "SystemExit: 75"."""
-    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if error_file:
-        import json
-        import time
-
-        report = {"message": message, "extraInfo": {"py_callstack": message, "timestamp": str(int(time.time()))}}
-        try:
-            Path(error_file).write_text(json.dumps({"message": report}))
-        except OSError:
-            pass  # the launcher reports the exit code alone
 
 
 def run_recipe(main: Callable, config_class: type[TrainConfig], argv: list[str] | None = None, description: str | None = None):
@@ -77,7 +52,7 @@ def run_recipe(main: Callable, config_class: type[TrainConfig], argv: list[str] 
               "(continue with --resume auto)", EXIT_INTERRUPTED)
     except SystemExit as stop:
         if hasattr(stop, "message"):  # checkpointing.StoppedToResume (not imported: --help imports no torch)
-            _write_error_file(stop.message)
+            write_error_file(stop.message)
         raise
 
 
@@ -85,7 +60,7 @@ def _fail(message: str, code: int) -> typing.NoReturn:
     from .preemption import EXIT_INTERRUPTED
     from .run_folder import unlock_output_dir
 
-    _report_error(message)
+    report_error(message)
     unlock_output_dir()
     _close_process_group()
     if code != EXIT_INTERRUPTED:  # a second Ctrl-C stops at once

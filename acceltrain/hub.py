@@ -18,17 +18,16 @@ import json
 import os
 import shlex
 import sys
-import sysconfig
 from collections.abc import Callable
 from importlib import import_module
 from pathlib import Path
 
 import torch
-import yaml
 from torch import nn
 from torch.nn.modules.module import register_module_buffer_registration_hook, register_module_parameter_registration_hook
 
 from . import __version__
+from .auto_classes import auto_class
 from .config import TrainConfig
 from .logs import quiet_model_loading
 from .network import check_reachable
@@ -39,20 +38,11 @@ from .run_folder import (
     ADAPTER_WEIGHTS_FILE,
     CONFIG_FILE,
     GENERATION_CONFIG_FILE,
-    TRAIN_CONFIG_FILE,
     WEIGHTS_FILE,
 )
 BUILD_ATTRIBUTE = "acceltrain_build"  # set on a built model: {"builder": key, "kwargs": {...}}
 # what a repo gets from the run folder: top-level files only (no checkpoints/, wandb/, logs/, .lock)
 HUB_FILES = ["README.md", "*.json", "*.jsonl", "*.safetensors", "*.yaml", "*.txt", "*.png"]
-# run-location settings, left out of train_config.yaml so that it starts a fresh run anywhere
-NOT_REPRODUCED = ("config", "output_dir", "resume", "overwrite", "allow_config_change", "stop_after_steps",
-                  "push_to_hub", "hub_model_id", "hub_private")
-KEY_SETTINGS = ("batch_size", "grad_accum", "optimizer", "lr", "momentum", "weight_decay", "lr_schedule", "warmup_steps",
-                "max_grad_norm", "epochs", "max_steps", "seed")
-RESULT_KEYS = ("train_loss", "steps", "epochs", "samples_seen", "wall_seconds", "samples_per_second", "tokens_per_second",
-               "mfu", "time_to_target_seconds")
-
 _BUILDERS: dict[str, tuple[Callable[..., nn.Module], str]] = {}  # key -> (builder, Hub pipeline tag)
 # every module that defines a @loadable builder: load_model imports them, so that the allow-list is complete in any
 # process (the packages import their modules lazily: ``import acceltrain.vision`` registers nothing)
@@ -125,7 +115,7 @@ def _model_folder(name_or_path: str) -> Path:
         return Path(name_or_path).expanduser()
     from huggingface_hub import snapshot_download
 
-    from .text.corpus import load_local_or_hub
+    from .network import load_local_or_hub
 
     files = [CONFIG_FILE, GENERATION_CONFIG_FILE, WEIGHTS_FILE, ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE,
              ADAPTER_SETTINGS_FILE]
@@ -195,36 +185,6 @@ def transformers_class(config, folder: Path):
         raise ConfigError(f"{folder / CONFIG_FILE} names architectures {shorten(config.architectures)}, which no class of "
                           f"transformers {transformers.__version__} builds")
     return getattr(transformers, name)
-
-
-# The heads a Transformers architecture may have, in the order they are looked up (a class may sit in several of
-# Transformers' mappings): the Auto class that loads it, Transformers' mapping of model types to such classes, and
-# the Hub's pipeline tag.
-AUTO_CLASSES = (
-    ("AutoModelForCausalLM", "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "text-generation"),
-    ("AutoModelForSequenceClassification", "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES", "text-classification"),
-    ("AutoModelForTokenClassification", "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES", "token-classification"),
-    ("AutoModelForQuestionAnswering", "MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES", "question-answering"),
-    ("AutoModelForSeq2SeqLM", "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES", "text2text-generation"),
-    ("AutoModelForMaskedLM", "MODEL_FOR_MASKED_LM_MAPPING_NAMES", "fill-mask"),
-    ("AutoModelForImageClassification", "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES", "image-classification"),
-    ("AutoModel", "MODEL_MAPPING_NAMES", "feature-extraction"),
-)
-
-
-def auto_class(config, architecture: str | None = None) -> tuple[str, str] | None:
-    """(the Auto class that loads a model of this Transformers config with its head, the Hub pipeline tag), read
-    from ``architecture`` (default: ``config.architectures``) and Transformers' own mappings
-    (``BertForSequenceClassification`` -> ``AutoModelForSequenceClassification``); None for an architecture no
-    Auto class knows."""
-    from transformers.models.auto import modeling_auto
-
-    architecture = architecture or (getattr(config, "architectures", None) or [None])[0]
-    for name, mapping, pipeline_tag in AUTO_CLASSES:
-        classes = getattr(modeling_auto, mapping, {}).get(getattr(config, "model_type", None)) or ()
-        if architecture in ((classes,) if isinstance(classes, str) else tuple(classes)):
-            return name, pipeline_tag
-    return None
 
 
 class _TooLarge(Exception):
@@ -343,7 +303,6 @@ def describe_checkpoints(model: nn.Module, checkpoints: Path) -> None:
     base model's, as training set them (a new head's labels), and its ``adapter_config.json``; a registered builder's
     ``config.json``; nothing for a module that no config describes. Each file is replaced whole."""
     import copy
-    import os
     import tempfile
 
     from .lora import is_peft_model
@@ -401,150 +360,6 @@ def check_fits_own_config(model: nn.Module, shapes: dict[str, tuple[int, ...]] |
     if problem:
         raise ConfigError(f"the {own_class(model).__name__}'s weights would not load into the model its own {CONFIG_FILE} builds, so "
                           f"from_pretrained would leave them random: {problem}; keep its modules as its config builds them")
-
-
-def write_train_config(cfg: TrainConfig, output_dir: Path) -> None:
-    """The resolved settings as a ``--config`` preset: the same run again, in a new folder."""
-    settings = {key: value for key, value in cfg.to_dict().items() if key not in NOT_REPRODUCED}
-    (output_dir / TRAIN_CONFIG_FILE).write_text(yaml.safe_dump(settings, sort_keys=False))
-
-
-def model_card(run, model: nn.Module, summary: dict, pipeline_tag: str | None, repo_id: str | None) -> str:
-    """README.md: Hub metadata, then the model, its data, the settings, the final metrics, the hardware and
-    the command, all from the run itself."""
-    from huggingface_hub import ModelCardData
-
-    from .lora import is_peft_model
-
-    cfg, runtime, model_class = run.cfg, run.runtime, own_class(model)
-    adapter, transformers_model = is_peft_model(model), is_transformers_model(model)
-    build = getattr(model, BUILD_ATTRIBUTE, None)
-    data = ModelCardData(
-        library_name="peft" if adapter else "transformers" if transformers_model else "acceltrain",
-        pipeline_tag=pipeline_tag, tags=["acceltrain", *(["lora"] if adapter else [])],
-        base_model=getattr(cfg, "model_name_or_path", None),
-        datasets=getattr(cfg, "dataset_name", None),
-    )
-    where = repo_id or str(run.output_dir.resolve())  # loads from anywhere, as the "same run again" line runs
-    if adapter:
-        made, load = _adapter_description(model, where)
-    elif transformers_model:
-        head = model_head(model)
-        module, loader = ("transformers", head[0]) if head else (model_class.__module__, model_class.__name__)
-        made = f"`{model_class.__name__}` (Transformers, `{model.config.model_type}`)"
-        load = f'from {module} import {loader}\nmodel = {loader}.from_pretrained("{where}")'
-    elif build is not None:
-        arguments = ", ".join(f"{key}={value!r}" for key, value in build["kwargs"].items())
-        made = f"`{model_class.__name__}` from `{build['builder']}({arguments})`"
-        load = f'from acceltrain.hub import load_model\nmodel = load_model("{where}")'
-    else:
-        made = f"`{model_class.__name__}`, built by the recipe (no registered builder: rebuild it, then load `model.safetensors`)"
-        load = f'from safetensors.torch import load_model\nload_model(model, "{where}/model.safetensors")  # model: the recipe\'s own'
-    own_fields = [f for f in type(cfg).__dataclass_fields__ if f not in TrainConfig.__dataclass_fields__]
-    resolved = {**cfg.to_dict(), **cfg.resolved()}  # as the run used them (--lora-alpha unset: 2 x --lora-r)
-    samples = [f"training samples: {run.train_samples or 'a stream'}"]
-    if run.eval_batches is not None and hasattr(run.eval_batches, "dataset"):
-        samples.append(f"evaluation samples: {len(run.eval_batches.dataset)}")
-    metrics = {k: v for k, v in summary.items() if k.startswith("eval_") and v is not None}
-    metrics.update({k: summary[k] for k in RESULT_KEYS if summary.get(k) is not None})
-    hardware = {"device": runtime.get("device_name"), "processes": runtime.get("num_processes"),
-                "distributed type": runtime.get("distributed_type"), "mixed precision": summary.get("mixed_precision"),
-                "torch": runtime.get("torch"), "accelerate": runtime.get("accelerate"), "acceltrain": runtime.get("acceltrain")}
-    settings = {key: resolved[key] for key in KEY_SETTINGS} | {"global batch": runtime.get("global_batch_size")}
-    script = sys.argv[0] if sys.argv and sys.argv[0] else "RECIPE.py"
-    # from where it was started: the command and train_config.yaml's data paths may be relative to there
-    preset = str(run.output_dir.resolve() / TRAIN_CONFIG_FILE)
-    again = f"cd {shlex.quote(os.getcwd())} && {shlex.join([*launch_command(), '--config', preset])}"
-    return "\n".join([
-        f"---\n{data.to_yaml()}\n---",
-        f"# {where.rsplit('/', 1)[-1]}",
-        "",
-        f"Trained by the acceltrain recipe `{Path(script).name}` (one training loop on Hugging Face Accelerate).",
-        "",
-        "## Model",
-        "",
-        f"{made}, {_parameters(model, summary)}. Load it with one call:",
-        "",
-        f"```python\n{load}\n```",
-        "",
-        "## Model and data settings of the recipe",
-        "",
-        _table({name: resolved[name] for name in own_fields}),
-        "",
-        *[f"- {line}" for line in samples],
-        "",
-        "## Training settings",
-        "",
-        _table(settings),
-        "",
-        f"Every setting: `{TRAIN_CONFIG_FILE}`; the same run again, from the folder it was started in: `{again}`.",
-        "",
-        "## Results",
-        "",
-        _table(metrics),
-        "",
-        "Per-step metrics: `metrics.jsonl`; the whole record: `summary.json`.",
-        "",
-        "## Hardware",
-        "",
-        _table(hardware),
-        "",
-        "## Command",
-        "",
-        f"```bash\n{shlex.join([*launch_command(), *sys.argv[1:]])}\n```",
-        "",
-    ])
-
-
-def _adapter_description(model: nn.Module, where: str) -> tuple[str, str]:
-    """What a PEFT adapter folder holds, and the call that loads it onto its base model with the settings training
-    gave the base (a new head's labels)."""
-    from .lora import adapter_loading, describe
-
-    loader, settings = adapter_loading(model)
-    base = model.get_base_model()
-    made = (f"A LoRA adapter (peft; {describe(model)}) for `{own_class(base).__name__}` (Transformers, `{base.config.model_type}`) on "
-            f"the base model `{model.peft_config['default'].base_model_name_or_path}`, which must be there to load it")
-
-    arguments = "".join(f", {key}={value!r}" for key, value in settings.items())
-    return made, (f'from peft import {loader}\nmodel = {loader}.from_pretrained("{where}"{arguments})\n'
-                  f'# or with no arguments (they are in {ADAPTER_SETTINGS_FILE}): from acceltrain import load_model; '
-                  f'model = load_model("{where}")')
-
-
-def launch_command() -> list[str]:
-    """How this process was started, as a user would type it again: ``python -m package.module``, ``python
-    path.py`` or a console script's name (``sys.argv[0]`` is then a full path into the package or the venv)."""
-    script = sys.argv[0] if sys.argv and sys.argv[0] else "RECIPE.py"
-    main = sys.modules.get("__main__")
-    spec = getattr(main, "__spec__", None)
-    if spec is not None and script == getattr(main, "__file__", None):  # python -m
-        return ["python", "-m", spec.name.removesuffix(".__main__")]
-    if Path(script).parent == Path(sysconfig.get_path("scripts")):  # a console script of this environment
-        return [Path(script).name]
-    return ["python", script]
-
-
-def _parameters(model: nn.Module, summary: dict) -> str:
-    """The parameter counts of training, as summary.json has them (tied ones once; under ZeRO-3 the full size), and
-    the trainable part when it is not all; a merged adapter's folder holds fewer (the adapter's weights merged in)."""
-    from .lora import parameter_counts
-
-    held = parameter_counts(model)
-    trainable, total = summary.get("trainable_parameters", held[0]), summary.get("parameters", held[1])
-    counted = f"{total:,} parameters" if trainable == total else f"{trainable:,} trainable of {total:,} parameters"
-    return counted if held[1] == total else f"{counted} while training, merged into {held[1]:,}"
-
-
-def _table(values: dict) -> str:
-    if not values:
-        return "(none)"
-    rows = [f"| {key} | {_cell(value)} |" for key, value in values.items()]
-    return "\n".join(["| | |", "| --- | --- |", *rows])
-
-
-def _cell(value) -> str:
-    return f"{value:.6g}" if isinstance(value, float) else str(value).replace("|", "\\|")
 
 
 # --------------------------------------------------------------------------- --push-to-hub

@@ -198,7 +198,7 @@ def load_adapter(folder):
 
     from .logs import quiet_model_loading
     from .options import parse_json
-    from .text.corpus import load_local_or_hub
+    from .network import load_local_or_hub
 
     settings_file = folder / ADAPTER_SETTINGS_FILE
     try:
@@ -239,7 +239,7 @@ def merged(model, weights: dict | None):
 def _peft_task(model) -> tuple[str | None, str]:
     """(peft task type, AutoPeftModel class) of a Transformers model's head; (None, "PeftModel") for a head peft
     has no task for."""
-    from .hub import auto_class
+    from .auto_classes import auto_class
 
     found = auto_class(model.config, architecture=type(model).__name__)
     return PEFT_TASKS.get(found[0] if found else None, (None, "PeftModel"))

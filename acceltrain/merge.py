@@ -163,7 +163,7 @@ def _merge_adapter(tensors: dict, checkpoint: Path, out: Path) -> None:
     from .export import _on_cpu
     from .hub import check_matches, model_skeleton, transformers_class
     from .run_folder import ADAPTER_CONFIG_FILE, CONFIG_FILE
-    from .text.corpus import load_local_or_hub, one_line
+    from .network import load_local_or_hub, one_line
 
     where = f"checkpoint {str(checkpoint)!r}"
     adapter_file, config_file = _described(checkpoint, ADAPTER_CONFIG_FILE), _described(checkpoint, CONFIG_FILE)

@@ -134,7 +134,8 @@ def _run_folder(folder: Path) -> tuple[str, dict]:
     recipes, or of another task, is one line."""
     import yaml
 
-    from .hub import ADAPTER_CONFIG_FILE, CONFIG_FILE, TRAIN_CONFIG_FILE, auto_class
+    from .auto_classes import auto_class
+    from .run_folder import ADAPTER_CONFIG_FILE, CONFIG_FILE, TRAIN_CONFIG_FILE
 
     shown = f"RUN_FOLDER {str(folder)!r}"
     if not folder.is_dir():
@@ -175,7 +176,7 @@ def _run_folder(folder: Path) -> tuple[str, dict]:
 
 
 class _Attributes:
-    """A JSON config read as attributes, as :func:`acceltrain.hub.auto_class` reads a Transformers config."""
+    """A JSON config read as attributes, as :func:`acceltrain.auto_classes.auto_class` reads a Transformers config."""
 
     def __init__(self, values: dict):
         self.__dict__.update(values)
@@ -333,7 +334,7 @@ def _write(predictions: list[dict], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """``acceltrain predict``: exit 0, or 2 with one line on bad input."""
-    from .cli import EXIT_BAD_INPUT, _report_error
+    from .preemption import EXIT_BAD_INPUT, report_error
     from .config import parse_config
     from .logs import set_log_level
 
@@ -347,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
         show_progress_bars(False)  # the libraries' (reading the file, loading weights); predict draws its own
         predictions = _predict(options)
     except ConfigError as err:
-        _report_error(str(err))
+        report_error(str(err))
         return EXIT_BAD_INPUT
     if os.environ.get("RANK", "0") == "0":
         print(f"wrote {len(predictions)} predictions to {options.output}")

@@ -19,7 +19,8 @@ import acceltrain.hooks.hub
 import acceltrain.loop
 from acceltrain import ConfigError, Hook, TrainConfig, parse_config, run_recipe
 from acceltrain.config import run_changes
-from acceltrain.hub import NOT_REPRODUCED, load_model
+from acceltrain.hub import load_model
+from acceltrain.model_card import NOT_REPRODUCED
 from conftest import RECIPE, read_summary, reset_accelerate_state
 
 sys.path.insert(0, str(RECIPE.parent))
@@ -107,7 +108,7 @@ def test_the_card_s_command_is_the_one_the_user_typed(monkeypatch, argv0, module
     """Under -m or a console script the card used to say ``python /full/path/...``, which runs nothing useful."""
     import types
 
-    from acceltrain.hub import launch_command
+    from acceltrain.model_card import launch_command
 
     main = types.ModuleType("__main__")
     main.__file__, main.__spec__ = argv0, (types.SimpleNamespace(name=module) if module else None)
@@ -382,7 +383,7 @@ def fit_classifier(output_dir: Path, model, hooks=()) -> dict:
 def test_the_card_names_the_auto_class_of_the_model_s_head():
     from transformers import BertConfig, GPT2Config, LlamaConfig
 
-    from acceltrain.hub import auto_class
+    from acceltrain.auto_classes import auto_class
 
     cases = {
         (BertConfig, "BertForSequenceClassification"): ("AutoModelForSequenceClassification", "text-classification"),

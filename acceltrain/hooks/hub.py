@@ -10,22 +10,20 @@ from __future__ import annotations
 
 from accelerate.logging import get_logger
 
-from ..run_folder import write_summary
 from ..distributed import main_process_only
 from ..hub import (
-    CARD_FILE,
     check_fits_own_config,
     describe_checkpoints,
     is_transformers_model,
-    model_card,
     prepare_repo,
     push_folder,
     upload_command,
     write_model_files,
-    write_train_config,
 )
 from ..lora import check_backend, is_peft_model, merge_requested, parameter_counts
+from ..model_card import model_card, write_train_config
 from ..options import HubOptions, first_line
+from ..run_folder import CARD_FILE, write_summary
 from .base import Hook
 
 logger = get_logger(__name__)

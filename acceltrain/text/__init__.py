@@ -8,11 +8,11 @@ from ..lazy_exports import lazy_exports
 __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     "MODEL_PRESETS": "names", "transformer_default": "names",
     "TOKENIZER_FILE": "corpus", "load_text": "corpus", "save_tokenizer": "corpus",
-    "show_progress_bars": "corpus", "split_blocks": "corpus", "expand_text_files": "corpus", "text_fingerprint": "corpus",
+    "show_progress_bars": "corpus", "split_blocks": "corpus", "expand_text_files": "corpus", "text_fingerprint": "fingerprint",
     "held_out_lines": "corpus", "streamed_blocks": "corpus", "token_blocks": "corpus", "tokenizer_for_run": "corpus",
     "IGNORE_INDEX": "lm", "CausalLMTask": "lm", "build_causal_lm": "lm", "flops_per_block": "lm", "load_causal_lm": "lm",
     "matmul_parameters": "lm",
-    "check_columns": "tables", "file_fingerprint": "tables", "hold_out": "tables", "load_rows": "tables", "load_table": "tables",
+    "check_columns": "tables", "file_fingerprint": "fingerprint", "hold_out": "tables", "load_rows": "tables", "load_table": "tables",
     "check_vocabulary": "pretrained", "fitting_length": "pretrained", "load_pretrained": "pretrained",
     "pretrained_tokenizer": "pretrained",
     "Labels": "classification_data", "check_texts": "classification_data",

@@ -24,6 +24,7 @@ from accelerate.logging import get_logger
 
 from ..data import available_cpus
 from ..distributed import on_main_process_first
+from ..network import load_local_or_hub, one_line
 from ..options import ConfigError, file_kind
 
 logger = get_logger(__name__)
@@ -116,34 +117,6 @@ def load_text(text_files: str | None, dataset_name: str | None = None, dataset_c
     return texts
 
 
-FINGERPRINT_WHOLE_BYTES = 1 << 30  # text hashed whole up to 1 GiB; beyond, each file's size and ends
-FINGERPRINT_END_BYTES = 1 << 20
-
-
-def text_fingerprint(files: list[str]) -> str:
-    """A sha256 of the text files' sizes and contents, in order: a resume refuses text that changed (a stream has no
-    length to compare). Past 1 GiB in all, each file's size and first and last MiB: hashing all of it would take
-    minutes each launch."""
-    import hashlib
-
-    sizes = [os.path.getsize(path) for path in files]
-    whole = sum(sizes) <= FINGERPRINT_WHOLE_BYTES
-    digest = hashlib.sha256(f"{whole}:{sizes}".encode())
-    for path, size in zip(files, sizes):
-        with open(path, "rb") as file:
-            if whole or size <= 2 * FINGERPRINT_END_BYTES:
-                for block in iter(lambda: file.read(FINGERPRINT_END_BYTES), b""):
-                    digest.update(block)
-            else:
-                digest.update(file.read(FINGERPRINT_END_BYTES))
-                file.seek(size - FINGERPRINT_END_BYTES)
-                digest.update(file.read())
-    if not whole:
-        logger.info(f"the text's fingerprint covers each file's size and first and last MiB ({sum(sizes) / 2**30:.1f} GiB "
-                    "in all): a change elsewhere with the same size would not be noticed on resume")
-    return digest.hexdigest()
-
-
 # --------------------------------------------------------------------------- tokenizer
 
 
@@ -231,26 +204,6 @@ def _as_transformers_tokenizer(tokenizer):
 
     eos = END_OF_TEXT if tokenizer.token_to_id(END_OF_TEXT) is not None else None
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=eos)
-
-
-def load_local_or_hub(loader: Callable, source: str, flag: str, what: str):
-    """``loader(source)`` for a local folder or a Hub name; a one-line ConfigError naming ``flag`` when
-    it fails (offline, a typo, a folder without the files)."""
-    path = Path(source).expanduser()
-    local = path.is_dir()
-    if not local and (source.startswith((".", "/", "~")) or source.count("/") > 1):  # a path, not "org/name"
-        raise ConfigError(f"{flag} {source!r}: no such file or folder")
-    try:
-        return loader(str(path) if local else source)
-    except (OSError, ValueError, KeyError) as err:
-        where = "the local folder" if local else "the Hugging Face Hub (offline? pass a local folder instead)"
-        raise ConfigError(f"{flag} {source!r}: could not load {what} from {where}: {one_line(err)}") from None
-
-
-def one_line(err: BaseException, limit: int = 200) -> str:
-    """A library's error message on one line, shortened: enough to say why, never a wall of text."""
-    text = " ".join(str(err).split()) or type(err).__name__
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 # --------------------------------------------------------------------------- blocks

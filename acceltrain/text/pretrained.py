@@ -14,7 +14,8 @@ from ..distributed import on_main_process_first
 from ..hub import _few
 from ..logs import quiet_model_loading
 from ..options import ConfigError
-from .corpus import load_local_or_hub, load_tokenizer, one_line
+from ..network import load_local_or_hub, one_line
+from .corpus import load_tokenizer
 
 logger = get_logger(__name__)
 

@@ -15,7 +15,7 @@ import torch
 from ..data import mix_seed
 from ..distributed import on_main_process_first
 from ..options import ConfigError, file_kind
-from .corpus import one_line
+from ..network import one_line
 
 TABLE_KINDS = {".csv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 EVAL_SPLITS = ("validation", "test")  # a Hub dataset's split for evaluation, the first there is
@@ -121,10 +121,3 @@ def hold_out(rows, fraction: float, seed: int, *, unit: str = "rows", remedy: st
     order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(mix_seed(seed, 0xE7A1))).tolist()
     eval_rows, train_rows = sorted(order[:held]), sorted(order[held:])
     return rows.select(train_rows, keep_in_memory=True), rows.select(eval_rows, keep_in_memory=True)
-
-
-def file_fingerprint(*paths: str | None) -> str:
-    """The files' content fingerprint (:func:`~acceltrain.text.corpus.text_fingerprint`): a resume refuses data that changed."""
-    from .corpus import text_fingerprint
-
-    return text_fingerprint([os.path.abspath(os.path.expanduser(path)) for path in paths if path is not None])
