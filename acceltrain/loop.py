@@ -246,7 +246,11 @@ def _finish(loop: _Loop) -> dict:
     if save and checkpointer.last_saved_step != run.step:
         _save(loop)
     checkpointer.close()
-    weights = export_weights(accelerator, run.model, run.output_dir, progress.export)
+    export = progress.export
+    if isinstance(export, Path):  # a checkpoint's model: loaded into the model, then written as its own
+        checkpointer.load_model_of(export)
+        export = None
+    weights = export_weights(accelerator, run.model, run.output_dir, export)
     summary = _summary(loop, weights, wall_seconds)
     loop.hooks.call("on_fit_end", run, summary)
     if accelerator.is_main_process:

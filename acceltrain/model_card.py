@@ -85,7 +85,7 @@ def model_card(run, model: nn.Module, summary: dict, pipeline_tag: str | None, r
         "",
         "## Model",
         "",
-        f"{made}, {_parameters(model, summary)}. Load it with one call:",
+        f"{made}, {_parameters(model, summary)}.{_weights_step(summary)} Load it with one call:",
         "",
         f"```python\n{load}\n```",
         "",
@@ -167,3 +167,11 @@ def _table(values: dict) -> str:
 
 def _cell(value) -> str:
     return f"{value:.6g}" if isinstance(value, float) else str(value).replace("|", "\\|")
+
+
+def _weights_step(summary: dict) -> str:
+    """Where the weights come from when they are not the last step's (``--load-best-at-end``)."""
+    step = summary.get("weights_step")
+    if step is None:
+        return ""
+    return f" Its weights are step {step}'s, the best evaluation (`--load-best-at-end`), of {summary['steps']} steps trained."

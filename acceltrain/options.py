@@ -260,6 +260,10 @@ class CheckpointOptions(Options):
     save_every_minutes: float | None = option(None, "save a checkpoint once N minutes have passed since the last one", free_on_resume=True)
     keep_last: int | None = option(None, "keep only the newest N checkpoints (never deleting the best one); unset: keep all", free_on_resume=True)
     keep_best: bool = option(False, "checkpoint whenever the eval metric improves, and never delete the best checkpoint", free_on_resume=True)
+    load_best_at_end: bool = option(
+        False, "with --keep-best: the run folder's weights are the best evaluation's (its checkpoint), not the last "
+        "step's, as Trainer's load_best_model_at_end; summary.json's weights_step says which", free_on_resume=True,
+    )
     stop_after_steps: int | None = option(
         None, "checkpoint and stop after N optimizer steps of this launch (time-sliced jobs); continue with --resume auto", free_on_resume=True
     )
@@ -275,6 +279,8 @@ class CheckpointOptions(Options):
                 require(getattr(self, name) >= 1, name, getattr(self, name), "an integer >= 1")
         if self.save_every_minutes is not None:
             require(self.save_every_minutes > 0, "save_every_minutes", self.save_every_minutes, "a number > 0")
+        if self.load_best_at_end and not self.keep_best:
+            raise ConfigError("--load-best-at-end needs --keep-best: the best evaluation's checkpoint is the one it loads")
 
 
 @dataclasses.dataclass

@@ -88,9 +88,10 @@ class Run:
         ``exit_code``). A stop asked for on the last step simply finishes the run."""
         self._progress.request_stop(Stop(reason, finish, exit_code))
 
-    def request_export(self, weights: dict) -> None:
+    def request_export(self, weights: dict | Path) -> None:
         """Write ``weights`` (a state dict of the unwrapped model's names) as model.safetensors instead of the
-        model's own, e.g. an average (EMA); ask in ``on_train_end``."""
+        model's own, e.g. an average (EMA), or the model of checkpoint folder ``weights`` (the best one); ask in
+        ``on_train_end``."""
         self._progress.export = weights
 
     def attach(self, path: Path) -> None:

@@ -16,14 +16,11 @@ import shutil
 import time
 from pathlib import Path
 
-from accelerate.logging import get_logger
-from accelerate.utils import DistributedType
-
 from .config import TrainConfig
-from .distributed import init_process_state, main_process_only
 from .options import ConfigError, parse_json
 
-logger = get_logger(__name__)
+# Free of torch and Accelerate at import (they are imported where used): the recipes' --help and the option groups
+# read the run's file names from here.
 
 # The files a run writes at the top of its folder (other modules import the names from here)
 WEIGHTS_FILE = "model.safetensors"
@@ -57,7 +54,7 @@ class RunFolder:
     cfg: TrainConfig  # with output_dir resolved
     output_dir: Path
     is_main_process: bool
-    distributed_type: DistributedType
+    distributed_type: object  # accelerate's DistributedType
     num_processes: int
     found: frozenset[str] | None  # the folder's entries before this launch claimed it (main process); None: it did not exist
     trained: bool = False  # training has started: from then on a failure keeps everything (fit() sets it)
@@ -86,6 +83,10 @@ def claim_run_folder(cfg: TrainConfig, name: str, task=None) -> RunFolder:
     the output folder (refusing to replace a finished run or files it did not write), and refuse a ``task`` that
     cannot work on this backend. ``fit()`` calls it; a recipe that writes into the output folder before training
     (a tokenizer) calls it first, and ``fit()`` then continues that claim."""
+    from accelerate.utils import DistributedType
+
+    from .distributed import init_process_state, main_process_only
+
     state = init_process_state(cfg)
     if getattr(task, "sums_losses", False) and state.distributed_type == DistributedType.DEEPSPEED:
         raise ConfigError(TOKEN_NORMALISATION_UNDER_DEEPSPEED)
@@ -118,7 +119,9 @@ def _claim(output_dir: Path, overwrite: bool) -> None:
     if overwrite:
         aside = move_previous_run_aside(output_dir)
         if aside is not None:
-            logger.info(f"--overwrite: moved the previous run in {output_dir} to {aside}")
+            from accelerate.logging import get_logger
+
+            get_logger(__name__).info(f"--overwrite: moved the previous run in {output_dir} to {aside}")
     if output_dir.is_dir():
         lock_output_dir(output_dir)
 

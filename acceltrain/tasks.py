@@ -56,10 +56,20 @@ def check_first_batch(task, batch, collate_fn) -> None:
     if batch is None:
         raise ConfigError(f"the collate function {name} returned None (a missing return?): it must return a batch "
                           f"{type(task).__name__} takes")
-    check = getattr(task, "check_batch", None)
+    check = getattr(task, "check_batch", None) if _checks_its_own_batches(task) else None
     problem = check(batch) if check is not None else None
     if problem:
         raise ConfigError(f"the collate function {name} returned {problem}")
+
+
+def _checks_its_own_batches(task) -> bool:
+    """Whether ``task``'s ``check_batch`` knows the batches its ``train_loss`` takes: not when a subclass reads batches
+    of another form (a dict) and inherits its parent's check."""
+    def definer(name):
+        return next((cls for cls in type(task).__mro__ if name in vars(cls)), None)
+
+    checker, trainer = definer("check_batch"), definer("train_loss")
+    return checker is not None and (trainer is None or issubclass(checker, trainer))
 
 
 def describe(value) -> str:

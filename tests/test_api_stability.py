@@ -27,6 +27,7 @@ def test_a_name_moved_out_of_a_module_imports_with_a_warning(old, name, new):
     assert value is getattr(importlib.import_module(new), name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("old", "new", "name"), [
     ("acceltrain.lm", "acceltrain.text.lm", "CausalLMTask"),
     ("acceltrain.models", "acceltrain.vision.models", "build_model"),

@@ -36,6 +36,7 @@ def weights(out: Path) -> bytes:
     return (out / "model.safetensors").read_bytes()
 
 
+@pytest.mark.slow
 def test_async_saves_write_the_same_checkpoints_and_a_stop_waits_for_its_own(tmp_path, synchronous):
     full, part = tmp_path / "full", tmp_path / "part"
     assert run_tiny_in_process(full, *RUN, "--async-checkpoint") == 0
@@ -84,6 +85,7 @@ runpy.run_path(sys.argv[0], run_name='__main__')
 """
 
 
+@pytest.mark.slow
 def test_training_goes_on_while_a_save_is_written_and_a_kill_then_leaves_the_previous_checkpoint(tmp_path):
     out = tmp_path / "run"
     command = [sys.executable, "-c", SLOW_WRITE, str(TINY_RECIPE), *RUN, "--sleep-per-step", "0.2", "--async-checkpoint",

@@ -103,6 +103,7 @@ def test_damage_the_scan_cannot_see_is_one_line_at_first_read_also_from_a_worker
     assert "\n" not in str(raised.value) and "damaged.png" in str(raised.value)
 
 
+@pytest.mark.slow
 def test_the_recipe_prints_one_line_exits_2_and_writes_nothing(image_folder, tmp_path):
     _plant(image_folder, "truncated")
     output = tmp_path / "out"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 import json
 import subprocess
 import sys
@@ -9,6 +11,7 @@ import sys
 from conftest import REPO, RECIPE, check, launch, read_summary, subprocess_env
 
 
+@pytest.mark.slow
 def test_bench_ladder_writes_consistent_json_markdown_and_chart(tmp_path):
     out = tmp_path / "bench"
     command = [sys.executable, "-m", "acceltrain.cli", "bench", "--rows", "fp32,mixed-precision,channels-last",
@@ -56,6 +59,7 @@ def test_bench_png_shows_the_baseline_values_batches_and_rows_not_kept():
     assert hatches == [None, NOT_KEPT_STYLE["hatch"], None, None]
 
 
+@pytest.mark.slow
 def test_bench_reports_a_row_that_cannot_run_as_skipped_with_the_reason(tmp_path):
     out = tmp_path / "bench"
     command = [sys.executable, "-m", "acceltrain.cli", "bench", "--rows", "fp32", "--steps", "2", "--warmup", "1",
@@ -67,6 +71,7 @@ def test_bench_reports_a_row_that_cannot_run_as_skipped_with_the_reason(tmp_path
     assert "skipped: error: --batch-size" in (out / "bench.md").read_text()
 
 
+@pytest.mark.slow
 def test_profile_steps_write_a_loadable_trace_and_top_operators(tmp_path):
     out = tmp_path / "run"
     check(launch(RECIPE, ["--dataset", "synthetic", "--model", "resnet_tiny", "--batch-size", "8", "--max-steps", "4",

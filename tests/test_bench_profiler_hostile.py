@@ -11,6 +11,7 @@ import torch
 from conftest import REPO, TINY_RECIPE, check, launch, run_tiny_in_process
 
 
+@pytest.mark.slow
 def test_a_profile_range_past_the_end_profiles_the_steps_that_ran_and_exits_cleanly(tmp_path):
     out = tmp_path / "run"
     # fresh process: the segfault was at interpreter exit, with the profiler still running

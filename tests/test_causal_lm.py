@@ -158,6 +158,7 @@ def test_grad_accumulation_matches_the_big_batch_with_uneven_targets(tmp_path, b
     assert read_summary(out)["train_loss"] == pytest.approx(read_summary(big_batch)["train_loss"], rel=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_two_processes_match_one_process_with_uneven_targets(tmp_path, big_batch, text_file, hf_root):
     out = tmp_path / "ddp"
@@ -168,6 +169,7 @@ def test_two_processes_match_one_process_with_uneven_targets(tmp_path, big_batch
     assert_same_weights(out, big_batch)
 
 
+@pytest.mark.slow
 def test_resume_is_byte_identical_and_reuses_the_tokenizer(tmp_path, text_file, capsys):
     """With dropout: the resumed launch's loader once drew its base seed from the restored global generator, which
     shifted every later dropout mask (the loaders have their own generators now)."""
@@ -188,6 +190,7 @@ def test_resume_is_byte_identical_and_reuses_the_tokenizer(tmp_path, text_file, 
     assert [e["step"] for e in read_events(part) if "loss" in e] == list(range(1, 7))
 
 
+@pytest.mark.slow
 def test_a_new_run_in_an_old_folder_trains_its_own_tokenizer(tmp_path, text_file, capsys):
     out = tmp_path / "run"
     args = [*SMALL, "--text-files", str(text_file), "--batch-size", "4", "--max-steps", "1"]
@@ -278,6 +281,7 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, text_file, ca
     assert not out.exists(), "bad input must not write anything (the tokenizer included)"
 
 
+@pytest.mark.slow
 def test_deepspeed_is_refused_before_any_work(tmp_path, text_file, hf_root):
     pytest.importorskip("deepspeed")
     out = tmp_path / "ds"
@@ -295,6 +299,7 @@ def test_defaults_suit_a_language_model_and_dataset_config_needs_a_dataset():
         parse_config(causal_lm.CausalLMConfig, ["--text-files", "x", "--dataset-config", "y"])
 
 
+@pytest.mark.slow
 def test_activation_checkpointing_and_bf16_run_through_the_model_s_own_hooks(tmp_path, text_file):
     """The speed flags reach the LM too: activation checkpointing through the model's own
     ``activation_checkpointing_enable`` trains to the same weights; bf16 autocast runs and is recorded."""
@@ -324,6 +329,7 @@ def test_streamed_blocks_are_the_in_memory_blocks(text_file):
     assert torch.equal(streamed, in_memory)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workers", ["0", "1"])
 def test_streaming_resumes_byte_identically_across_passes(tmp_path, workers):
     """60 lines, 10 held out for evaluation: a pass is a few steps, so the run crosses passes' ends."""
@@ -340,6 +346,7 @@ def test_streaming_resumes_byte_identically_across_passes(tmp_path, workers):
     assert (part / "model.safetensors").read_bytes() == (full / "model.safetensors").read_bytes()
 
 
+@pytest.mark.slow
 def test_a_resume_refuses_text_that_changed_since_the_checkpoint(tmp_path, capsys):
     """Round 4 (issue 31, items 5 and 11): text replaced by other text of the same size resumed silently (stream and
     held-out lines both changed), and text that shrank failed deep in the loader; the text's fingerprint is recorded

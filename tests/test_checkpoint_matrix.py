@@ -97,6 +97,7 @@ def _weights(out: Path) -> bytes:
     return (adapter if adapter.is_file() else out / "model.safetensors").read_bytes()
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(("engine", "writer", "model", "stop"), list(_cases()))
 def test_every_stop_resumes_to_the_bytes_of_the_uninterrupted_run(engine, writer, model, stop, base, reference, tmp_path):
@@ -116,6 +117,7 @@ def test_every_stop_resumes_to_the_bytes_of_the_uninterrupted_run(engine, writer
     assert _weights(out) == _weights(reference(engine, model)), f"{engine} {writer} {model} {stop}: not the uninterrupted bytes"
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(("engine", "writer", "model"), [("deepspeed", "async", "cnn"), ("deepspeed", "sync", "lora")])
 def test_what_cannot_work_is_refused_in_one_line(engine, writer, model, base, tmp_path):

@@ -43,6 +43,7 @@ def uninterrupted(tmp_path_factory):
     return results
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "stop_at,workers",
     [(4, "0"), (5, "0"), (7, "0"), (5, "2")],
@@ -67,6 +68,7 @@ def test_resume_auto_without_checkpoint_starts_fresh(tmp_path, uninterrupted, ca
     assert weights(out) == weights(uninterrupted["0"])
 
 
+@pytest.mark.slow
 def test_two_processes_resume_byte_identical(tmp_path):
     """With a stateful hook too: the EMA's average (exported as model.safetensors) continues exactly."""
     args = [*RUN, "--num-workers", "1", "--batch-size", "2", "--sync-bn", "--ema-decay", "0.9"]
@@ -102,6 +104,7 @@ def long_uninterrupted(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_sigterm_checkpoints_exits_75_and_resume_is_identical(tmp_path, long_uninterrupted):
     out = tmp_path / "run"
     process = _start([*LONG, "--output-dir", str(out)])
@@ -120,6 +123,7 @@ def test_sigterm_checkpoints_exits_75_and_resume_is_identical(tmp_path, long_uni
     assert weights(out) == weights(long_uninterrupted)
 
 
+@pytest.mark.slow
 def test_sigkill_during_saves_never_leaves_a_half_checkpoint(tmp_path, long_uninterrupted):
     out = tmp_path / "run"
     process = _start([*LONG, "--output-dir", str(out), "--save-every-steps", "1"])

@@ -73,6 +73,7 @@ def test_env_reports_what_accelerate_env_does_and_the_toolkit_view():
     assert toolkit["bf16"].startswith(("fast: matmul", "slow: matmul")) and "conv" in toolkit["bf16"]
 
 
+@pytest.mark.slow
 def test_env_command_prints_both_sections():
     result = subprocess.run([sys.executable, "-m", "acceltrain.cli", "env"], cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr

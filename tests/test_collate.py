@@ -109,6 +109,7 @@ run_recipe(main, TrainConfig, sys.argv[1:])
 """
 
 
+@pytest.mark.slow
 def test_a_collate_function_that_returns_none_is_one_line_not_an_endless_loop(tmp_path):
     """Before: None was the loop's own end-of-epoch value, so every epoch ended at its first batch and the next began,
     forever, ignoring SIGTERM."""

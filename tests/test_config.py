@@ -164,6 +164,7 @@ def test_existing_finished_run_is_not_overwritten(tmp_path, capsys):
     assert (out / "summary.json").read_text() == "{}"
 
 
+@pytest.mark.slow
 def test_bad_input_from_the_command_line_exits_2_with_one_line(tmp_path):
     result = launch(RECIPE, ["--batch-size", "0", "--output-dir", str(tmp_path / "out")])
     assert result.returncode == 2

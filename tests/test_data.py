@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 import torch
 from accelerate.data_loader import BatchSamplerShard
 from torch.utils.data import BatchSampler
@@ -97,6 +99,7 @@ def test_synthetic_data_is_deterministic_and_class_dependent():
     assert means.std(dim=0).min() > 5  # the classes differ in colour
 
 
+@pytest.mark.slow
 def test_the_process_exits_at_once_when_the_run_outlives_fit_with_persistent_workers(tmp_path):
     """Workers ignore SIGTERM (a preemption is the main process's to handle), so multiprocessing's exit
     handler, which terminates them with SIGTERM and then waits, waited minutes for the workers of a loader

@@ -75,6 +75,7 @@ def test_eval_samples_evaluates_that_many_and_records_it(tmp_path):
     assert read_summary(tmp_path / "run")["config"]["eval_samples"] == 20
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_eval_samples_are_the_same_samples_on_two_processes(tmp_path):
     """2 processes at batch 4 train like 1 at batch 8 (no BatchNorm), so the same 20 samples give the same loss."""
@@ -90,6 +91,7 @@ def test_eval_samples_are_the_same_samples_on_two_processes(tmp_path):
 # --------------------------------------------------------------------------- progress
 
 
+@pytest.mark.slow
 def test_evaluation_shows_a_bar_and_the_training_bar_counts_the_evaluations_left(tmp_path, capsys):
     assert run_tiny_in_process(tmp_path / "on", *TINY, "--progress") == 0  # stderr is not a terminal here
     shown = capsys.readouterr().err
@@ -188,6 +190,7 @@ def hf_cache(tmp_path, monkeypatch):
     return tmp_path / "hf-cache"
 
 
+@pytest.mark.slow
 def test_a_hub_layout_folder_loads_offline_into_uint8_images_with_class_names(tmp_path):
     """In a fresh process with only HF_DATASETS_OFFLINE=1 and HF_HOME, as a user runs after one download; the
     second load of the same dataset comes from the HF cache, and a dataset that is not there is one line."""

@@ -158,6 +158,7 @@ def test_a_run_with_balanced_class_weights_records_them(data, tmp_path):
 # --------------------------------------------------------------------------- what a run prints
 
 
+@pytest.mark.slow
 def test_a_run_prints_no_load_report_nor_peft_deprecation_but_says_what_starts_afresh(adapter):
     assert "LOAD REPORT" not in adapter.output and "is_gradient_checkpointing" not in adapter.output, adapter.output[
         :3000
@@ -202,6 +203,7 @@ def test_quiet_loading_keeps_every_other_warning():
 # --------------------------------------------------------------------------- the run folder and its card
 
 
+@pytest.mark.slow
 def test_a_lora_folder_of_new_labels_loads_with_no_argument(adapter):
     settings = json.loads((adapter.folder / "adapter_base_settings.json").read_text())
     assert settings["id2label"] == {"0": "meh", "1": "neg", "2": "pos"}
@@ -227,6 +229,7 @@ def test_the_card_shows_resolved_settings_after_a_resume(adapter):
     assert "| lora_alpha | 8 |" in card and "| lora_r | 4 |" in card, "--lora-alpha unset: 2 x --lora-r"
 
 
+@pytest.mark.slow
 def test_the_cards_same_run_again_command_works_from_inside_the_run_folder(adapter, data):
     again = re.search(
         r"the same run again, from the folder it was started in: `(.+?)`\.", (adapter.folder / "README.md").read_text()

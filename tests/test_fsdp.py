@@ -1,8 +1,9 @@
 """FSDP2 on CPU processes (issue 32): accelerate_configs/fsdp_cpu.yaml shards any recipe for real (DTensor
 parameters, half of each sharded tensor per process), trains the same maths as DDP and as one process at
 twice the batch (clipping and accumulation included; the LM's token-normalised loss too), resumes
-byte-identically from DCP shards inside the toolkit's atomic checkpoints, and continues on another process
-count through DCP's resharding. Each launch starts 2 gloo processes: the runs are shared by module fixtures."""
+byte-identically from DCP shards inside the toolkit's atomic checkpoints (stopped, SIGTERMed or killed mid-save,
+synchronous and async: tests/test_checkpoint_matrix.py), and continues on another process count through DCP's
+resharding. Each launch starts 2 gloo processes: the runs are shared by module fixtures."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from acceltrain.checkpoint.files import checkpoint_engine, complete_checkpoints, verify_checkpoint
+from acceltrain.checkpoint.files import complete_checkpoints, verify_checkpoint
 
 from acceltrain.checkpoint.state import CheckpointError
 from acceltrain.cli import main
@@ -55,6 +56,7 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     return out
 
 
+@pytest.mark.slow
 def test_fsdp_on_cpu_processes_shards_for_real_and_trains_as_ddp_and_one_process(runs):
     summary = read_summary(runs["fsdp"])
     assert (summary["distributed_type"], summary["num_processes"]) == ("FSDP", 2)
@@ -65,35 +67,12 @@ def test_fsdp_on_cpu_processes_shards_for_real_and_trains_as_ddp_and_one_process
     assert_close(runs["fsdp"], runs["single"])
 
 
-def test_a_stopped_fsdp_run_resumes_from_its_shards_byte_identically(tmp_path, runs):
-    out = tmp_path / "run"
-    args = [*TINY, "--batch-size", "4", "--output-dir", str(out)]
-    stopped = fsdp([*args, "--stop-after-steps", "3"])
-    assert "stopped at step 3" in stopped.stdout + stopped.stderr
-    (checkpoint,) = complete_checkpoints(out)
-    assert checkpoint_engine(checkpoint) == "FSDP" and (checkpoint / "pytorch_model_fsdp_0" / "__1_0.distcp").is_file()
-    check(fsdp([*args, "--resume", "auto"]))
-    assert (out / "model.safetensors").read_bytes() == (runs["fsdp"] / "model.safetensors").read_bytes()
-
-
-def test_async_checkpoints_of_shards_resume_byte_identically(tmp_path, runs):
-    """DCP's async_save on gloo groups of its own, in Accelerate's layout: the stop waits for its save, and the
-    resume from it ends on the bytes of the run that saved synchronously and never stopped (issue 32, item 5)."""
-    out = tmp_path / "run"
-    args = [*TINY, "--batch-size", "4", "--output-dir", str(out), "--async-checkpoint"]
-    stopped = fsdp([*args, "--stop-after-steps", "3"])
-    assert "stopped at step 3" in stopped.stdout + stopped.stderr
-    assert [p.name for p in complete_checkpoints(out)] == ["step_00000003"]
-    check(fsdp([*args, "--resume", "auto"]))
-    assert (out / "model.safetensors").read_bytes() == (runs["fsdp"] / "model.safetensors").read_bytes()
-    assert read_summary(out)["checkpoint_seconds"] >= 0
-
-
 def continue_from(checkpoint: Path, out: Path) -> None:
     """``out`` holds only a copy of ``checkpoint``, as a folder preempted at that step would."""
     shutil.copytree(checkpoint, out / "checkpoints" / checkpoint.name)
 
 
+@pytest.mark.slow
 def test_an_fsdp_checkpoint_continues_on_one_process_and_back_on_two(tmp_path, runs):
     """DCP reshards on load, optimizer state included: 2 -> 1 (batch 8) and 1 -> 2 (batch 4) processes, each
     within float rounding of the run never stopped."""
@@ -123,6 +102,53 @@ def test_a_missing_or_altered_shard_is_refused(tmp_path, runs):
             verify_checkpoint(copy)
 
 
+def rewrite_manifest(checkpoint: Path) -> None:
+    """A manifest that agrees with the files as they are now: what a tool that 'repairs' checkpoints writes."""
+    import hashlib
+
+    files = sorted(p for p in checkpoint.rglob("*") if p.is_file() and p.name != "COMPLETE")
+    manifest = {str(p.relative_to(checkpoint)): {"bytes": p.stat().st_size, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
+                for p in files}
+    (checkpoint / "COMPLETE").write_text(json.dumps(manifest))
+
+
+def test_shard_files_swapped_between_processes_are_refused_though_the_manifest_agrees(tmp_path, runs):
+    """Issue 36 item 7: DCP reads an item by file name and offset alone, so rank 0's and rank 1's shard files swapped
+    (under a rewritten manifest) resumed silently into another model; each item's recorded sha256 catches it."""
+    from acceltrain.checkpoint.safe_load import check_loadable_without_code
+
+    copy = tmp_path / "swapped"
+    shutil.copytree(complete_checkpoints(runs["fsdp"])[0], copy)
+    shards = copy / "pytorch_model_fsdp_0"
+    (shards / "__0_0.distcp").rename(shards / "swap")
+    (shards / "__1_0.distcp").rename(shards / "__0_0.distcp")
+    (shards / "swap").rename(shards / "__1_0.distcp")
+    rewrite_manifest(copy)
+    verify_checkpoint(copy)  # the manifest agrees: it cannot tell
+    with pytest.raises(CheckpointError, match=r"__[01]_0\.distcp' does not hold what its DCP metadata says at \d+ \(model\."):
+        check_loadable_without_code(copy, digests_required=True)
+    (copy / "shard_digests.json").unlink()
+    rewrite_manifest(copy)
+    with pytest.raises(CheckpointError, match="holds DCP shards without shard_digests.json"):
+        check_loadable_without_code(copy, digests_required=True)
+
+
+@pytest.mark.slow
+def test_batchnorm_trains_as_under_ddp_and_runs_under_bf16(tmp_path):
+    """Issue 36 items 5 and 6: the running statistics are rank 0's on every process after each training forward, as
+    DDP makes them (they were each process's own, and a resume took one process's for all): the same bytes as DDP.
+    Under bf16 a BatchNorm model stopped at the first step (a bf16 weight beside fp32 statistics)."""
+    args = [*TINY, "--batch-size", "4", "--batchnorm"]
+    check(fsdp([*args, "--output-dir", str(tmp_path / "fsdp")]))
+    check(launch(TINY_RECIPE, [*args, "--output-dir", str(tmp_path / "ddp")], processes=2, launcher="accelerate"))
+    assert (tmp_path / "fsdp" / "model.safetensors").read_bytes() == (tmp_path / "ddp" / "model.safetensors").read_bytes()
+    result = check(fsdp([*args, "--mixed-precision", "bf16", "--output-dir", str(tmp_path / "bf16")]))
+    assert "FSDP keeps the 1 normalisation layers with running statistics in fp32 under bf16" in result.stdout + result.stderr
+    trained = weights(tmp_path / "bf16")
+    assert trained["1.weight"].dtype == torch.float32 and not torch.equal(trained["1.weight"], torch.ones(8))
+
+
+@pytest.mark.slow
 def test_what_fsdp_cannot_resume_or_run_is_one_line(tmp_path, runs):
     ddp = tmp_path / "ddp"
     continue_from(complete_checkpoints(runs["ddp"])[0], ddp)
@@ -139,6 +165,14 @@ def test_what_fsdp_cannot_resume_or_run_is_one_line(tmp_path, runs):
     under_deepspeed = SimpleNamespace(accelerator=SimpleNamespace(distributed_type=DistributedType.DEEPSPEED), engine="DeepSpeed")
     with pytest.raises(CheckpointError, match="holds FSDP model and optimizer state and this run is DEEPSPEED: resume it under FSDP"):
         Checkpointer._check_engine(under_deepspeed, sharded, verify_checkpoint(sharded)[0])
+    # another model with the same settings (a base folder replaced): a BatchNorm added, the config change allowed
+    other = tmp_path / "other-model"
+    continue_from(sharded, other)
+    result = fsdp([*TINY, "--batch-size", "4", "--batchnorm", "--allow-config-change", "--output-dir", str(other),
+                   "--resume", "auto"])
+    assert result.returncode != 0 and "holds another model than this run's: 5 tensors differ (e.g. 1.bias: absent in the " \
+        "checkpoint, [8] here)" in result.stderr, result.stderr[-2000:]
+    assert "CheckpointException" not in result.stderr
     result = fsdp([*TINY, "--batch-size", "4", "--output-dir", str(tmp_path / "ema"), "--ema-decay", "0.9"])
     assert result.returncode != 0 and "EMA needs every process to hold the full weights: FSDP and DeepSpeed ZeRO-3 shard them" in result.stderr
 
@@ -177,6 +211,7 @@ def text(tmp_path_factory) -> tuple[Path, dict[str, str]]:
     return write_text(root / "plays.txt"), env
 
 
+@pytest.mark.slow
 def test_the_language_model_shards_per_block_and_keeps_its_token_normalised_loss(tmp_path, text):
     """Uneven target counts per micro-batch and process, SGD: FSDP on 2 processes equals one process at twice the batch."""
     from test_causal_lm import EXACT, UNEVEN_RECIPE
@@ -190,6 +225,7 @@ def test_the_language_model_shards_per_block_and_keeps_its_token_normalised_loss
     assert_close(sharded, single, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_bf16_and_activation_checkpointing_run_sharded_and_the_weights_load_with_from_pretrained(tmp_path, text):
     from test_causal_lm import SMALL
 

@@ -239,6 +239,7 @@ def test_lookahead_reevaluates_an_early_finish_already_evaluated_at_its_step():
     assert evaluated == [6]
 
 
+@pytest.mark.slow
 def test_lookahead_changes_training_and_resumes_exactly(tmp_path):
     plain, full, part = tmp_path / "plain", tmp_path / "full", tmp_path / "part"
     assert run_tiny(plain) == 0

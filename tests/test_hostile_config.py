@@ -69,6 +69,7 @@ def test_a_preset_with_thousands_of_unknown_keys_names_a_few(tmp_path):
     assert len(str(err.value)) < 500 and "and 2990 more" in str(err.value)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["fifo", "directory", "/dev/zero"])
 def test_a_preset_that_is_not_a_regular_file_is_refused_at_once(tmp_path, kind):
     """A FIFO blocked the read for good (a subprocess, so that the test ends even then); /dev/zero never ends."""
@@ -113,6 +114,7 @@ def test_a_bogus_wandb_mode_is_ignored_without_wandb(tmp_path, monkeypatch):
     assert run_tiny_in_process(tmp_path / "out", *TINY, "--max-steps", "1", "--report-to", "none") == 0
 
 
+@pytest.mark.slow
 def test_an_empty_wandb_mode_counts_as_unset(tmp_path):
     """Without credentials: offline, as when WANDB_MODE is not set at all (wandb alone refuses '')."""
     out = tmp_path / "out"
@@ -123,6 +125,7 @@ def test_an_empty_wandb_mode_counts_as_unset(tmp_path):
     assert "no W&B API key found" in result.stdout and len(list((out / "wandb").glob("offline-run-*"))) == 1
 
 
+@pytest.mark.slow
 def test_wandb_dir_is_where_the_offline_run_goes(tmp_path):
     out, wandb_dir = tmp_path / "out", tmp_path / "scratch" / "wandb-runs"
     check(launch(TINY_RECIPE, [*TINY, "--max-steps", "2", "--log-every", "1", "--output-dir", str(out)],
@@ -181,6 +184,7 @@ def test_a_deepspeed_stage_of_auto_is_left_to_accelerate(tmp_path, monkeypatch):
     assert deepspeed_plugin(TrainConfig()).zero_stage == 2
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_a_bad_zero_stage_under_accelerate_launch_is_the_launchers_root_cause(tmp_path):
     """Refused by run_recipe, before DeepSpeed sets up the process group (and builds its CPU ops)."""
@@ -216,6 +220,7 @@ def test_a_finished_run_writes_no_error_file(tmp_path, monkeypatch):
     assert not (tmp_path / "error.json").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_under_torchrun_a_stop_to_be_resumed_is_the_launchers_root_cause(tmp_path):
     result = launch(TINY_RECIPE, [*TINY, "--max-steps", "5", "--stop-after-steps", "2", "--output-dir", str(tmp_path / "out")],

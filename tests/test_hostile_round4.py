@@ -30,6 +30,7 @@ def uneven_run(tmp_path_factory):
                              launcher="torchrun", timeout=600))
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_uneven_streams_end_each_pass_together_as_the_shorter_one_does(tmp_path, uneven_run):
     """Before: fit() hung for good in a collective when one process's stream ended first."""
@@ -42,6 +43,7 @@ def test_uneven_streams_end_each_pass_together_as_the_shorter_one_does(tmp_path,
             "pass is left out") in result.stderr + result.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_an_uneven_stream_stopped_where_a_pass_ended_resumes_byte_identically(tmp_path, uneven_run):
     """The longer stream's loader position is recorded as its pass's end: the resume starts the next pass."""
@@ -53,6 +55,7 @@ def test_an_uneven_stream_stopped_where_a_pass_ended_resumes_byte_identically(tm
     assert (out / "model.safetensors").read_bytes() == (uneven_run[0] / "model.safetensors").read_bytes()
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_workers_do_not_outlive_a_launcher_killed_outright(tmp_path):
     """Before: torchrun SIGKILLed (a job step's or a test's timeout) left its workers running, and a worker waiting

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 import json
 import re
 import subprocess
@@ -45,6 +47,7 @@ print(json.dumps({"parsers": parsers, "probes": probes}))
 """
 
 
+@pytest.mark.slow
 def test_every_parser_refuses_abbreviated_flags():
     """Issue 31 item 13: ``benchmarks/peers.py --round 3`` ran as --rounds 3 and ``acceltrain ray --num-w 0`` as
     --num-workers 0 (argparse's prefix matching), while the recipes refuse ``--max-step``: every parser in

@@ -81,6 +81,7 @@ def refused(folder: Path, message: str) -> str:
     return text
 
 
+@pytest.mark.slow
 def test_image_and_language_model_folders_load_in_a_fresh_process(image_run, lm_run):
     """The builder registry used to fill only when acceltrain.vision.models had been imported: every image
     folder failed in a new process with ``names builder 'acceltrain.vision.build_model'; known:`` (empty)."""

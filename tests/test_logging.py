@@ -65,6 +65,7 @@ def test_log_level_debug_shows_time_level_and_logger_name(tmp_path, capsys):
     assert len(done) == 1 and " - INFO - acceltrain.loop - " in done[0], done
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="the warning comes from DeepSpeed")
 def test_deepspeeds_setting_accelerator_to_cpu_warning_stays_out_of_a_cpu_run(tmp_path):
     """Once the deepspeed extra is installed, DeepSpeed logs it on its own stdout handler in every CPU run."""

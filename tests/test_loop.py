@@ -31,6 +31,7 @@ def run_tiny(output_dir: Path, *args: str) -> tuple[dict, dict, dict]:
     return read_summary(output_dir), counts, load_file(str(output_dir / "rank0.safetensors"))
 
 
+@pytest.mark.slow
 def test_accumulating_k_micro_batches_equals_one_k_times_batch(tmp_path):
     common = ["--num-train", "128", "--max-steps", "4", "--lr", "0.2", "--lr-schedule", "cosine", "--warmup-steps", "1"]
     _, _, accumulated = run_tiny(tmp_path / "accum", *common, "--batch-size", "8", "--grad-accum", "4")
@@ -107,6 +108,7 @@ def test_evaluation_covers_every_sample_exactly_once(tmp_path):
     assert summary["eval_accuracy"] == pytest.approx(accuracy)
 
 
+@pytest.mark.slow
 def test_recipe_on_synthetic_data_learns_and_writes_its_outputs(tmp_path):
     out = tmp_path / "run"
     run_recipe(cifar_main, CifarConfig, [
@@ -128,6 +130,7 @@ def test_recipe_on_synthetic_data_learns_and_writes_its_outputs(tmp_path):
     assert set(load_file(str(out / "model.safetensors"))) == plain_keys
 
 
+@pytest.mark.slow
 def test_recipe_on_an_image_folder(tmp_path, image_folder):
     out = tmp_path / "run"
     run_recipe(cifar_main, CifarConfig, [

@@ -133,6 +133,7 @@ def source(data) -> list[str]:
     return ["--model-name-or-path", str(data.bert), "--train-file", str(data.train), "--eval-file", str(data.eval)]
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("config", ["multi_cpu.yaml", "fsdp_cpu.yaml"], ids=["ddp", "fsdp"])
 def test_two_processes_train_the_adapter_of_one_process_at_twice_the_batch(tmp_path, data, one_process, config):
@@ -149,6 +150,7 @@ def test_two_processes_train_the_adapter_of_one_process_at_twice_the_batch(tmp_p
     assert read_summary(two)["eval_accuracy"] == read_summary(one_process)["eval_accuracy"]
 
 
+@pytest.mark.slow
 def test_lora_under_deepspeed_is_one_line_before_any_work(tmp_path, data):
     pytest.importorskip("deepspeed")
     out = tmp_path / "ds"

@@ -95,6 +95,7 @@ def loads_every_weight(folder: Path, auto_class: str):
     return model
 
 
+@pytest.mark.slow
 def test_a_merge_lora_run_s_checkpoint_merges_into_its_base(tmp_path, runs, capsys):
     """Item 2: the run folder's config.json was written beside the adapter's peft-named tensors, and from_pretrained
     built a random model with a warning. The last checkpoint now merges into the very weights the run exported."""
@@ -211,6 +212,7 @@ def test_what_is_not_a_checkpoint_is_said_in_merge_s_words(tmp_path, runs, capsy
         verify_checkpoint(tmp_path / "nothing")  # --resume's own words, unchanged
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_an_fsdp_lora_checkpoint_merges_into_its_base(tmp_path, data, capsys):
     """Item 3: FSDP's shards of an adapter run merged into peft-named tensors with neither config.json nor

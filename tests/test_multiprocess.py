@@ -33,6 +33,7 @@ def ddp_and_single(request, tmp_path_factory):
     return root / "ddp", root / "single", ddp
 
 
+@pytest.mark.slow
 def test_accelerate_launch_with_multi_cpu_config_runs_two_gloo_processes(ddp_and_single):
     ddp_dir, _, result = ddp_and_single
     summary = read_summary(ddp_dir)
@@ -73,6 +74,7 @@ def test_uneven_eval_set_is_counted_exactly_once_across_ranks(ddp_and_single):
     assert read_summary(ddp_dir)["eval_accuracy"] == pytest.approx(read_summary(single_dir)["eval_accuracy"], abs=1 / 37)
 
 
+@pytest.mark.slow
 def test_torchrun_runs_the_unchanged_recipe(tmp_path):
     out = tmp_path / "run"
     check(launch(RECIPE, ["--dataset", "synthetic", "--model", "resnet_tiny", "--batch-size", "16", "--max-steps", "4",
@@ -81,6 +83,7 @@ def test_torchrun_runs_the_unchanged_recipe(tmp_path):
     assert (summary["num_processes"], summary["distributed_type"], summary["samples_seen"]) == (2, "MULTI_CPU", 4 * 32)
 
 
+@pytest.mark.slow
 def test_the_gpu_fsdp_config_on_cpu_runs_fsdp_not_ddp(tmp_path):
     """On CPU Accelerate drops the FSDP plugin and runs plain DDP; the toolkit sets FSDP2 up instead (issue 32), and
     the CIFAR recipe runs sharded under the GPU config unchanged."""
@@ -92,6 +95,7 @@ def test_the_gpu_fsdp_config_on_cpu_runs_fsdp_not_ddp(tmp_path):
     assert summary["runtime"]["parameters_per_process"] < 0.6 * summary["runtime"]["parameters"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fail_rank,error", [(0, "os"), (0, "config"), (1, "os")])
 def test_a_failure_on_main_process_first_stops_every_process_instead_of_hanging(tmp_path, fail_rank, error):
     from conftest import REPO
@@ -108,6 +112,7 @@ def test_a_failure_on_main_process_first_stops_every_process_instead_of_hanging(
         assert f"rank {1 - fail_rank}: RuntimeError: another process failed: disk full" in lines
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("main_process_lag", ["0", "1"])
 def test_under_torchrun_the_launchers_failure_report_names_the_one_line_error(main_process_lag):
     """torchrun's ChildFailedError table shows each worker's error file as the root cause: the one line,
@@ -140,6 +145,7 @@ def test_a_failing_process_other_than_the_main_one_waits_only_until_the_launcher
     assert code == 2 or "waiting" not in process.stdout.read()
 
 
+@pytest.mark.slow
 def test_a_time_budget_stops_every_process_at_the_same_step_with_the_same_learning_rates(tmp_path):
     """The main process's clock decides (one broadcast per step): ranks never disagree on the lr or the end."""
     check(launch(TINY_RECIPE, ["--batch-size", "4", "--epochs", "1000", "--sleep-per-step", "0.03", "--time-budget-minutes", "0.04",

@@ -80,6 +80,7 @@ def train(out, *extra: str) -> int:
     return 0
 
 
+@pytest.mark.slow
 def test_a_muon_run_resumes_byte_identical(tmp_path):
     assert train(tmp_path / "full") == 0
     assert train(tmp_path / "cut", "--stop-after-steps", "3") == 75
@@ -91,6 +92,7 @@ SMALL = ["--dataset", "synthetic", "--model", "resnet_tiny", "--max-steps", "4",
          "--num-workers", "0", *MUON]
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_two_processes_at_batch_b_match_one_process_at_batch_2b(tmp_path):
     """DDP averages the gradients before Muon orthogonalises them: the same update as one big batch, up to
@@ -107,6 +109,7 @@ def test_two_processes_at_batch_b_match_one_process_at_batch_2b(tmp_path):
         assert (ddp[key].float() - single[key].float()).norm() <= 2e-2 * single[key].float().norm() + 1e-6, key
 
 
+@pytest.mark.slow
 def test_muon_under_deepspeed_is_one_line_before_training(tmp_path):
     pytest.importorskip("deepspeed")
     from conftest import RECIPE, launch

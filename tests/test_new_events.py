@@ -132,6 +132,7 @@ run_recipe(lambda cfg: tiny_recipe.main(cfg, hooks=[GradNorm(1), RowsOfThisProce
 '''
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_the_gradient_norm_example_sees_synchronised_gradients_on_two_processes(tmp_path):
     """Both processes see the same norm at every step, that of one process at the whole batch: the

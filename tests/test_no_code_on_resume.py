@@ -64,6 +64,7 @@ def test_a_planted_pickle_in_a_checkpoint_is_refused_and_never_runs(tmp_path, ca
     assert not marker.exists(), "the checkpoint ran code"
 
 
+@pytest.mark.slow
 def test_deepspeed_checkpoint_files_with_a_planted_pickle_are_refused_and_never_run(tmp_path):
     pytest.importorskip("deepspeed")
     args = ["--dataset", "synthetic", "--model", "resnet_tiny", "--batch-size", "16", "--max-steps", "4", "--no-progress",

@@ -95,6 +95,7 @@ def _wait_for_steps(out: Path, steps: int = 3, timeout: float = 120) -> None:
         time.sleep(0.05)
 
 
+@pytest.mark.slow
 def test_sigterm_to_the_process_group_with_loader_workers_checkpoints_and_resumes(tmp_path, long_full):
     """Before: the DataLoader workers died of the SIGTERM first and the run crashed, exit 1, no checkpoint."""
     out = tmp_path / "run"
@@ -107,6 +108,7 @@ def test_sigterm_to_the_process_group_with_loader_workers_checkpoints_and_resume
     assert weights(out) == weights(long_full)
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_at_the_next_step_saves_and_exits_130(tmp_path, long_full):
     out = tmp_path / "run"
     process = _start_in_own_group([*LONG, "--num-workers", "2", "--output-dir", str(out)])
@@ -119,6 +121,7 @@ def test_ctrl_c_stops_at_the_next_step_saves_and_exits_130(tmp_path, long_full):
     assert weights(out) == weights(long_full)
 
 
+@pytest.mark.slow
 def test_a_second_ctrl_c_aborts_at_once_with_one_line(tmp_path):
     """Each step ends with 5 s of sleep (a hook's), so the second Ctrl-C lands while the first one's stop is
     pending, however fast the machine: step 1 is logged after its sleep, as step 2 begins."""
@@ -142,6 +145,7 @@ def _flip_last_byte(path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
+@pytest.mark.slow
 def test_rotation_never_deletes_the_newest_verified_checkpoint_for_a_broken_newer_one(tmp_path):
     out = tmp_path / "run"
     assert run_tiny(out, "--save-every-steps", "2", "--stop-after-steps", "8") == EXIT_PREEMPTED
@@ -166,6 +170,7 @@ def test_stray_files_in_the_checkpoint_folder_are_ignored(tmp_path, full):
 # ---------------------------------------------------------------- 5, 6, 10c. never overwrite a run by accident
 
 
+@pytest.mark.slow
 def test_overwrite_starts_clean_and_moves_the_old_run_aside(tmp_path, capsys):
     out = tmp_path / "run"
     assert run_tiny(out, "--save-every-steps", "4") == 0
@@ -179,6 +184,7 @@ def test_overwrite_starts_clean_and_moves_the_old_run_aside(tmp_path, capsys):
     assert run_tiny(out, "--seed", "1", "--resume", "auto", "--save-every-steps", "4") == 0
 
 
+@pytest.mark.slow
 def test_resume_path_never_overwrites_the_finished_run_it_came_from(tmp_path, capsys):
     out = tmp_path / "run"
     assert run_tiny(out, "--save-every-steps", "6") == 0
@@ -268,6 +274,7 @@ def test_a_nan_metric_is_never_the_best():
 # ---------------------------------------------------------------- 9. one run per folder
 
 
+@pytest.mark.slow
 def test_a_second_run_into_a_live_runs_folder_is_refused_and_a_crash_leaves_no_lock(tmp_path):
     out = tmp_path / "run"
     first = _start_in_own_group([*LONG, "--num-workers", "0", "--output-dir", str(out), "--epochs", "50"])

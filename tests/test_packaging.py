@@ -50,9 +50,9 @@ def test_choices_come_from_the_modules_that_use_them():
     """The torch-free names are the same tuples the datasets, models and tasks check against."""
     from acceltrain.tasks import ClassificationTask
     from acceltrain.text import lm, names as text_names
-    from acceltrain.vision import data, models, names
+    from acceltrain.vision import augment, data, models, names
 
-    assert (data.FLIPS, data.PADDING_MODES, data.IMAGE_DATASETS) == (names.FLIPS, names.PADDING_MODES, names.IMAGE_DATASETS)
+    assert (augment.FLIPS, augment.PADDING_MODES, data.IMAGE_DATASETS) == (names.FLIPS, names.PADDING_MODES, names.IMAGE_DATASETS)
     assert (models.MODELS, models.STEMS, models.RESNETS) == (names.MODELS, names.STEMS, names.RESNETS)
     assert ClassificationTask.tta_modes == names.TTA_MODES
     assert lm.MODEL_PRESETS == text_names.MODEL_PRESETS
@@ -126,6 +126,7 @@ def run_installed(venv: Path, cwd: Path, *command: str) -> subprocess.CompletedP
     return result
 
 
+@pytest.mark.slow
 def test_the_installed_wheel_runs_the_recipes_and_bench_outside_the_checkout(installed, tmp_path):
     bin_dir = installed / "bin"
     where = run_installed(installed, tmp_path, str(bin_dir / "python"), "-c", "import acceltrain.recipes; print(acceltrain.recipes.__file__)")

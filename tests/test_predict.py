@@ -118,6 +118,7 @@ def accuracy(labels: list[str], data) -> float:
     return sum(a == b for a, b in zip(labels, truth(data), strict=True)) / len(labels)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["full", "adapter", "merged"])
 def test_a_classifiers_predictions_give_the_runs_own_eval_accuracy(runs, data, kind, tmp_path):
     folder = getattr(runs, kind)
@@ -136,6 +137,7 @@ def test_a_classifiers_predictions_give_the_runs_own_eval_accuracy(runs, data, k
         assert sum(value for key, value in row.items() if key.startswith("probability_")) == pytest.approx(1.0)
 
 
+@pytest.mark.slow
 def test_two_processes_predict_each_row_once_in_the_inputs_order(runs, data, tmp_path):
     """45 rows in batches of 7: 7 batches, 4 on one process and 3 on the other (uneven ends)."""
     one = predict(runs.adapter, data.eval, batch_size=7)

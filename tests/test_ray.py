@@ -38,6 +38,7 @@ def ray_run(tmp_path_factory) -> Path:
     return root / "run"
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_a_ray_run_trains_as_accelerate_launch_does(tmp_path, ray_run):
     reference = tmp_path / "accelerate"
@@ -51,6 +52,7 @@ def test_a_ray_run_trains_as_accelerate_launch_does(tmp_path, ray_run):
     assert len(reported) == 6, "each published checkpoint reported to Ray"
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_a_worker_killed_mid_run_is_restarted_by_ray_and_ends_byte_identical(tmp_path, ray_run):
     out = tmp_path / "run"
@@ -66,6 +68,7 @@ def test_bad_launcher_input_is_one_line(tmp_path):
     assert result.returncode == 2 and result.stderr.strip() == f"error: recipe {str(tmp_path / 'missing.py')!r} is not a file"
 
 
+@pytest.mark.slow
 def test_an_address_where_no_cluster_answers_is_one_line_before_ray_starts(tmp_path):
     """Issue 31 item 14: Ray retried its connection to the cluster's GCS there for minutes, without a line."""
     address = f"127.0.0.1:{_free_port()}"  # nothing listens: Ray would connect to this node's own address, port alike
@@ -75,6 +78,7 @@ def test_an_address_where_no_cluster_answers_is_one_line_before_ray_starts(tmp_p
     assert "ray start --head" in line and not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flags", [["--lr", "-1"], ["--no-such-flag"]])
 def test_a_bad_recipe_flag_is_the_recipes_own_line_before_ray_starts(tmp_path, flags):
     """Issue 31 item 15: the recipe's flags were first parsed in the workers, after Ray had started."""
@@ -85,6 +89,7 @@ def test_a_bad_recipe_flag_is_the_recipes_own_line_before_ray_starts(tmp_path, f
     assert result.stderr.strip() == direct.stderr.strip() and result.stdout == ""  # one line: Ray said nothing
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_bad_input_found_in_a_worker_fails_once_with_its_line(tmp_path):
     """Issue 31 item 16: a worker's exit 2 became a RuntimeError, so Ray ran the bad input again --max-failures

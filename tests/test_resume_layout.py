@@ -45,6 +45,7 @@ def uninterrupted(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_two_processes_resume_on_one_with_twice_the_accumulation(tmp_path, uninterrupted):
     out = tmp_path / "run"
@@ -59,6 +60,7 @@ def test_two_processes_resume_on_one_with_twice_the_accumulation(tmp_path, unint
     assert [e["step"] for e in read_events(out) if "loss" in e] == list(range(1, 13)), "every step logged once"
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_one_process_resumes_on_two_with_half_the_accumulation(tmp_path, uninterrupted):
     out = tmp_path / "run"
@@ -74,6 +76,7 @@ def test_one_process_resumes_on_two_with_half_the_accumulation(tmp_path, uninter
 SMALL = ["--num-train", "48", "--epochs", "2", "--lr", "0.05", "--no-progress", "--num-workers", "0"]
 
 
+@pytest.mark.slow
 def test_a_smaller_batch_with_more_accumulation_continues_the_same_run(tmp_path):
     full, out = tmp_path / "full", tmp_path / "run"
     assert run_tiny_in_process(full, *SMALL, "--batch-size", "4", "--grad-accum", "2") == 0

@@ -20,6 +20,7 @@ CIFAR = ["--dataset", "synthetic", "--model", "resnet_tiny", "--batch-size", "16
          "--max-grad-norm", "1.0", "--no-progress", "--num-workers", "0", "--report-to", "none"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [2, 3])
 def test_deepspeed_runs_saves_resumes_exactly_and_exports_plain_weights(tmp_path, stage):
     pytest.importorskip("deepspeed")
@@ -79,6 +80,7 @@ def test_a_contradicting_deepspeed_json_is_a_one_line_error_naming_both(deepspee
     assert message in str(err.value) and "\n" not in str(err.value)
 
 
+@pytest.mark.slow
 def test_two_nodes_on_one_machine_form_one_job_with_identical_weights(tmp_path):
     """Two launcher invocations, machine ranks 0 and 1, rendezvous on loopback: one 2-process gloo job."""
     out, port = tmp_path / "run", str(_free_port())
@@ -95,6 +97,7 @@ def test_two_nodes_on_one_machine_form_one_job_with_identical_weights(tmp_path):
     assert (out / "rank0.safetensors").read_bytes() == (out / "rank1.safetensors").read_bytes()
 
 
+@pytest.mark.slow
 def test_accumulation_under_ddp_all_reduces_only_on_optimizer_steps(tmp_path):
     """12 micro-batches per epoch in windows of 5, 5, 2: 3 all-reduces, not 12 (no_sync through accumulate)."""
     out = tmp_path / "run"

@@ -149,6 +149,7 @@ print(type(model).__name__)
 """
 
 
+@pytest.mark.slow
 def test_a_lora_chat_run_resumes_byte_identically_and_its_adapter_reloads_in_a_fresh_process(tmp_path, data):
     text = "<|im_start|>user\nquestion: good answer:<|im_end|>\n<|im_start|>assistant\n"
     args = [*QUIET, "--model-name-or-path", str(data.llama), "--train-file", str(data.chat), "--eval-fraction", "0.25",

@@ -51,6 +51,7 @@ def test_activation_checkpointing_gives_the_same_gradients():
         assert torch.equal(a, b), f"{name}: recomputation must not update BatchNorm statistics twice"
 
 
+@pytest.mark.slow
 def test_activation_checkpointing_run_matches_the_plain_run(tmp_path, plain):
     summary = run_cifar(tmp_path / "ac", "--activation-checkpointing")
     plain_weights, ac_weights = load_file(str(plain[0] / "model.safetensors")), load_file(str(tmp_path / "ac" / "model.safetensors"))
@@ -59,12 +60,14 @@ def test_activation_checkpointing_run_matches_the_plain_run(tmp_path, plain):
     assert summary["steps"] == 6
 
 
+@pytest.mark.slow
 def test_flops_are_counted_before_activation_checkpointing(tmp_path, plain):
     """Before: counted after it, so MFU included the recomputed forward (1.33x on ResNet-18)."""
     summary = run_cifar(tmp_path / "ac", "--activation-checkpointing", "--max-steps", "2")
     assert summary["runtime"]["model_flops_per_sample"] == plain[1]["runtime"]["model_flops_per_sample"]
 
 
+@pytest.mark.slow
 def test_channels_last_and_bf16_run_end_to_end(tmp_path, plain):
     summary = run_cifar(tmp_path / "cl", "--channels-last", "--mixed-precision", "bf16")
     assert summary["mixed_precision"] == "bf16" and summary["config"]["channels_last"]
@@ -89,6 +92,7 @@ def test_speed_figures_are_logged_and_summarised(plain):
     assert all(e["ms_per_step"] > 0 and "peak_rss_mb" in e for e in logged[1:])
 
 
+@pytest.mark.slow
 def test_mfu_uses_the_given_peak(tmp_path):
     summary = run_cifar(tmp_path / "mfu", "--peak-tflops", "1.0")
     assert summary["mfu"] == pytest.approx(summary["model_tflops_per_second"] / 1.0)
@@ -131,6 +135,7 @@ class OutOfMemoryAbove16(torch.nn.Module):
         return self.net(x)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("keep,scale", [(True, "none"), (False, "linear")])
 def test_auto_batch_size_recovers_from_out_of_memory(tmp_path, monkeypatch, capsys, keep, scale):
     import acceltrain.vision
@@ -147,6 +152,7 @@ def test_auto_batch_size_recovers_from_out_of_memory(tmp_path, monkeypatch, caps
     assert "--auto-batch-size: batch 64 does not fit, using 16" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_compile_on_a_tiny_model_saves_plain_keys_and_reports_compile_time(tmp_path):
     out = tmp_path / "compiled"
     summary = run_cifar(out, "--compile", "--max-steps", "4", "--save-every-steps", "2")

@@ -133,6 +133,7 @@ def write_as_before_run_state(checkpoint: Path, best_checkpoint: str, tracker_ru
     (checkpoint / "COMPLETE").write_text(json.dumps(manifest, indent=1))
 
 
+@pytest.mark.slow
 def test_a_checkpoint_written_before_run_state_resumes_exactly_with_its_best_checkpoint_and_tracker_run(tmp_path):
     full, part = tmp_path / "full", tmp_path / "part"
     assert run_tiny(full) == 0

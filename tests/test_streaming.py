@@ -47,6 +47,7 @@ def uninterrupted(tmp_path_factory):
 RANDOM_STOP = random.Random().randint(1, 11)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "stream,workers,args,stop_at",
     [
@@ -84,6 +85,7 @@ TWO = {"processes": 2, "launcher": "accelerate"}
 SHARDED = ["--grad-accum", "3", "--max-steps", "8", "--lr", "0.05", "--no-progress", "--num-workers", "1"]
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("stream", ["torch", "hf"])
 def test_two_processes_share_the_stream_without_duplicates_and_resume_exactly(tmp_path, stream):

@@ -72,6 +72,7 @@ def tensor_names(path: Path) -> list[str]:
         return list(file.keys())
 
 
+@pytest.mark.slow
 def test_fine_tuning_every_weight_learns_and_writes_a_transformers_folder_with_a_report(runs, data):
     summary, out = read_summary(runs.full), runs.full
     assert summary["eval_accuracy"] > 0.8 and summary["eval_macro_f1"] > 0.8, summary["eval_accuracy"]
@@ -136,6 +137,7 @@ for folder in sys.argv[2:]:
 """
 
 
+@pytest.mark.slow
 def test_each_run_folder_loads_in_a_fresh_process_as_its_card_says_and_predicts_as_trained(runs, data):
     folders = [runs.full, runs.adapter, runs.merged]
     result = subprocess.run([sys.executable, "-c", LOAD_AS_THE_CARD_SAYS, json.dumps(data.eval_texts), *map(str, folders)],
@@ -196,6 +198,7 @@ def test_without_max_length_examples_are_cut_at_the_model_s_positions(tmp_path, 
     assert logged in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_an_adapter_folder_as_the_model_trains_its_adapter_on(tmp_path, data, capsys):
     """Round 5 (issue 38, item 11): a LoRA adapter folder as --model-name-or-path (Transformers loaded it onto its base,
     frozen) was an AttributeError in check_vocabulary with the adapter on the embeddings. Its adapter trains on now,
@@ -287,6 +290,7 @@ def test_presets_are_valid(preset):
     assert cfg.optimizer == "adamw" and cfg.lr < 0.01
 
 
+@pytest.mark.slow
 def test_help_imports_no_torch():
     code = ("import runpy, sys\nsys.argv = ['x', '--help']\ntry:\n    runpy.run_module('acceltrain.recipes.text_classification', "
             "run_name='__main__')\nexcept SystemExit:\n    pass\nassert not {'torch', 'transformers', 'peft'} & set(sys.modules)\n")

@@ -22,12 +22,14 @@ LAST_STEP, FINAL_EVAL_ENDS = 48, 58.0
 
 
 class FakeClock(Hook):
-    """The run's clock (``Run.elapsed`` reads acceltrain.run's ``time.perf_counter``), moved by this hook
+    """The run's clock (``Run.elapsed`` reads acceltrain.progress's ``time.perf_counter``, ``Run.evaluate``
+    acceltrain.run's), moved by this hook
     alone: a step takes ``step`` seconds (``stalls``: {step: seconds} for some), an evaluation ``evaluation``."""
 
     def __init__(self, monkeypatch, *, step: float = STEP, evaluation: float = EVAL, stalls: dict[int, float] | None = None):
         self.now, self.step, self.evaluation, self.stalls = 0.0, step, evaluation, stalls or {}
-        monkeypatch.setattr("acceltrain.run.time", SimpleNamespace(perf_counter=lambda: self.now))
+        for module in ("acceltrain.run", "acceltrain.progress"):
+            monkeypatch.setattr(f"{module}.time", SimpleNamespace(perf_counter=lambda: self.now))
 
     def on_step_start(self, run):
         self.now += self.stalls.get(run.step + 1, self.step)
@@ -59,11 +61,13 @@ def _assert_planned(output_dir) -> None:
     assert lrs[27] == pytest.approx(lrs[1] / 2), "half-way through the time (29 of 58 s), half-way down"
 
 
+@pytest.mark.slow
 def test_finishes_inside_the_budget_evaluated_at_its_last_step_with_the_schedule_decayed(tmp_path, monkeypatch):
     assert _run(tmp_path, FakeClock(monkeypatch)) == 0
     _assert_planned(tmp_path)
 
 
+@pytest.mark.slow
 def test_a_resumed_run_continues_the_budget_and_the_schedule(tmp_path, monkeypatch):
     clock = FakeClock(monkeypatch)
     assert _run(tmp_path, clock, "--stop-after-steps", "8") == 75
@@ -80,6 +84,7 @@ def test_the_budget_is_validated():
     assert run_tiny_in_process(None, "--time-budget-minutes", "0") == 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("clock, eval_every, last_step", [
     # a 20 s stall at step 5 (a shared machine): taken for the step time, it would end the run at once
     (dict(stalls={5: 20.0}), EVAL_EVERY, 31),  # after step 30 (its evaluation included) 55 s, as after step 47 above

@@ -140,6 +140,7 @@ def test_device_loader_gives_the_alternating_reflect_batches_of_the_dataloader_o
                 assert torch.equal(x, x_ref) and torch.equal(y, y_ref)
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_alternating_flip_whitening_and_tta_train_the_same_on_one_and_two_processes(tmp_path):
     """Two gloo processes at batch b (on-device loader) against one at 2b (DataLoader): the same samples, the same
@@ -224,6 +225,7 @@ def test_the_fast_preset_parses_and_says_what_it_means():
     assert cfg.whiten_first_conv and cfg.data_on_device and cfg.channels_last and cfg.epochs <= 12
 
 
+@pytest.mark.slow
 def test_the_fast_preset_trains_a_few_steps_on_synthetic_data(tmp_path):
     """The preset end to end on CPU (smaller batch, fp32, two steps); tracking off."""
     out = tmp_path / "fast"

@@ -25,6 +25,7 @@ def offline_run(tmp_path_factory):
     return out, result
 
 
+@pytest.mark.slow
 def test_offline_run_records_config_steps_eval_and_summary(offline_run):
     out, _ = offline_run
     (run,) = offline_runs(out)
@@ -41,6 +42,7 @@ def test_offline_run_records_config_steps_eval_and_summary(offline_run):
     assert run["artifacts"] == [f"model-{run['id']}"]
 
 
+@pytest.mark.slow
 def test_two_processes_make_one_wandb_run(tmp_path):
     out = tmp_path / "run"
     check(launch(TINY_RECIPE, [*RUN, "--max-steps", "3", "--output-dir", str(out)], processes=2, launcher="accelerate",
@@ -48,6 +50,7 @@ def test_two_processes_make_one_wandb_run(tmp_path):
     assert len(offline_runs(out)) == 1
 
 
+@pytest.mark.slow
 def test_resume_continues_the_same_wandb_run_with_increasing_steps(tmp_path):
     out = tmp_path / "run"
     args = [*RUN, "--max-steps", "8", "--output-dir", str(out)]
@@ -62,6 +65,7 @@ def test_resume_continues_the_same_wandb_run_with_increasing_steps(tmp_path):
     assert state["run_id"] == first["id"]  # the Trackers hook's own state_dict()
 
 
+@pytest.mark.slow
 def test_without_api_key_wandb_goes_offline_and_says_how_to_sync(tmp_path):
     out = tmp_path / "run"
     result = launch(TINY_RECIPE, [*RUN, "--max-steps", "2", "--output-dir", str(out)],
@@ -71,6 +75,7 @@ def test_without_api_key_wandb_goes_offline_and_says_how_to_sync(tmp_path):
     assert len(offline_runs(out)) == 1
 
 
+@pytest.mark.slow
 def test_api_key_is_never_written_or_printed(tmp_path):
     secret = "acceltrain-test-secret-0123456789abcdef01234567"
     out = tmp_path / "run"
@@ -82,6 +87,7 @@ def test_api_key_is_never_written_or_printed(tmp_path):
             assert secret.encode() not in file.read_bytes(), file
 
 
+@pytest.mark.slow
 def test_tensorboard_writes_the_same_scalars(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -185,6 +191,7 @@ def assert_one_line_error_before_training(result, tmp_path: Path, seconds: float
     return errors[0]
 
 
+@pytest.mark.slow
 def test_rejected_wandb_key_is_one_line_in_seconds(tmp_path, wandb_stand_in):
     url = wandb_stand_in(401, {"errors": [{"message": "user is not logged in"}]})
     result, seconds = launch_online(tmp_path, url)
@@ -192,6 +199,7 @@ def test_rejected_wandb_key_is_one_line_in_seconds(tmp_path, wandb_stand_in):
                                           "--wandb-mode offline")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["closed port", "silent port"])
 def test_unreachable_wandb_is_one_line_in_seconds(tmp_path, where, request):
     url = closed_port() if where == "closed port" else request.getfixturevalue("silent_port")

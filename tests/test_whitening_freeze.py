@@ -27,6 +27,7 @@ def bias(folder) -> list[float]:
     return load_file(str(folder / "model.safetensors"))["whiten.bias"].tolist()
 
 
+@pytest.mark.slow
 def test_the_bias_trains_for_the_given_epochs_then_stays_put_through_the_lookahead_and_a_resume(tmp_path):
     """4 steps an epoch: the bias moves between the checkpoints of steps 2 and 4, and every later step keeps
     the value of step 4 (the start of epoch 1), lookahead updates included."""

@@ -180,6 +180,13 @@ class Checkpointer:
                         "trained on cannot be checked")
         return True
 
+    def load_model_of(self, path: Path) -> None:
+        """At the end of a run: the model of checkpoint ``path`` (one this run wrote: ``--load-best-at-end``) loaded into
+        the model, to be exported as the run's weights."""
+        check_loadable_without_code(path, digests_required=True)
+        self._load(path)
+        logger.info(f"the run folder's weights are those of {path}")
+
     def _agreed_checkpoint(self) -> tuple[Path | None, RunState | None, dict]:
         """The checkpoint to resume, found and verified on the main process, the same on every process."""
         from accelerate.utils import broadcast_object_list

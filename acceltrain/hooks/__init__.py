@@ -35,7 +35,7 @@ def builtin_hooks(cfg, *, evaluates: bool, trackers: list[str], run_config: dict
         Profiler.from_config(cfg), MemoryReport.from_config(cfg), TrainingLog.from_config(cfg),
         evaluation, TargetMetric.from_config(cfg, evaluation), EarlyStopping.from_config(cfg, evaluation),
         TimeBudget.from_config(cfg, evaluation),
-        CheckpointSchedule.from_config(cfg), Preemption.from_config(cfg),
+        CheckpointSchedule.from_config(cfg, evaluates=evaluates), Preemption.from_config(cfg),
         MetricsFile(), Curves.from_config(cfg), Trackers(trackers, run_config), Console.from_config(cfg, evaluation),
         HubReady.from_config(cfg),  # last: the model card and the upload see every summary entry
         RayReport() if in_ray_worker() else None,

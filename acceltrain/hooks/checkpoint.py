@@ -5,8 +5,9 @@ from __future__ import annotations
 import time
 
 from ..checkpoint.files import checkpoint_dir, rotate_checkpoints
+from ..options import CheckpointOptions, ConfigError
 from ..preemption import PreemptionSignals
-from ..options import CheckpointOptions
+from ..run_folder import CHECKPOINTS_DIR
 from .base import Hook
 
 
@@ -18,15 +19,19 @@ class CheckpointSchedule(Hook):
     name, goes on through a launch that saves on no schedule."""
 
     def __init__(self, every_steps: int | None, every_minutes: float | None, keep_last: int | None, keep_best: bool,
-                 save_at_end: bool):
+                 save_at_end: bool, load_best_at_end: bool = False):
         self.every_steps, self.every_minutes, self.keep_last, self.keep_best = every_steps, every_minutes, keep_last, keep_best
-        self.save_at_end = save_at_end
+        self.save_at_end, self.load_best_at_end = save_at_end, load_best_at_end
         self.best_checkpoint: str | None = None  # the folder name of the best checkpoint (keep_best), never rotated away
 
     @classmethod
-    def from_config(cls, cfg: CheckpointOptions) -> CheckpointSchedule:
+    def from_config(cls, cfg: CheckpointOptions, *, evaluates: bool = True) -> CheckpointSchedule:
+        if cfg.load_best_at_end and not evaluates:
+            raise ConfigError("--load-best-at-end keeps the best evaluation's weights, and this run has no eval set to "
+                              "evaluate on: give one, or drop the flag")
         scheduled = bool(cfg.save_every_steps or cfg.save_every_minutes or cfg.keep_best or cfg.stop_after_steps)
-        return cls(cfg.save_every_steps, cfg.save_every_minutes, cfg.keep_last, cfg.keep_best, save_at_end=scheduled)
+        return cls(cfg.save_every_steps, cfg.save_every_minutes, cfg.keep_last, cfg.keep_best, save_at_end=scheduled,
+                   load_best_at_end=cfg.load_best_at_end)
 
     def state_dict(self) -> dict:
         return {"best_checkpoint": self.best_checkpoint}
@@ -58,6 +63,13 @@ class CheckpointSchedule(Hook):
     def on_train_end(self, run) -> None:
         if self.save_at_end:
             run.request_save()  # the final state, unless the last step was just saved
+        finishing = run.stop is None or run.stop.finish  # not a stop to be resumed
+        if self.load_best_at_end and finishing and self.best_checkpoint is not None:
+            run.request_export(run.output_dir / CHECKPOINTS_DIR / self.best_checkpoint)
+
+    def on_fit_end(self, run, summary: dict) -> None:
+        if self.load_best_at_end and self.best_checkpoint is not None:
+            summary["weights_step"] = int(self.best_checkpoint.removeprefix("step_"))
 
 
 class Preemption(Hook):
