@@ -34,6 +34,7 @@ def base(tmp_path_factory) -> Path:
     return bert_folder(tmp_path_factory.mktemp("best-base") / "bert", with_tokenizer=False)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_the_run_folder_holds_the_best_evaluations_weights(case, base, tmp_path):
     kind, where = CASES[case]

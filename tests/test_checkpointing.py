@@ -61,6 +61,7 @@ def test_resume_is_byte_identical(tmp_path, uninterrupted, stop_at, workers):
     assert steps == list(range(1, 13)), "every step logged once, none lost or repeated"
 
 
+@pytest.mark.slow
 def test_resume_auto_without_checkpoint_starts_fresh(tmp_path, uninterrupted, capsys):
     out = tmp_path / "run"
     assert run_tiny(out, "--resume", "auto", "--num-workers", "0") == 0
@@ -181,6 +182,7 @@ def test_resume_with_a_different_global_batch_is_refused(two_checkpoints, capsys
            "per optimizer step (here: --grad-accum 6)" in err
 
 
+@pytest.mark.slow
 def test_rotation_keeps_the_newest_and_the_best(tmp_path):
     out = tmp_path / "run"
     assert run_tiny(out, "--num-workers", "0", "--save-every-steps", "1", "--keep-last", "2", "--keep-best", "--eval-every", "1") == 0

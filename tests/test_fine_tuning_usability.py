@@ -224,6 +224,7 @@ def test_a_lora_folder_of_new_labels_loads_with_no_argument(adapter):
     assert f'from acceltrain import load_model; model = load_model("{adapter.folder}")' in card
 
 
+@pytest.mark.slow
 def test_the_card_shows_resolved_settings_after_a_resume(adapter):
     card = (adapter.folder / "README.md").read_text()
     assert "| lora_alpha | 8 |" in card and "| lora_r | 4 |" in card, "--lora-alpha unset: 2 x --lora-r"

@@ -88,6 +88,7 @@ def test_an_fsdp_checkpoint_continues_on_one_process_and_back_on_two(tmp_path, r
     assert_close(one_to_two, runs["fsdp"])
 
 
+@pytest.mark.slow
 def test_a_missing_or_altered_shard_is_refused(tmp_path, runs):
     for damage in ("delete", "alter"):
         copy = tmp_path / damage

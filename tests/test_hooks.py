@@ -153,6 +153,7 @@ def test_two_stateful_hooks_with_one_name_are_refused(tmp_path, capsys):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_ema_is_evaluated_exported_and_resumed_exactly(tmp_path):
     full, part = tmp_path / "full", tmp_path / "part"
     assert run_tiny(full, hooks=[EMA(decay=0.8)]) == 0

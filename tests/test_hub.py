@@ -117,6 +117,7 @@ def test_the_card_s_command_is_the_one_the_user_typed(monkeypatch, argv0, module
     assert launch_command() == command
 
 
+@pytest.mark.slow
 def test_the_loaded_model_gives_the_trained_model_s_outputs(tmp_path, hub_hooks, monkeypatch, fixed_images):
     _, recorder = hub_hooks
     out = tmp_path / "run"

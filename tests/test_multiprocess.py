@@ -41,6 +41,7 @@ def test_accelerate_launch_with_multi_cpu_config_runs_two_gloo_processes(ddp_and
     assert result.stdout.count("done: ") == 1, "only the main process reports"
 
 
+@pytest.mark.slow
 def test_both_ranks_end_with_identical_weights(ddp_and_single):
     ddp_dir, _, _ = ddp_and_single
     rank0, rank1 = (load_file(str(ddp_dir / f"rank{r}.safetensors")) for r in (0, 1))

@@ -30,14 +30,15 @@ save_every_minutes keep_last keep_best resume stop_after_steps seed output_dir o
 timing_warmup_steps progress log_level report_to wandb_project run_name wandb_group wandb_tags wandb_notes wandb_mode
 log_model push_to_hub hub_model_id hub_private
 """.split()
-FIELDS_ADDED = ["async_checkpoint", "early_stopping_patience", "early_stopping_threshold"]  # since (issues 32, 39): new flags, the old ones unchanged
+FIELDS_ADDED = ["async_checkpoint", "early_stopping_patience", "early_stopping_threshold", "load_best_at_end"]  # since (issues 32, 39): new flags, the old ones unchanged
 
 GROUPS = {
     EvaluationOptions: {"eval_every", "eval_samples", "target_metric", "target_accuracy"},
     TimeBudgetOptions: {"time_budget_minutes"},
     EarlyStoppingOptions: {"early_stopping_patience", "early_stopping_threshold"},
     ProfilingOptions: {"profile_steps", "profile_with_stack", "memory_report"},
-    CheckpointOptions: {"save_every_steps", "save_every_minutes", "keep_last", "keep_best", "stop_after_steps", "async_checkpoint"},
+    CheckpointOptions: {"save_every_steps", "save_every_minutes", "keep_last", "keep_best", "stop_after_steps", "async_checkpoint",
+                        "load_best_at_end"},
     LoggingOptions: {"log_every", "progress"},
     PlotOptions: {"plots"},
     TrackingOptions: {"report_to", "wandb_project", "run_name", "wandb_group", "wandb_tags", "wandb_notes", "wandb_mode", "log_model"},

@@ -197,6 +197,7 @@ def greedy_one_at_a_time(folder: Path, prompts: list, max_new_tokens: int) -> li
     return responses
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["sft", "sft_adapter"])
 def test_a_language_model_responds_to_each_prompt_as_it_would_alone(runs, data, kind, tmp_path):
     folder = getattr(runs, kind)

@@ -97,6 +97,7 @@ def test_fine_tuning_every_weight_learns_and_writes_a_transformers_folder_with_a
     assert summary["tokens_per_second"] > 0
 
 
+@pytest.mark.slow
 def test_a_lora_run_folder_is_a_peft_adapter_folder_with_its_fresh_modules(runs):
     out, summary = runs.adapter, read_summary(runs.adapter)
     assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json"} <= {path.name for path in out.iterdir()}
