@@ -20,8 +20,17 @@ def save_loop_state(accelerator, folder: Path) -> None:
     with no models, optimizers or schedulers, and ``Accelerator._dataloaders`` (no public accessor)."""
     from accelerate.checkpointing import save_accelerator_state
 
-    save_accelerator_state(str(folder), [], [], [], accelerator._dataloaders, accelerator.process_index, accelerator.step,
-                           accelerator.scaler, save_on_each_node=accelerator.project_configuration.save_on_each_node)
+    save_accelerator_state(
+        str(folder),
+        [],
+        [],
+        [],
+        accelerator._dataloaders,
+        accelerator.process_index,
+        accelerator.step,
+        accelerator.scaler,
+        save_on_each_node=accelerator.project_configuration.save_on_each_node,
+    )
 
 
 def set_micro_step(accelerator, micro_batches: int) -> None:
@@ -63,7 +72,9 @@ def building_fsdp_on_cpu():
     @contextlib.contextmanager
     def context():
         shared = PartialState._shared_state
-        shared["distributed_type"] = DistributedType.MULTI_GPU  # read by AcceleratorState.__init__, which writes FSDP back
+        shared["distributed_type"] = (
+            DistributedType.MULTI_GPU
+        )  # read by AcceleratorState.__init__, which writes FSDP back
         try:
             yield
         finally:

@@ -3,5 +3,7 @@ names stay importable here, with a DeprecationWarning, until ``REMOVED_IN``."""
 
 from .lazy_exports import moved
 
-__getattr__ = moved(__name__, {"check_async_supported": "acceltrain.checkpoint.manager",
-                               "AsyncCheckpointer": "acceltrain.checkpoint.writers"})
+__getattr__ = moved(
+    __name__,
+    {"check_async_supported": "acceltrain.checkpoint.manager", "AsyncCheckpointer": "acceltrain.checkpoint.writers"},
+)

@@ -64,15 +64,22 @@ def run_ladder(steps: list[tuple[str, list[str]]], args, out: Path, mixed_precis
             base_flags, base_rate = row.flags, rate
         elif rate is not None:
             row.kept = False
-        print(f"{row.name}: {row.status}{'' if row.kept else ' (slower: not kept)'} "
-              f"{json.dumps(row.figures) if row.figures else ''}", flush=True)
+        print(
+            f"{row.name}: {row.status}{'' if row.kept else ' (slower: not kept)'} "
+            f"{json.dumps(row.figures) if row.figures else ''}",
+            flush=True,
+        )
         rows.append(row)
     return rows
 
 
 def _without_options(flags: list[str], replacing: list[str]) -> list[str]:
     """``flags`` less the ``--option value`` pairs that ``replacing`` sets again (``--mixed-precision``)."""
-    options = {flag for flag, value in zip(replacing, [*replacing[1:], None]) if flag.startswith("--") and value and not value.startswith("--")}
+    options = {
+        flag
+        for flag, value in zip(replacing, [*replacing[1:], None])
+        if flag.startswith("--") and value and not value.startswith("--")
+    }
     kept, skip_value = [], False
     for flag in flags:
         if skip_value:
@@ -106,14 +113,24 @@ def run_row(row: Row, args, out: Path, position: int) -> None:
     recipe_args = [*recipe_arguments(args, row_dir), *row.flags, *args.recipe_args]
     recipe = [args.recipe] if is_script(args.recipe) else ["-m", args.recipe]
     if row.processes > 1:
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(row.processes),
-                   *recipe, *recipe_args]
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            str(row.processes),
+            *recipe,
+            *recipe_args,
+        ]
     else:
         command = [sys.executable, *recipe, *recipe_args]
     log_path = out / "rows" / f"{position:02d}-{row.name}.log"  # rows/: made by make_output_dir
     bar = tqdm(total=total, desc=f"{row.name} x{row.processes}", leave=False, disable=None)  # None: only on a terminal
     with open(log_path, "w") as log, bar:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "WANDB_MODE": "disabled"})
+        process = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "WANDB_MODE": "disabled"}
+        )
         while process.poll() is None:
             time.sleep(0.5)
             bar.n = _steps_done(row_dir / "metrics.jsonl")
@@ -136,9 +153,23 @@ def run_row(row: Row, args, out: Path, position: int) -> None:
 def recipe_arguments(args, row_dir: Path) -> list[str]:
     """The flags bench gives the recipe in every row, before the row's own and the user's extra ones."""
     return [
-        "--dataset", args.dataset, "--model", args.model, "--batch-size", str(args.batch_size),
-        "--max-steps", str(args.warmup + args.steps), "--timing-warmup-steps", str(args.warmup), "--log-every", "1",
-        "--report-to", "none", "--no-progress", "--output-dir", str(row_dir),
+        "--dataset",
+        args.dataset,
+        "--model",
+        args.model,
+        "--batch-size",
+        str(args.batch_size),
+        "--max-steps",
+        str(args.warmup + args.steps),
+        "--timing-warmup-steps",
+        str(args.warmup),
+        "--log-every",
+        "1",
+        "--report-to",
+        "none",
+        "--no-progress",
+        "--output-dir",
+        str(row_dir),
     ]
 
 
@@ -211,8 +242,13 @@ def bench_figure(rows: list[Row], title: str):
 
     base_row = next(r for r in rows if r.status == "ok")
     base = base_row.figures["samples_per_second"]
-    labels = [r.name + (f", batch {r.figures['batch_size']}" if r.status == "ok" else "")
-              + f", {r.processes} process{'es' if r.processes > 1 else ''}" + ("" if r.kept else " (not kept)") for r in rows]
+    labels = [
+        r.name
+        + (f", batch {r.figures['batch_size']}" if r.status == "ok" else "")
+        + f", {r.processes} process{'es' if r.processes > 1 else ''}"
+        + ("" if r.kept else " (not kept)")
+        for r in rows
+    ]
     styles = [{"facecolor": "tab:blue"} if r.kept else NOT_KEPT_STYLE for r in rows]
     figure = Figure(figsize=(13, 1.6 + 0.5 * len(rows)))
     speed, memory = figure.subplots(1, 2, sharey=True)
@@ -222,7 +258,9 @@ def bench_figure(rows: list[Row], title: str):
     ):
         for position, (row, value, style) in enumerate(zip(rows, values, styles)):
             axis.barh(position, value, **style)
-            axis.text(value, position, f" {text.format(value)}" if row.status == "ok" else " skipped", va="center", fontsize=9)
+            axis.text(
+                value, position, f" {text.format(value)}" if row.status == "ok" else " skipped", va="center", fontsize=9
+            )
         axis.margins(x=0.15)
     speed.axvline(1.0, color="black", linestyle="--", linewidth=1)
     speed.set_xlabel(f"speed-up vs {base_row.name} ({base:.1f} samples/s = 1.0x)")
@@ -258,18 +296,25 @@ def check_recipe_arguments(config_class: type, args, parser: argparse.ArgumentPa
     recipe knows, a ``--model`` the recipe does not offer, a bad value of a recipe flag."""
     import dataclasses
 
-    from .config import build_parser as recipe_parser, parse_config
+    from .config import build_parser as recipe_parser
+    from .config import parse_config
     from .options import ConfigError, flag_name
 
     recipe_flags = [f"--{flag_name(field.name)}" for field in dataclasses.fields(config_class)]
     missing = [flag for flag in ("--model", "--dataset") if flag not in recipe_flags]
     if missing:
-        raise ConfigError(f"--recipe {args.recipe!r} has no {', '.join(missing)}: bench gives every row --model and "
-                          f"--dataset (as {DEFAULT_RECIPE} takes them)")
+        raise ConfigError(
+            f"--recipe {args.recipe!r} has no {', '.join(missing)}: bench gives every row --model and "
+            f"--dataset (as {DEFAULT_RECIPE} takes them)"
+        )
     _, unknown = recipe_parser(config_class).parse_known_args(args.recipe_args)
     if unknown:
-        raise unrecognized_arguments(unknown, parser, recipe_flags,
-                                     "neither a bench flag nor one of the recipe's: acceltrain bench --help, and the recipe's --help")
+        raise unrecognized_arguments(
+            unknown,
+            parser,
+            recipe_flags,
+            "neither a bench flag nor one of the recipe's: acceltrain bench --help, and the recipe's --help",
+        )
     parse_config(config_class, [*recipe_arguments(args, out / "rows"), *args.recipe_args])
 
 
@@ -290,16 +335,27 @@ def build_parser() -> argparse.ArgumentParser:
     from .config import _OneLineParser
 
     parser = _OneLineParser(prog="acceltrain bench", description=__doc__, allow_abbrev=False)  # --step is a typo
-    parser.add_argument("--recipe", default=DEFAULT_RECIPE,
-                        help="recipe to run: an installed module (python -m) or a script path (default: %(default)s)")
+    parser.add_argument(
+        "--recipe",
+        default=DEFAULT_RECIPE,
+        help="recipe to run: an installed module (python -m) or a script path (default: %(default)s)",
+    )
     parser.add_argument("--model", default="resnet_tiny", help="the recipe's --model (default: %(default)s)")
     parser.add_argument("--dataset", default="synthetic", help="the recipe's --dataset (default: %(default)s)")
     parser.add_argument("--batch-size", type=int, default=64, help="per-process batch (default: %(default)s)")
     parser.add_argument("--steps", type=int, default=20, help="timed optimizer steps per row (default: %(default)s)")
-    parser.add_argument("--warmup", type=int, default=5, help="untimed steps first, compilation included (default: %(default)s)")
-    parser.add_argument("--rows", default=",".join(LADDER), help="ladder rows to run (default: all): " + ", ".join(LADDER))
-    parser.add_argument("--processes", default="1", help="comma list, e.g. 1,2: adds scaling rows with the fastest configuration")
-    parser.add_argument("--output-dir", default="bench", help="where bench.json, bench.md, bench.png go (default: %(default)s)")
+    parser.add_argument(
+        "--warmup", type=int, default=5, help="untimed steps first, compilation included (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--rows", default=",".join(LADDER), help="ladder rows to run (default: all): " + ", ".join(LADDER)
+    )
+    parser.add_argument(
+        "--processes", default="1", help="comma list, e.g. 1,2: adds scaling rows with the fastest configuration"
+    )
+    parser.add_argument(
+        "--output-dir", default="bench", help="where bench.json, bench.md, bench.png go (default: %(default)s)"
+    )
     parser.add_argument("--report-to", choices=("none", "wandb"), default="none", help="also log the table to W&B")
     return parser
 
@@ -318,8 +374,10 @@ def _processes(text: str) -> list[int]:
     if max(processes) > 1:
         most, unit = most_processes()
         if max(processes) > most:
-            raise ConfigError(f"--processes {text!r} asks for {max(processes)} processes: this machine runs at most "
-                              f"{most} (one per {unit})")
+            raise ConfigError(
+                f"--processes {text!r} asks for {max(processes)} processes: this machine runs at most "
+                f"{most} (one per {unit})"
+            )
     return processes
 
 
@@ -353,8 +411,10 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             raise ConfigError(f"--rows {','.join(unknown)!r} is invalid: choose from {', '.join(LADDER)}")
         if not (Path(args.recipe).is_file() if is_script(args.recipe) else module_exists(args.recipe)):
-            raise ConfigError(f"--recipe {args.recipe!r} not found: give a recipe script's path or an installed module "
-                              f"such as {DEFAULT_RECIPE}")
+            raise ConfigError(
+                f"--recipe {args.recipe!r} not found: give a recipe script's path or an installed module "
+                f"such as {DEFAULT_RECIPE}"
+            )
         if min(args.steps, args.batch_size) < 1 or args.warmup < 0:
             raise ConfigError("--steps and --batch-size must be >= 1, --warmup >= 0")
         check_recipe_arguments(recipe_config_class(args.recipe), args, parser, Path(args.output_dir))
@@ -365,7 +425,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps < MIN_STABLE_STEPS:
         logging.getLogger(__name__).warning(  # the plain logger: the bench itself runs no Accelerate state
             f"--steps {args.steps} is too few for a stable figure: a mean over n steps is good to about "
-            f"10%/sqrt(n) on a quiet machine; use --steps {MIN_STABLE_STEPS} or more")
+            f"10%/sqrt(n) on a quiet machine; use --steps {MIN_STABLE_STEPS} or more"
+        )
     import torch
 
     load_before = os.getloadavg()
@@ -383,13 +444,26 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{scaling.name} x{count}: {scaling.status}", flush=True)
 
     load = {"before": load_before, "after": os.getloadavg(), "cores": os.cpu_count()}
-    table = (render(rows, machine) + f"\n\nLoad average (1, 5, 15 min) on {load['cores']} cores: {_loads(load['before'])} "
-             f"before, {_loads(load['after'])} after (a load near the core count before the bench: other work shared the machine).")
+    table = (
+        render(rows, machine) + f"\n\nLoad average (1, 5, 15 min) on {load['cores']} cores: {_loads(load['before'])} "
+        f"before, {_loads(load['after'])} after (a load near the core count before the bench: other work shared the machine)."
+    )
     print(table)
     (out / "bench.md").write_text(table + "\n")
-    (out / "bench.json").write_text(json.dumps({"machine": machine, "model": args.model, "dataset": args.dataset,
-                                                "steps": args.steps, "warmup": args.warmup, "load_average": load,
-                                                "rows": [r.__dict__ for r in rows]}, indent=2))
+    (out / "bench.json").write_text(
+        json.dumps(
+            {
+                "machine": machine,
+                "model": args.model,
+                "dataset": args.dataset,
+                "steps": args.steps,
+                "warmup": args.warmup,
+                "load_average": load,
+                "rows": [r.__dict__ for r in rows],
+            },
+            indent=2,
+        )
+    )
     title = f"acceltrain bench: {args.model} on {args.dataset}, {args.steps} timed steps per row\n{machine}"
     note = plot(rows, out / "bench.png", title)
     if note:

@@ -18,8 +18,9 @@ from .options import ConfigError
 from .preemption import EXIT_BAD_INPUT, report_error, write_error_file
 
 
-
-def run_recipe(main: Callable, config_class: type[TrainConfig], argv: list[str] | None = None, description: str | None = None):
+def run_recipe(
+    main: Callable, config_class: type[TrainConfig], argv: list[str] | None = None, description: str | None = None
+):
     """Parse and validate the command line into ``config_class``, seed everything, then call ``main(cfg)``.
 
     Bad input anywhere before training (flags, preset file, data folder, hardware) raises
@@ -27,8 +28,8 @@ def run_recipe(main: Callable, config_class: type[TrainConfig], argv: list[str] 
     A diverged run exits 3, a second Ctrl-C 130, each with one line. A stop to be resumed (exit 75, or 130 after
     a first Ctrl-C) says so in torchelastic's error file too, since a launcher reports any exit but 0 as a failure.
     """
-    from .preemption import EXIT_DIVERGED, EXIT_INTERRUPTED, TrainingDiverged
     from .logs import set_log_level
+    from .preemption import EXIT_DIVERGED, EXIT_INTERRUPTED, TrainingDiverged
     from .tracking import active_trackers
 
     try:
@@ -48,8 +49,11 @@ def run_recipe(main: Callable, config_class: type[TrainConfig], argv: list[str] 
     except TrainingDiverged as err:
         _fail(str(err), EXIT_DIVERGED)
     except KeyboardInterrupt:
-        _fail("interrupted by a second Ctrl-C: stopped at once, without saving; the last checkpoint is kept "
-              "(continue with --resume auto)", EXIT_INTERRUPTED)
+        _fail(
+            "interrupted by a second Ctrl-C: stopped at once, without saving; the last checkpoint is kept "
+            "(continue with --resume auto)",
+            EXIT_INTERRUPTED,
+        )
     except SystemExit as stop:
         if hasattr(stop, "message"):  # checkpointing.StoppedToResume (not imported: --help imports no torch)
             write_error_file(stop.message)
@@ -89,7 +93,9 @@ def _give_the_main_process_time_to_print() -> None:
 
 
 def _close_process_group() -> None:
-    if "torch.distributed" not in sys.modules:  # a config error before any training: exit without importing torch (~3 s)
+    if (
+        "torch.distributed" not in sys.modules
+    ):  # a config error before any training: exit without importing torch (~3 s)
         return
     import torch.distributed as dist
 
@@ -114,7 +120,16 @@ def environment_report(accelerate_config_file: str | None = None) -> dict:
     with contextlib.redirect_stdout(io.StringIO()):  # it prints a copy-and-paste block; we print the dict
         accelerate_report = env_command(argparse.Namespace(config_file=accelerate_config_file))
     libraries = {}
-    for name in ("transformers", "datasets", "huggingface_hub", "torchvision", "safetensors", "wandb", "deepspeed", "matplotlib"):
+    for name in (
+        "transformers",
+        "datasets",
+        "huggingface_hub",
+        "torchvision",
+        "safetensors",
+        "wandb",
+        "deepspeed",
+        "matplotlib",
+    ):
         try:
             libraries[name] = version(name)
         except PackageNotFoundError:
@@ -222,14 +237,29 @@ def main(argv: list[str] | None = None) -> int:
     parser = parser_class(prog="acceltrain", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"acceltrain {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=parser_class)
-    env = commands.add_parser("env", help="what `accelerate env` reports, plus the training device, MFU and a bf16 speed probe")
-    env.add_argument("--accelerate-config-file", help="the accelerate config file to report (default: accelerate's default one)")
-    commands.add_parser("bench", help="speed ladder: fp32 -> mixed precision -> channels_last -> compile -> ... (see bench --help)", add_help=False)
+    env = commands.add_parser(
+        "env", help="what `accelerate env` reports, plus the training device, MFU and a bf16 speed probe"
+    )
+    env.add_argument(
+        "--accelerate-config-file", help="the accelerate config file to report (default: accelerate's default one)"
+    )
+    commands.add_parser(
+        "bench",
+        help="speed ladder: fp32 -> mixed precision -> channels_last -> compile -> ... (see bench --help)",
+        add_help=False,
+    )
     commands.add_parser("ray", help="run a recipe on a Ray cluster through Ray Train (see ray --help)", add_help=False)
-    commands.add_parser("merge", help="a checkpoint's model (FSDP's shards merged) as a folder that loads by itself (see merge --help)",
-                        add_help=False)
-    commands.add_parser("predict", help="a fine-tuned run folder's predictions for the rows of a file: labels and "
-                        "probabilities, or generated responses (see predict --help)", add_help=False)
+    commands.add_parser(
+        "merge",
+        help="a checkpoint's model (FSDP's shards merged) as a folder that loads by itself (see merge --help)",
+        add_help=False,
+    )
+    commands.add_parser(
+        "predict",
+        help="a fine-tuned run folder's predictions for the rows of a file: labels and "
+        "probabilities, or generated responses (see predict --help)",
+        add_help=False,
+    )
     args, rest = parser.parse_known_args(argv)
     if args.command == "predict":
         from .predict import main as predict_main

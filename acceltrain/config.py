@@ -21,14 +21,50 @@ from typing import Any, Literal
 import yaml
 
 from .options import (  # noqa: F401 (ConfigError, option, require, ...: also importable from here, their first home)
-    CheckpointOptions, ConfigError, EarlyStoppingOptions, EvaluationOptions, HubOptions, LoggingOptions, Options, PlotOptions, ProfilingOptions, ReportTo,
-    TimeBudgetOptions, TrackingOptions, WandbMode, check_option_groups, first_line, flag_name, option, parse_step_range, read_small_file, require, shorten,
+    CheckpointOptions,
+    ConfigError,
+    EarlyStoppingOptions,
+    EvaluationOptions,
+    HubOptions,
+    LoggingOptions,
+    Options,
+    PlotOptions,
+    ProfilingOptions,
+    ReportTo,
+    TimeBudgetOptions,
+    TrackingOptions,
+    WandbMode,
+    check_option_groups,
+    first_line,
+    flag_name,
+    option,
+    parse_step_range,
+    read_small_file,
+    require,
+    shorten,
 )
 
 __all__ = [
-    "CompileMode", "ConfigError", "LRSchedule", "LogLevel", "LoopOptions", "MixedPrecision", "Optimizer", "Options", "ReportTo",
-    "ScaleLR", "TrainConfig", "WandbMode", "build_parser", "flag_name", "load_yaml_preset", "option", "parse_config",
-    "parse_step_range", "require", "run_changes",
+    "CompileMode",
+    "ConfigError",
+    "LRSchedule",
+    "LogLevel",
+    "LoopOptions",
+    "MixedPrecision",
+    "Optimizer",
+    "Options",
+    "ReportTo",
+    "ScaleLR",
+    "TrainConfig",
+    "WandbMode",
+    "build_parser",
+    "flag_name",
+    "load_yaml_preset",
+    "option",
+    "parse_config",
+    "parse_step_range",
+    "require",
+    "run_changes",
 ]
 
 MixedPrecision = Literal["no", "fp16", "bf16"]
@@ -52,27 +88,38 @@ class LoopOptions(Options):
     max_steps: int | None = option(None, "optimizer steps to train; overrides --epochs")
     # -- optimizer and schedule
     optimizer: Optimizer = option(
-        "sgd", "sgd (Nesterov momentum), adamw (torch's fused kernel), or muon: torch.optim.Muon on the hidden weight matrices and conv kernels, "
+        "sgd",
+        "sgd (Nesterov momentum), adamw (torch's fused kernel), or muon: torch.optim.Muon on the hidden weight matrices and conv kernels, "
         "SGD on embeddings, the head, biases and normalisation (airbench94_muon)",
     )
     lr: float = option(0.1, "peak learning rate")
     momentum: float = option(0.9, "SGD momentum")
     weight_decay: float = option(5e-4, "weight decay (decoupled for adamw)")
-    muon_lr: float = option(0.02, "--optimizer muon: Muon's peak learning rate (the schedule scales it as it scales --lr)")
+    muon_lr: float = option(
+        0.02, "--optimizer muon: Muon's peak learning rate (the schedule scales it as it scales --lr)"
+    )
     muon_momentum: float = option(0.95, "--optimizer muon: Muon's (Nesterov) momentum")
     muon_weight_decay: float = option(0.0, "--optimizer muon: Muon's decoupled weight decay")
     decay_all_parameters: bool = option(
-        False, "weight decay on biases and normalisation parameters too, at the weights' decay per step (airbench94); "
+        False,
+        "weight decay on biases and normalisation parameters too, at the weights' decay per step (airbench94); "
         "default: matrices and conv kernels only",
     )
-    norm_bias_lr_scale: float = option(1.0, "learning-rate multiplier for the normalisation layers' parameters (airbench94: 64)")
+    norm_bias_lr_scale: float = option(
+        1.0, "learning-rate multiplier for the normalisation layers' parameters (airbench94: 64)"
+    )
     lr_schedule: LRSchedule = option(
-        "cosine", "after warm-up: constant, cosine decay to 0, or linear decay to 0 (its old name onecycle is accepted)",
+        "cosine",
+        "after warm-up: constant, cosine decay to 0, or linear decay to 0 (its old name onecycle is accepted)",
         aliases={"onecycle": "linear"},
     )
     warmup_steps: int = option(0, "optimizer steps of linear learning-rate warm-up")
-    warmup_start_rate: float = option(0.0, "the warm-up rises linearly from this fraction of the peak lr (airbench94: 0.2)")
-    min_lr_rate: float = option(0.0, "the decay ends at this fraction of the peak lr (transformers' min_lr_rate; airbench94: 0.07)")
+    warmup_start_rate: float = option(
+        0.0, "the warm-up rises linearly from this fraction of the peak lr (airbench94: 0.2)"
+    )
+    min_lr_rate: float = option(
+        0.0, "the decay ends at this fraction of the peak lr (transformers' min_lr_rate; airbench94: 0.07)"
+    )
     max_grad_norm: float | None = option(None, "clip the global gradient norm to this on optimizer steps")
     # -- hardware and precision
     mixed_precision: MixedPrecision | None = option(
@@ -81,45 +128,73 @@ class LoopOptions(Options):
     cpu: bool = option(False, "train on CPU even when an accelerator is present", free_on_resume=True)
     sync_bn: bool = option(False, "convert BatchNorm to SyncBatchNorm under DDP (no-op on 1 process)")
     # -- speed toolkit
-    compile: bool = option(False, "torch.compile the model before the DDP wrap; compile time is reported apart, not in throughput", free_on_resume=True)
+    compile: bool = option(
+        False,
+        "torch.compile the model before the DDP wrap; compile time is reported apart, not in throughput",
+        free_on_resume=True,
+    )
     compile_mode: CompileMode = option("default", "torch.compile mode", free_on_resume=True)
-    channels_last: bool = option(False, "channels_last memory format for the model and image batches (conv nets)", free_on_resume=True)
+    channels_last: bool = option(
+        False, "channels_last memory format for the model and image batches (conv nets)", free_on_resume=True
+    )
     activation_checkpointing: bool = option(
-        False, "recompute activations in backward (ResNet blocks, Hugging Face models): less memory, more time", free_on_resume=True
+        False,
+        "recompute activations in backward (ResNet blocks, Hugging Face models): less memory, more time",
+        free_on_resume=True,
     )
     data_on_device: bool = option(
-        False, "keep the uint8 training images on the training device and augment there in batch (image datasets)", free_on_resume=True
+        False,
+        "keep the uint8 training images on the training device and augment there in batch (image datasets)",
+        free_on_resume=True,
     )
     auto_batch_size: bool = option(
-        False, "probe from --batch-size down, halving on out-of-memory, and train with the largest that fits", free_on_resume=True
+        False,
+        "probe from --batch-size down, halving on out-of-memory, and train with the largest that fits",
+        free_on_resume=True,
     )
-    keep_effective_batch: bool = option(True, "with --auto-batch-size: raise --grad-accum to keep batch x grad-accum", free_on_resume=True)
-    scale_lr: ScaleLR = option("none", "when the effective batch changes: none, or linear (lr x new/old batch)", free_on_resume=True)
-    num_workers: int | None = option(None, "DataLoader workers per process (default: the CPUs per process less one, at most 8)", free_on_resume=True)
+    keep_effective_batch: bool = option(
+        True, "with --auto-batch-size: raise --grad-accum to keep batch x grad-accum", free_on_resume=True
+    )
+    scale_lr: ScaleLR = option(
+        "none", "when the effective batch changes: none, or linear (lr x new/old batch)", free_on_resume=True
+    )
+    num_workers: int | None = option(
+        None, "DataLoader workers per process (default: the CPUs per process less one, at most 8)", free_on_resume=True
+    )
     prefetch_factor: int = option(4, "batches each DataLoader worker prepares ahead", free_on_resume=True)
-    pin_memory: bool | None = option(None, "pin host memory for faster copies (default: on when training on CUDA)", free_on_resume=True)
-    peak_tflops: float | None = option(None, "peak TFLOP/s of one device, for MFU on devices missing from the built-in table", free_on_resume=True)
+    pin_memory: bool | None = option(
+        None, "pin host memory for faster copies (default: on when training on CUDA)", free_on_resume=True
+    )
+    peak_tflops: float | None = option(
+        None, "peak TFLOP/s of one device, for MFU on devices missing from the built-in table", free_on_resume=True
+    )
     # -- resuming
     resume: str | None = option(
-        None, "'auto': the newest complete checkpoint in --output-dir (none yet: start fresh); or a checkpoint folder", free_on_resume=True
+        None,
+        "'auto': the newest complete checkpoint in --output-dir (none yet: start fresh); or a checkpoint folder",
+        free_on_resume=True,
     )
     # -- reproducibility and outputs
     seed: int = option(0, "seed for weights, data order and augmentation")
     output_dir: str | None = option(None, "where outputs go (default: runs/<recipe>-<timestamp>)", free_on_resume=True)
     overwrite: bool = option(
-        False, "start a new run in an --output-dir that holds an earlier one; that one is moved aside to <dir>.overwritten-<time>",
+        False,
+        "start a new run in an --output-dir that holds an earlier one; that one is moved aside to <dir>.overwritten-<time>",
         free_on_resume=True,
     )
     allow_config_change: bool = option(
-        False, "with --resume: apply settings that differ from the checkpoint's (recorded as config_changes) instead of refusing",
+        False,
+        "with --resume: apply settings that differ from the checkpoint's (recorded as config_changes) instead of refusing",
         free_on_resume=True,
     )
     timing_warmup_steps: int = option(
         5, "optimizer steps excluded from the throughput figure (warm-up, allocator, compile)", free_on_resume=True
     )
     log_level: LogLevel = option(
-        "info", "the toolkit's messages from this level up (warning: no config, metric rows or 'done:'; the progress bar "
-        "follows --progress); debug adds time and logger name and lets the libraries' warnings through", free_on_resume=True,
+        "info",
+        "the toolkit's messages from this level up (warning: no config, metric rows or 'done:'; the progress bar "
+        "follows --progress); debug adds time and logger name and lets the libraries' warnings through",
+        free_on_resume=True,
     )
 
     def validate(self) -> None:
@@ -155,8 +230,18 @@ class LoopOptions(Options):
 
 
 @dataclasses.dataclass
-class TrainConfig(HubOptions, TrackingOptions, PlotOptions, LoggingOptions, CheckpointOptions, ProfilingOptions,
-                  TimeBudgetOptions, EarlyStoppingOptions, EvaluationOptions, LoopOptions):
+class TrainConfig(
+    HubOptions,
+    TrackingOptions,
+    PlotOptions,
+    LoggingOptions,
+    CheckpointOptions,
+    ProfilingOptions,
+    TimeBudgetOptions,
+    EarlyStoppingOptions,
+    EvaluationOptions,
+    LoopOptions,
+):
     """Settings every recipe shares: the loop's own, then each built-in hook's group, in this order in
     ``--help`` (a dataclass lists its bases' fields from the last base to the first). A recipe subclasses
     it to add its own fields; ``validate`` checks every group."""
@@ -176,7 +261,11 @@ def run_changes(saved: dict[str, Any], cfg: TrainConfig, *, layout_free: bool = 
     ``layout_free``: nor :data:`LAYOUT_FIELDS`, which the checkpoint's layout check has passed."""
     changes = {}
     for field in dataclasses.fields(cfg):
-        if field.metadata.get("free_on_resume") or field.name not in saved or (layout_free and field.name in LAYOUT_FIELDS):
+        if (
+            field.metadata.get("free_on_resume")
+            or field.name not in saved
+            or (layout_free and field.name in LAYOUT_FIELDS)
+        ):
             continue
         now = getattr(cfg, field.name)
         old = field.metadata.get("aliases", {}).get(saved[field.name], saved[field.name])  # written under an old name
@@ -207,11 +296,24 @@ def _field_kind(cls: type, field: dataclasses.Field) -> tuple[Any, tuple[str, ..
     if typing.get_origin(base) is Literal:
         choices = tuple(typing.get_args(base))
         base = type(choices[0])
-    return base, (tuple(choices) if choices else None), optional, bool(field.metadata.get("list_like")), field.metadata.get("aliases", {})
+    return (
+        base,
+        (tuple(choices) if choices else None),
+        optional,
+        bool(field.metadata.get("list_like")),
+        field.metadata.get("aliases", {}),
+    )
 
 
-def _convert(name: str, raw: Any, base: Any, choices: tuple | None, optional: bool, list_like: bool = False,
-             aliases: dict | None = None) -> Any:
+def _convert(
+    name: str,
+    raw: Any,
+    base: Any,
+    choices: tuple | None,
+    optional: bool,
+    list_like: bool = False,
+    aliases: dict | None = None,
+) -> Any:
     """Coerce one value (a CLI string or a YAML scalar) to the field's type, or raise ConfigError."""
     if raw is None or (isinstance(raw, str) and raw.lower() in ("none", "null") and optional):
         if optional:
@@ -222,7 +324,9 @@ def _convert(name: str, raw: Any, base: Any, choices: tuple | None, optional: bo
             raw = ",".join(str(item) for item in raw)
         else:
             kind = {bool: "true or false", int: "integer", float: "number"}.get(base, "string")
-            raise ConfigError(f"--{flag_name(name)} {shorten(raw)} is invalid: must be one {kind}, not a {type(raw).__name__}")
+            raise ConfigError(
+                f"--{flag_name(name)} {shorten(raw)} is invalid: must be one {kind}, not a {type(raw).__name__}"
+            )
     try:
         if base is bool:
             if isinstance(raw, bool):
@@ -278,11 +382,14 @@ def _help_with_default(field: dataclasses.Field) -> str:
     return f"{text} (default: {shown})"
 
 
-def build_parser(cls: type[TrainConfig], description: str | None = None,
-                 prog: str | None = None) -> argparse.ArgumentParser:
+def build_parser(
+    cls: type[TrainConfig], description: str | None = None, prog: str | None = None
+) -> argparse.ArgumentParser:
     check_option_groups(cls)  # --help too: a clashing group would document the wrong flag
     parser = _OneLineParser(
-        prog=prog, description=description, argument_default=argparse.SUPPRESS,
+        prog=prog,
+        description=description,
+        argument_default=argparse.SUPPRESS,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         allow_abbrev=False,  # --max-step is a typo, not --max-steps
     )
@@ -306,7 +413,13 @@ def _with_suggestion(token: str, known: list[str], quote: bool = False) -> str:
     if not quote and not token.startswith("--"):
         return shown
     close = difflib.get_close_matches(token, known, n=1)
-    return f"{shown} (did you mean {close[0]!r}?)" if close and quote else f"{shown} (did you mean {close[0]}?)" if close else shown
+    return (
+        f"{shown} (did you mean {close[0]!r}?)"
+        if close and quote
+        else f"{shown} (did you mean {close[0]}?)"
+        if close
+        else shown
+    )
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -317,7 +430,9 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)
             if key in seen:
-                raise yaml.constructor.ConstructorError(None, None, f"duplicate key {shorten(key)}", key_node.start_mark)
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {shorten(key)}", key_node.start_mark
+                )
             seen.add(key)
         return super().construct_mapping(node, deep)
 
@@ -332,7 +447,13 @@ def _fits(data: Any, limit: int) -> bool:
     pending, counted = [data], 1
     while pending:
         item = pending.pop()
-        children = [*item.keys(), *item.values()] if isinstance(item, dict) else item if isinstance(item, (list, tuple)) else ()
+        children = (
+            [*item.keys(), *item.values()]
+            if isinstance(item, dict)
+            else item
+            if isinstance(item, (list, tuple))
+            else ()
+        )
         counted += len(children)
         if counted > limit:
             return False
@@ -347,7 +468,9 @@ def load_yaml_preset(path: str) -> dict[str, Any]:
         shipped = PRESETS / f"{path.removesuffix('.yaml')}.yaml"
         if not shipped.is_file():
             names = ", ".join(sorted(p.stem for p in PRESETS.glob("*.yaml")))
-            raise ConfigError(f"--config {shorten(path)} is neither a file nor a shipped preset: give a YAML file or one of {names}")
+            raise ConfigError(
+                f"--config {shorten(path)} is neither a file nor a shipped preset: give a YAML file or one of {names}"
+            )
         path = str(shipped)
     text = read_small_file(path, "--config")
     shown = f"--config {shorten(path, 200)}"
@@ -359,8 +482,10 @@ def load_yaml_preset(path: str) -> dict[str, Any]:
     except RecursionError:  # PyYAML composes nested lists recursively
         raise ConfigError(f"{shown} is nested too deeply: a preset is a mapping of option: value") from None
     if not _fits(data, MAX_PRESET_VALUES):
-        raise ConfigError(f"{shown} holds more than {MAX_PRESET_VALUES:,} keys and values (an alias counts each time it is "
-                          "used): a preset is a mapping of option: value")
+        raise ConfigError(
+            f"{shown} holds more than {MAX_PRESET_VALUES:,} keys and values (an alias counts each time it is "
+            "used): a preset is a mapping of option: value"
+        )
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -371,8 +496,9 @@ def load_yaml_preset(path: str) -> dict[str, Any]:
 SHOWN_KEYS = 10  # unknown preset keys named in the one line
 
 
-def parse_config(cls: type[TrainConfig], argv: list[str] | None = None, description: str | None = None,
-                 prog: str | None = None):
+def parse_config(
+    cls: type[TrainConfig], argv: list[str] | None = None, description: str | None = None, prog: str | None = None
+):
     """Build a validated ``cls`` from defaults, an optional YAML preset and the command line (``prog``: the command's
     name in ``--help``, default the script's)."""
     parser = build_parser(cls, description, prog)
@@ -388,9 +514,14 @@ def parse_config(cls: type[TrainConfig], argv: list[str] | None = None, descript
         preset = load_yaml_preset(preset_path)
         unknown_keys = [key for key in preset if key not in fields or key == "config"]
         if unknown_keys:
-            shown = ", ".join(_with_suggestion(key, [f for f in fields if f != "config"], quote=True) for key in unknown_keys[:SHOWN_KEYS])
+            shown = ", ".join(
+                _with_suggestion(key, [f for f in fields if f != "config"], quote=True)
+                for key in unknown_keys[:SHOWN_KEYS]
+            )
             more = f" and {len(unknown_keys) - SHOWN_KEYS} more" if len(unknown_keys) > SHOWN_KEYS else ""
-            raise ConfigError(f"--config {shorten(preset_path, 200)}: unknown key{'s' if len(unknown_keys) > 1 else ''} {shown}{more}")
+            raise ConfigError(
+                f"--config {shorten(preset_path, 200)}: unknown key{'s' if len(unknown_keys) > 1 else ''} {shown}{more}"
+            )
         for key, raw in preset.items():
             values[key] = _convert(key, raw, *_field_kind(cls, fields[key]))
     for key, raw in given.items():

@@ -16,15 +16,22 @@ from collections.abc import Iterator
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from .preemption import ignore_stop_signals
 from .lazy_exports import moved
+from .preemption import ignore_stop_signals
 
 # moved to acceltrain.vision in 0.1.0 (commit 128a42a) with no re-export; importable here until REMOVED_IN
-__getattr__ = moved(__name__, {
-    **dict.fromkeys(["CropFlip", "IMAGE_DATASETS", "ImageClassification", "image_datasets", "synthetic_images"], "acceltrain.vision"),
-    **dict.fromkeys(["IMAGE_SUFFIXES", "cifar10_arrays", "scan_image_folder"], "acceltrain.vision.data"),
-    "decode_image_file": "acceltrain.vision.images", **dict.fromkeys(["hash32", "hash32_int"], "acceltrain.vision.augment"),
-})
+__getattr__ = moved(
+    __name__,
+    {
+        **dict.fromkeys(
+            ["CropFlip", "IMAGE_DATASETS", "ImageClassification", "image_datasets", "synthetic_images"],
+            "acceltrain.vision",
+        ),
+        **dict.fromkeys(["IMAGE_SUFFIXES", "cifar10_arrays", "scan_image_folder"], "acceltrain.vision.data"),
+        "decode_image_file": "acceltrain.vision.images",
+        **dict.fromkeys(["hash32", "hash32_int"], "acceltrain.vision.augment"),
+    },
+)
 
 
 def mix_seed(*parts: int) -> int:
@@ -142,5 +149,11 @@ def train_loader(dataset: Dataset, *, batch_size: int, seed: int, **options) -> 
 def eval_loader(dataset: Dataset, *, batch_size: int, **options) -> DataLoader:
     """Every sample once, in order; ``gather_for_metrics`` drops the duplicates that padding adds. Its own generator,
     as :func:`train_loader`'s: an evaluation leaves the training's random draws alone."""
-    return DataLoader(dataset, batch_size=batch_size, shuffle=False, drop_last=False, generator=torch.Generator(),
-                      **loader_options(**options))
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        shuffle=False,
+        drop_last=False,
+        generator=torch.Generator(),
+        **loader_options(**options),
+    )

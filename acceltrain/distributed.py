@@ -59,8 +59,10 @@ def init_process_state(cfg: TrainConfig):
 
     engine = requested_engine()
     if cfg.optimizer == "muon" and engine:  # before the process group: DeepSpeed's start-up takes minutes on a CPU
-        raise ConfigError(f"--optimizer muon needs every weight matrix whole on each process, and {ENGINES[engine]} flattens or "
-                          "shards them: use DDP (multi_gpu.yaml, multi_cpu.yaml) or one process, or --optimizer sgd / adamw")
+        raise ConfigError(
+            f"--optimizer muon needs every weight matrix whole on each process, and {ENGINES[engine]} flattens or "
+            "shards them: use DDP (multi_gpu.yaml, multi_cpu.yaml) or one process, or --optimizer sgd / adamw"
+        )
     on_cpu = use_cpu(cfg.cpu)
     precision = cfg.mixed_precision or os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
     if precision == "fp16" and on_cpu:
@@ -208,13 +210,26 @@ def convert_sync_batchnorm(model: nn.Module, on_cpu: bool) -> nn.Module:
     return model
 
 
-ENGINES = {DistributedType.DEEPSPEED: "DeepSpeed", DistributedType.FSDP: "FSDP"}  # the sharding engines; the rest is "DDP"
-_REQUESTED_BACKENDS = {"ACCELERATE_USE_FSDP": DistributedType.FSDP, "ACCELERATE_USE_DEEPSPEED": DistributedType.DEEPSPEED}
+ENGINES = {
+    DistributedType.DEEPSPEED: "DeepSpeed",
+    DistributedType.FSDP: "FSDP",
+}  # the sharding engines; the rest is "DDP"
+_REQUESTED_BACKENDS = {
+    "ACCELERATE_USE_FSDP": DistributedType.FSDP,
+    "ACCELERATE_USE_DEEPSPEED": DistributedType.DEEPSPEED,
+}
 
 
 def requested_engine() -> DistributedType | None:
     """The sharding engine that ``accelerate launch`` asks for (in its environment), known before any process group."""
-    return next((backend for variable, backend in _REQUESTED_BACKENDS.items() if os.environ.get(variable, "").lower() == "true"), None)
+    return next(
+        (
+            backend
+            for variable, backend in _REQUESTED_BACKENDS.items()
+            if os.environ.get(variable, "").lower() == "true"
+        ),
+        None,
+    )
 
 
 def check_backend_honoured(distributed_type) -> None:
@@ -265,19 +280,27 @@ def deepspeed_config(cfg: TrainConfig) -> dict | None:
         return None
     path = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")
     if path == "none":
-        raise ConfigError("the accelerate config asks for DeepSpeed without deepspeed_config_file: use accelerate_configs/deepspeed_zero{2,3}.yaml")
+        raise ConfigError(
+            "the accelerate config asks for DeepSpeed without deepspeed_config_file: use accelerate_configs/deepspeed_zero{2,3}.yaml"
+        )
     try:
         config = parse_json(read_small_file(path, "DeepSpeed config"))
     except ValueError as err:
         raise ConfigError(f"DeepSpeed config {path!r} is not valid JSON: {err}") from None
     if not isinstance(config, dict):
-        raise ConfigError(f"DeepSpeed config {path!r} must be a JSON object of setting: value, not a {type(config).__name__}")
+        raise ConfigError(
+            f"DeepSpeed config {path!r} must be a JSON object of setting: value, not a {type(config).__name__}"
+        )
     stage = _section(config, "zero_optimization", path).get("stage", "auto")
     if stage != "auto" and (type(stage) is not int or not 0 <= stage <= 3):
-        raise ConfigError(f"DeepSpeed config {path!r}: zero_optimization.stage {shorten(stage)} is invalid: must be 0, 1, 2 or 3 (the ZeRO stage) or \"auto\"")
+        raise ConfigError(
+            f'DeepSpeed config {path!r}: zero_optimization.stage {shorten(stage)} is invalid: must be 0, 1, 2 or 3 (the ZeRO stage) or "auto"'
+        )
     for section in ("optimizer", "scheduler"):
         if section in config:
-            raise ConfigError(f"DeepSpeed config {path!r} defines an {section}: acceltrain builds it from the flags; remove that section")
+            raise ConfigError(
+                f"DeepSpeed config {path!r} defines an {section}: acceltrain builds it from the flags; remove that section"
+            )
     processes = int(os.environ.get("WORLD_SIZE", "1"))
     wanted = {
         "train_micro_batch_size_per_gpu": cfg.batch_size,
@@ -288,13 +311,17 @@ def deepspeed_config(cfg: TrainConfig) -> dict | None:
     for key, value in wanted.items():
         current = config.get(key, "auto")
         if current != "auto" and not _same_number(current, value):
-            raise ConfigError(f"DeepSpeed config {path!r} sets {key}={shorten(current)} but {_DEEPSPEED_OWNED[key]} gives {value}: set it to \"auto\" or make them agree")
+            raise ConfigError(
+                f'DeepSpeed config {path!r} sets {key}={shorten(current)} but {_DEEPSPEED_OWNED[key]} gives {value}: set it to "auto" or make them agree'
+            )
         config[key] = value
     precision = cfg.mixed_precision or os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
     for name in ("bf16", "fp16"):
         enabled = _section(config, name, path).get("enabled", "auto")
         if enabled != "auto" and bool(enabled) != (precision == name):
-            raise ConfigError(f"DeepSpeed config {path!r} sets {name}.enabled={shorten(enabled)} but --mixed-precision is {precision}: set it to \"auto\" or make them agree")
+            raise ConfigError(
+                f'DeepSpeed config {path!r} sets {name}.enabled={shorten(enabled)} but --mixed-precision is {precision}: set it to "auto" or make them agree'
+            )
         config.setdefault(name, {})["enabled"] = precision == name
     return config
 
@@ -303,7 +330,9 @@ def _section(config: dict, name: str, path: str) -> dict:
     """``config[name]``, a JSON object ({} when absent): DeepSpeed's pydantic models and our ``.get`` take no other."""
     value = config.get(name, {})
     if not isinstance(value, dict):
-        raise ConfigError(f"DeepSpeed config {path!r}: {name} {shorten(value)} is invalid: must be a JSON object {{...}}")
+        raise ConfigError(
+            f"DeepSpeed config {path!r}: {name} {shorten(value)} is invalid: must be a JSON object {{...}}"
+        )
     return value
 
 

@@ -15,7 +15,9 @@ from .options import ConfigError
 EVAL_SUBSET_STREAM = 0xE7A1  # keeps these draws apart from the training order's, which use the same seed
 
 
-def eval_subset_indices(count: int, seed: int, *, size: int | None = None, labels: torch.Tensor | None = None) -> list[int]:
+def eval_subset_indices(
+    count: int, seed: int, *, size: int | None = None, labels: torch.Tensor | None = None
+) -> list[int]:
     """``count`` sorted indices out of ``size`` samples (or ``len(labels)``), drawn with ``seed``: per class
     when ``labels`` are given (each class gets its share, the remainders going to the largest fractions),
     else uniformly."""

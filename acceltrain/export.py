@@ -13,9 +13,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .run_folder import ADAPTER_WEIGHTS_FILE, WEIGHTS_FILE
 from .options import ConfigError
-
+from .run_folder import ADAPTER_WEIGHTS_FILE, WEIGHTS_FILE
 
 
 def export_weights(accelerator, model, output_dir: Path, weights: dict | None = None) -> Path:
@@ -63,7 +62,9 @@ def _write(plain, state_dict: dict, weights: dict | None, output_dir: Path, adap
         check_fits_own_config(plain, {name: tuple(tensor.shape) for name, tensor in tensors.items()})
     except ConfigError as err:  # the trained weights are kept, under names no config claims to load
         save_tensors(tensors, output_dir)
-        raise ConfigError(f"{err}; the trained weights are kept in {output_dir / WEIGHTS_FILE}, without a config.json") from None
+        raise ConfigError(
+            f"{err}; the trained weights are kept in {output_dir / WEIGHTS_FILE}, without a config.json"
+        ) from None
     plain.save_pretrained(output_dir, state_dict=tensors)
 
 

@@ -24,7 +24,10 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torch.nn.modules.module import register_module_buffer_registration_hook, register_module_parameter_registration_hook
+from torch.nn.modules.module import (
+    register_module_buffer_registration_hook,
+    register_module_parameter_registration_hook,
+)
 
 from . import __version__
 from .auto_classes import auto_class
@@ -40,6 +43,7 @@ from .run_folder import (
     GENERATION_CONFIG_FILE,
     WEIGHTS_FILE,
 )
+
 BUILD_ATTRIBUTE = "acceltrain_build"  # set on a built model: {"builder": key, "kwargs": {...}}
 # what a repo gets from the run folder: top-level files only (no checkpoints/, wandb/, logs/, .lock)
 HUB_FILES = ["README.md", "*.json", "*.jsonl", "*.safetensors", "*.yaml", "*.txt", "*.png"]
@@ -100,12 +104,16 @@ def model_skeleton(folder: Path) -> nn.Module:
 def _model_builders(folder: Path) -> tuple[Callable[[], nn.Module], Callable[[], nn.Module]]:
     """(build, load) of the model of ``folder``'s ``config.json``: a Transformers model or an acceltrain builder's."""
     if (folder / ADAPTER_CONFIG_FILE).is_file() and not (folder / CONFIG_FILE).is_file():
-        raise ConfigError(f"{str(folder)!r} is a PEFT adapter folder ({ADAPTER_CONFIG_FILE}): it has no model of its own "
-                          "to build; acceltrain.load_model loads it onto its base model")
+        raise ConfigError(
+            f"{str(folder)!r} is a PEFT adapter folder ({ADAPTER_CONFIG_FILE}): it has no model of its own "
+            "to build; acceltrain.load_model loads it onto its base model"
+        )
     config = _read_config(folder)
     if "builder" in config and "model_type" in config:
-        raise ConfigError(f"{folder / CONFIG_FILE} names both an acceltrain builder ({shorten(config['builder'])}) and a "
-                          f"Transformers model_type ({shorten(config['model_type'])}): a run writes one or the other")
+        raise ConfigError(
+            f"{folder / CONFIG_FILE} names both an acceltrain builder ({shorten(config['builder'])}) and a "
+            f"Transformers model_type ({shorten(config['model_type'])}): a run writes one or the other"
+        )
     return _transformers_model(folder) if "model_type" in config else _acceltrain_model(config, folder)
 
 
@@ -117,8 +125,14 @@ def _model_folder(name_or_path: str) -> Path:
 
     from .network import load_local_or_hub
 
-    files = [CONFIG_FILE, GENERATION_CONFIG_FILE, WEIGHTS_FILE, ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE,
-             ADAPTER_SETTINGS_FILE]
+    files = [
+        CONFIG_FILE,
+        GENERATION_CONFIG_FILE,
+        WEIGHTS_FILE,
+        ADAPTER_CONFIG_FILE,
+        ADAPTER_WEIGHTS_FILE,
+        ADAPTER_SETTINGS_FILE,
+    ]
     download = functools.partial(snapshot_download, allow_patterns=files)
     return Path(load_local_or_hub(download, name_or_path, "load_model", "a run folder"))
 
@@ -127,9 +141,13 @@ def _read_config(folder: Path) -> dict:
     try:
         config = parse_json((folder / CONFIG_FILE).read_text())
     except (OSError, ValueError) as err:
-        raise ConfigError(f"{str(folder)!r} has no readable {CONFIG_FILE} ({first_line(err)}): not a run folder of a finished run") from None
+        raise ConfigError(
+            f"{str(folder)!r} has no readable {CONFIG_FILE} ({first_line(err)}): not a run folder of a finished run"
+        ) from None
     if not isinstance(config, dict):
-        raise ConfigError(f"{folder / CONFIG_FILE} is a JSON {_json_type(config)}, not an object: not a config.json that a run writes")
+        raise ConfigError(
+            f"{folder / CONFIG_FILE} is a JSON {_json_type(config)}, not an object: not a config.json that a run writes"
+        )
     return config
 
 
@@ -143,12 +161,16 @@ def _acceltrain_model(config: dict, folder: Path) -> tuple[Callable[[], nn.Modul
     key, kwargs = config.get("builder"), config.get("kwargs")
     if not isinstance(key, str) or key not in _BUILDERS:
         if "builder" not in config:
-            raise ConfigError(f"{folder / CONFIG_FILE} names neither an acceltrain builder nor a Transformers model_type: "
-                              "not a config.json that a run writes")
+            raise ConfigError(
+                f"{folder / CONFIG_FILE} names neither an acceltrain builder nor a Transformers model_type: "
+                "not a config.json that a run writes"
+            )
         raise ConfigError(f"{folder / CONFIG_FILE} names builder {shorten(key)}; known: {', '.join(sorted(_BUILDERS))}")
     if not isinstance(kwargs, dict):
         found = "missing" if kwargs is None else f"a {_json_type(kwargs)}"
-        raise ConfigError(f"{folder / CONFIG_FILE} 'kwargs' must be a JSON object of the builder's arguments, not {found}")
+        raise ConfigError(
+            f"{folder / CONFIG_FILE} 'kwargs' must be a JSON object of the builder's arguments, not {found}"
+        )
     build = functools.partial(_BUILDERS[key][0], **kwargs)
 
     def load() -> nn.Module:
@@ -168,10 +190,16 @@ def _transformers_model(folder: Path) -> tuple[Callable[[], nn.Module], Callable
     try:
         config = AutoConfig.from_pretrained(folder, trust_remote_code=False)
     except Exception as err:  # noqa: BLE001 - whatever the library makes of a malformed file, the file is at fault
-        raise ConfigError(f"{folder / CONFIG_FILE} does not build a model: {type(err).__name__}: {first_line(err)}") from None
+        raise ConfigError(
+            f"{folder / CONFIG_FILE} does not build a model: {type(err).__name__}: {first_line(err)}"
+        ) from None
     model_class = transformers_class(config, folder)
-    return (functools.partial(model_class.from_config, config, trust_remote_code=False),
-            functools.partial(model_class.from_pretrained, folder, config=config, use_safetensors=True, trust_remote_code=False))
+    return (
+        functools.partial(model_class.from_config, config, trust_remote_code=False),
+        functools.partial(
+            model_class.from_pretrained, folder, config=config, use_safetensors=True, trust_remote_code=False
+        ),
+    )
 
 
 def transformers_class(config, folder: Path):
@@ -182,8 +210,10 @@ def transformers_class(config, folder: Path):
     found = auto_class(config)
     name = found[0] if found else (config.architectures or [None])[0]
     if not isinstance(name, str) or not isinstance(getattr(transformers, name, None), type):
-        raise ConfigError(f"{folder / CONFIG_FILE} names architectures {shorten(config.architectures)}, which no class of "
-                          f"transformers {transformers.__version__} builds")
+        raise ConfigError(
+            f"{folder / CONFIG_FILE} names architectures {shorten(config.architectures)}, which no class of "
+            f"transformers {transformers.__version__} builds"
+        )
     return getattr(transformers, name)
 
 
@@ -202,10 +232,14 @@ def _skeleton(build: Callable[[], nn.Module], folder: Path) -> nn.Module:
         with torch.device("meta"), _stopped_past(limit):
             return build()
     except _TooLarge as err:
-        raise ConfigError(f"{folder / CONFIG_FILE} describes a model of more than {convert_bytes(err.args[0])} (parameters and "
-                          f"buffers) but {convert_bytes(limit)} of memory is available") from None
+        raise ConfigError(
+            f"{folder / CONFIG_FILE} describes a model of more than {convert_bytes(err.args[0])} (parameters and "
+            f"buffers) but {convert_bytes(limit)} of memory is available"
+        ) from None
     except Exception as err:  # noqa: BLE001 - the arguments come from the file: whatever they break, the file is at fault
-        raise ConfigError(f"{folder / CONFIG_FILE} does not build a model: {type(err).__name__}: {first_line(err)}") from None
+        raise ConfigError(
+            f"{folder / CONFIG_FILE} does not build a model: {type(err).__name__}: {first_line(err)}"
+        ) from None
 
 
 @contextlib.contextmanager
@@ -246,8 +280,11 @@ def weights_mismatch(skeleton: nn.Module, saved: dict[str, tuple[int, ...]]) -> 
     differences = {
         "missing": [repr(name) for name in sorted(expected.keys() - saved.keys())],
         "unexpected": [repr(name) for name in sorted(saved.keys() - expected.keys())],
-        "of another shape": [f"{name!r} {saved[name]} instead of {expected[name]}"
-                             for name in sorted(expected.keys() & saved.keys()) if saved[name] != expected[name]],
+        "of another shape": [
+            f"{name!r} {saved[name]} instead of {expected[name]}"
+            for name in sorted(expected.keys() & saved.keys())
+            if saved[name] != expected[name]
+        ],
     }
     found = [f"{what} {_few(names)}" for what, names in differences.items() if names]
     return "; ".join(found) or None
@@ -260,7 +297,9 @@ def _saved_shapes(weights: Path) -> dict[str, tuple[int, ...]]:
         with safe_open(str(weights), framework="pt") as file:
             return {name: tuple(file.get_slice(name).get_shape()) for name in file.keys()}
     except (OSError, SafetensorError) as err:
-        raise ConfigError(f"{weights} is not a readable safetensors file ({first_line(err)}): not a run folder of a finished run") from None
+        raise ConfigError(
+            f"{weights} is not a readable safetensors file ({first_line(err)}): not a run folder of a finished run"
+        ) from None
 
 
 def _few(entries: list[str], shown: int = 3) -> str:
@@ -270,7 +309,9 @@ def _few(entries: list[str], shown: int = 3) -> str:
 
 def _json_type(value) -> str:
     """What a parsed JSON value is, in JSON's words."""
-    return {list: "list", str: "string", int: "number", float: "number", bool: "boolean", type(None): "null"}[type(value)]
+    return {list: "list", str: "string", int: "number", float: "number", bool: "boolean", type(None): "null"}[
+        type(value)
+    ]
 
 
 # --------------------------------------------------------------------------- writing the folder
@@ -290,7 +331,9 @@ def write_model_files(model: nn.Module, output_dir: Path) -> str | None:
     build = getattr(model, BUILD_ATTRIBUTE, None)
     if build is None:
         return None
-    (output_dir / CONFIG_FILE).write_text(json.dumps({**build, "library_name": "acceltrain", "acceltrain_version": __version__}, indent=2) + "\n")
+    (output_dir / CONFIG_FILE).write_text(
+        json.dumps({**build, "library_name": "acceltrain", "acceltrain_version": __version__}, indent=2) + "\n"
+    )
     return _BUILDERS[build["builder"]][1]
 
 
@@ -353,23 +396,31 @@ def check_fits_own_config(model: nn.Module, shapes: dict[str, tuple[int, ...]] |
     import copy
 
     if shapes is None:  # the parameters themselves: under DeepSpeed ZeRO-3 a partitioned one knows its full shape
-        shapes = {name: tuple(getattr(tensor, "ds_shape", tensor.shape)) for name, tensor in model.state_dict(keep_vars=True).items()}
+        shapes = {
+            name: tuple(getattr(tensor, "ds_shape", tensor.shape))
+            for name, tensor in model.state_dict(keep_vars=True).items()
+        }
     with torch.device("meta"):
         skeleton = own_class(model)._from_config(copy.deepcopy(model.config))
     problem = weights_mismatch(skeleton, shapes)
     if problem:
-        raise ConfigError(f"the {own_class(model).__name__}'s weights would not load into the model its own {CONFIG_FILE} builds, so "
-                          f"from_pretrained would leave them random: {problem}; keep its modules as its config builds them")
+        raise ConfigError(
+            f"the {own_class(model).__name__}'s weights would not load into the model its own {CONFIG_FILE} builds, so "
+            f"from_pretrained would leave them random: {problem}; keep its modules as its config builds them"
+        )
 
 
 # --------------------------------------------------------------------------- --push-to-hub
+
 
 def upload_command(repo_id: str, folder: Path | str) -> str:
     """The CLI line that uploads a run folder as ``--push-to-hub`` does: its top-level files only."""
     return shlex.join(["hf", "upload", repo_id, str(folder), "--exclude", "*/*"])
 
 
-WITHOUT_PUSH = f"or drop --push-to-hub (the run folder is Hub-ready: upload it later with `{upload_command('REPO', 'RUN_DIR')}`)"
+WITHOUT_PUSH = (
+    f"or drop --push-to-hub (the run folder is Hub-ready: upload it later with `{upload_command('REPO', 'RUN_DIR')}`)"
+)
 
 
 def prepare_repo(cfg: TrainConfig, output_dir: Path) -> str:
@@ -387,7 +438,9 @@ def prepare_repo(cfg: TrainConfig, output_dir: Path) -> str:
     if huggingface_hub.is_offline_mode():
         raise ConfigError(f"--push-to-hub cannot work with HF_HUB_OFFLINE set: unset it, {WITHOUT_PUSH}")
     if huggingface_hub.get_token() is None:
-        raise ConfigError(f"--push-to-hub needs a Hugging Face token with write access: `hf auth login` or HF_TOKEN, {WITHOUT_PUSH}")
+        raise ConfigError(
+            f"--push-to-hub needs a Hugging Face token with write access: `hf auth login` or HF_TOKEN, {WITHOUT_PUSH}"
+        )
     api = huggingface_hub.HfApi()
     check_reachable(api.endpoint, "the Hugging Face Hub", WITHOUT_PUSH.removeprefix("or "))
     try:
@@ -395,17 +448,26 @@ def prepare_repo(cfg: TrainConfig, output_dir: Path) -> str:
     except HfHubHTTPError as err:
         status = err.response.status_code if err.response is not None else None
         if status == 401:
-            raise ConfigError(f"the Hugging Face Hub at {api.endpoint} rejected the token (check it: `hf auth whoami`), {WITHOUT_PUSH}") from None
-        raise ConfigError(f"the Hugging Face Hub refused to create repo {name!r} ({status}: {first_line(err, 200)}), {WITHOUT_PUSH}") from None
+            raise ConfigError(
+                f"the Hugging Face Hub at {api.endpoint} rejected the token (check it: `hf auth whoami`), {WITHOUT_PUSH}"
+            ) from None
+        raise ConfigError(
+            f"the Hugging Face Hub refused to create repo {name!r} ({status}: {first_line(err, 200)}), {WITHOUT_PUSH}"
+        ) from None
 
 
 def push_folder(repo_id: str, output_dir: Path, summary: dict) -> str:
     """Upload the run folder's top-level files (weights, configs, card, summary, metrics); returns the commit URL."""
     from huggingface_hub import HfApi
 
-    metric = next((f"{k} {summary[k]:.4g}" for k in ("eval_accuracy", "eval_loss") if summary.get(k) is not None), "no eval")
+    metric = next(
+        (f"{k} {summary[k]:.4g}" for k in ("eval_accuracy", "eval_loss") if summary.get(k) is not None), "no eval"
+    )
     commit = HfApi().upload_folder(
-        repo_id=repo_id, folder_path=output_dir, allow_patterns=HUB_FILES, ignore_patterns=["*/*"],
+        repo_id=repo_id,
+        folder_path=output_dir,
+        allow_patterns=HUB_FILES,
+        ignore_patterns=["*/*"],
         commit_message=f"acceltrain run {output_dir.name}: {summary['steps']} steps, {metric}",
     )
     return commit.commit_url

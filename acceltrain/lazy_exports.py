@@ -11,7 +11,9 @@ from importlib import import_module
 REMOVED_IN = "0.3"  # a moved name stays importable from its old place, with a DeprecationWarning, until then
 
 
-def lazy_exports(package: str, homes: dict[str, str]) -> tuple[Callable[[str], object], Callable[[], list[str]], list[str]]:
+def lazy_exports(
+    package: str, homes: dict[str, str]
+) -> tuple[Callable[[str], object], Callable[[], list[str]], list[str]]:
     """``(__getattr__, __dir__, __all__)`` for ``package``'s ``__init__``; ``homes`` maps each public name
     to the submodule that defines it, imported when the name is first read."""
     namespace = sys.modules[package].__dict__
@@ -37,8 +39,12 @@ def moved(old: str, homes: dict[str, str]) -> Callable[[str], object]:
     def __getattr__(name: str) -> object:
         if name not in homes:
             raise AttributeError(f"module {old!r} has no attribute {name!r}")
-        warnings.warn(f"{old}.{name} moved to {homes[name]}.{name}: import it from there ({old}.{name} goes in "
-                      f"acceltrain {REMOVED_IN})", DeprecationWarning, stacklevel=2)
+        warnings.warn(
+            f"{old}.{name} moved to {homes[name]}.{name}: import it from there ({old}.{name} goes in "
+            f"acceltrain {REMOVED_IN})",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         return getattr(import_module(homes[name]), name)
 
     return __getattr__
@@ -47,8 +53,11 @@ def moved(old: str, homes: dict[str, str]) -> Callable[[str], object]:
 def moved_module(old: str, new: str) -> Callable[[str], object]:
     """``__getattr__`` for a module that moved as a whole to ``new``: importing the old one warns once
     (at the importer's line: importlib's frames are skipped) and every name is read from the new one."""
-    warnings.warn(f"{old} moved to {new}: import from there ({old} goes in acceltrain {REMOVED_IN})",
-                  DeprecationWarning, stacklevel=3)
+    warnings.warn(
+        f"{old} moved to {new}: import from there ({old} goes in acceltrain {REMOVED_IN})",
+        DeprecationWarning,
+        stacklevel=3,
+    )
     module = import_module(new)
 
     def __getattr__(name: str) -> object:

@@ -42,8 +42,14 @@ from .preemption import StoppedToResume
 from .prepare import Prepared, prepare
 from .progress import Progress
 from .run import Run
-from .run_folder import SUMMARY_FILE, TOKEN_NORMALISATION_UNDER_DEEPSPEED, claim_run_folder, lock_output_dir
-from .run_folder import unlock_output_dir, write_summary
+from .run_folder import (
+    SUMMARY_FILE,
+    TOKEN_NORMALISATION_UNDER_DEEPSPEED,
+    claim_run_folder,
+    lock_output_dir,
+    unlock_output_dir,
+    write_summary,
+)
 from .streams import check_stream, is_stream
 from .tasks import ClassificationTask, check_task
 from .tracking import active_trackers
@@ -61,8 +67,18 @@ class _Loop:
     checkpointer: Checkpointer
 
 
-def fit(cfg: TrainConfig, model: nn.Module, optimizer, train_set: Dataset, eval_set: Dataset | None = None, *, task=None,
-        hooks=(), name: str = "run", collate_fn=None) -> dict:
+def fit(
+    cfg: TrainConfig,
+    model: nn.Module,
+    optimizer,
+    train_set: Dataset,
+    eval_set: Dataset | None = None,
+    *,
+    task=None,
+    hooks=(),
+    name: str = "run",
+    collate_fn=None,
+) -> dict:
     """Train ``model`` on ``train_set`` as ``cfg`` says; returns the summary also written to
     ``<output_dir>/summary.json``. ``task`` turns batches into losses and eval values (default:
     :class:`ClassificationTask`; see :class:`acceltrain.Task`); ``hooks`` are your own
@@ -102,19 +118,49 @@ def _assemble(prepared: Prepared, task, user_hooks, trackers: list[str]) -> _Loo
     """The run's pieces around the prepared ones: where it stands, the hooks, the hooks' view, the checkpointer;
     then the folder's lock and the start-up log."""
     cfg, accelerator = prepared.cfg, prepared.accelerator
-    progress = Progress(cfg, accelerator, prepared.train_batches, total_steps=prepared.total_steps,
-                        batches_per_epoch=prepared.batches_per_epoch, train_samples=prepared.train_samples,
-                        data_fingerprint=prepared.data_fingerprint)
+    progress = Progress(
+        cfg,
+        accelerator,
+        prepared.train_batches,
+        total_steps=prepared.total_steps,
+        batches_per_epoch=prepared.batches_per_epoch,
+        train_samples=prepared.train_samples,
+        data_fingerprint=prepared.data_fingerprint,
+    )
     evaluates = prepared.eval_batches is not None
-    hooks = Hooks(user_hooks, builtin_hooks(cfg, evaluates=evaluates, trackers=trackers,
-                                            run_config={**cfg.to_dict(), "runtime": prepared.runtime}))
-    run = Run(cfg=cfg, accelerator=accelerator, model=prepared.model, optimizer=prepared.optimizer, scheduler=prepared.scheduler,
-              schedule_progress=prepared.schedule_progress, task=task, eval_batches=prepared.eval_batches,
-              output_dir=Path(cfg.output_dir), runtime=prepared.runtime, flops_per_sample=prepared.flops_per_sample,
-              peak_flops=prepared.peak_flops, progress=progress, hooks=hooks)
-    checkpointer = Checkpointer(accelerator, cfg, model=prepared.model, optimizer=prepared.optimizer, scheduler=prepared.scheduler,
-                                hooks=hooks, trainer=progress, output_dir=run.output_dir,
-                                announce=lambda folder: hooks.call("on_save", run, folder))
+    hooks = Hooks(
+        user_hooks,
+        builtin_hooks(
+            cfg, evaluates=evaluates, trackers=trackers, run_config={**cfg.to_dict(), "runtime": prepared.runtime}
+        ),
+    )
+    run = Run(
+        cfg=cfg,
+        accelerator=accelerator,
+        model=prepared.model,
+        optimizer=prepared.optimizer,
+        scheduler=prepared.scheduler,
+        schedule_progress=prepared.schedule_progress,
+        task=task,
+        eval_batches=prepared.eval_batches,
+        output_dir=Path(cfg.output_dir),
+        runtime=prepared.runtime,
+        flops_per_sample=prepared.flops_per_sample,
+        peak_flops=prepared.peak_flops,
+        progress=progress,
+        hooks=hooks,
+    )
+    checkpointer = Checkpointer(
+        accelerator,
+        cfg,
+        model=prepared.model,
+        optimizer=prepared.optimizer,
+        scheduler=prepared.scheduler,
+        hooks=hooks,
+        trainer=progress,
+        output_dir=run.output_dir,
+        announce=lambda folder: hooks.call("on_save", run, folder),
+    )
     main_process_only(lambda: lock_output_dir(run.output_dir))  # one live run per folder
     logger.info(yaml.safe_dump({"config": cfg.to_dict(), "runtime": prepared.runtime}, sort_keys=False).rstrip())
     for note in filter(None, [*prepared.notes, checkpointer.note]):
@@ -210,9 +256,11 @@ def _end_stream_pass(loop: _Loop) -> None:
     """A stream's pass ends where the stream does, maybe inside a window (else ``on_epoch_end`` has fired)."""
     run, progress = loop.run, loop.progress
     if not progress.state.batch_in_epoch:
-        raise ConfigError(f"the training stream yielded no batch of {run.cfg.batch_size} per process in pass "
-                          f"{progress.state.epoch}: it holds fewer samples than one batch on each of "
-                          f"{run.accelerator.num_processes} processes")
+        raise ConfigError(
+            f"the training stream yielded no batch of {run.cfg.batch_size} per process in pass "
+            f"{progress.state.epoch}: it holds fewer samples than one batch on each of "
+            f"{run.accelerator.num_processes} processes"
+        )
     if not run.accelerator.sync_gradients:
         loop.hooks.call("on_epoch_end", run)
     progress.next_pass()
@@ -257,8 +305,10 @@ def _finish(loop: _Loop) -> dict:
         write_summary(run.output_dir, summary)
         metric = f"eval_{getattr(run.task, 'primary_metric', 'loss')}"
         stopped = f" (stopped: {summary['stop_reason']})" if summary["stop_reason"] else ""
-        logger.info(f"done: {run.step} steps{stopped}, train loss {summary['train_loss']}, {metric} {summary.get(metric)}, "
-                    f"outputs in {run.output_dir}")
+        logger.info(
+            f"done: {run.step} steps{stopped}, train loss {summary['train_loss']}, {metric} {summary.get(metric)}, "
+            f"outputs in {run.output_dir}"
+        )
     accelerator.wait_for_everyone()
     accelerator.end_training()  # trackers, then the process group
     return summary
@@ -268,7 +318,11 @@ def _summary(loop: _Loop, weights: Path, wall_seconds: float) -> dict:
     """The run's record; hooks add their own entries (speed figures, time to target) in ``on_fit_end``."""
     run, progress = loop.run, loop.progress
     eval_metrics = run.last_eval
-    epochs = run.epoch_progress if progress.stream else round(run.samples_seen / (run.batches_per_epoch * progress.global_batch_size), 4)
+    epochs = (
+        run.epoch_progress
+        if progress.stream
+        else round(run.samples_seen / (run.batches_per_epoch * progress.global_batch_size), 4)
+    )
     return {
         "steps": run.step,
         "stop_reason": run.stop.reason if run.stop is not None else None,  # None: it ran to its last step

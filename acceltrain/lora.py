@@ -21,8 +21,16 @@ from collections.abc import Iterable
 from .options import ConfigError, Options, first_line, flag_name, option, require
 from .run_folder import ADAPTER_SETTINGS_FILE
 
-__all__ = ["LoraOptions", "apply_lora", "check_backend", "is_peft_model", "load_adapter", "merge_requested",
-           "parameter_counts", "write_adapter_settings"]
+__all__ = [
+    "LoraOptions",
+    "apply_lora",
+    "check_backend",
+    "is_peft_model",
+    "load_adapter",
+    "merge_requested",
+    "parameter_counts",
+    "write_adapter_settings",
+]
 
 MERGE_ATTRIBUTE = "acceltrain_merge_lora"  # set on the peft model: the run folder gets it merged (acceltrain.export)
 ALL_LINEAR = "all-linear"  # peft's own name for every linear layer but the output head
@@ -35,10 +43,14 @@ PEFT_TASKS = {
     "AutoModelForSeq2SeqLM": ("SEQ_2_SEQ_LM", "AutoPeftModelForSeq2SeqLM"),
     "AutoModel": ("FEATURE_EXTRACTION", "AutoPeftModelForFeatureExtraction"),
 }
-LORA_UNDER_DEEPSPEED = ("LoRA (--lora-r) is not supported under DeepSpeed here: its engine keeps the trainable weights in its "
-                        "own partitions; use DDP")
-MERGE_UNDER_FSDP = ("--merge-lora needs the whole weights on one process and FSDP shards them: drop --merge-lora and merge the "
-                    "adapter afterwards (AutoPeftModelFor...from_pretrained(run_dir).merge_and_unload().save_pretrained(out))")
+LORA_UNDER_DEEPSPEED = (
+    "LoRA (--lora-r) is not supported under DeepSpeed here: its engine keeps the trainable weights in its "
+    "own partitions; use DDP"
+)
+MERGE_UNDER_FSDP = (
+    "--merge-lora needs the whole weights on one process and FSDP shards them: drop --merge-lora and merge the "
+    "adapter afterwards (AutoPeftModelFor...from_pretrained(run_dir).merge_and_unload().save_pretrained(out))"
+)
 
 
 @dataclasses.dataclass
@@ -47,15 +59,22 @@ class LoraOptions(Options):
     whether the run folder holds the adapter or the base weights with it merged in."""
 
     lora_r: int | None = option(
-        None, "train a LoRA adapter of this rank (peft) instead of every weight; the run folder is then a PEFT adapter folder"
+        None,
+        "train a LoRA adapter of this rank (peft) instead of every weight; the run folder is then a PEFT adapter folder",
     )
-    lora_alpha: float | None = option(None, "LoRA scale numerator: the adapter's update is scaled by alpha / r (default: 2 x --lora-r)")
+    lora_alpha: float | None = option(
+        None, "LoRA scale numerator: the adapter's update is scaled by alpha / r (default: 2 x --lora-r)"
+    )
     lora_dropout: float = option(0.0, "dropout on the input of the LoRA branches")
     lora_target_modules: str | None = option(
-        None, "modules that get an adapter: comma-separated names or name suffixes (q_proj,v_proj), or all-linear; "
-        "default: peft's choice for the architecture", list_like=True,
+        None,
+        "modules that get an adapter: comma-separated names or name suffixes (q_proj,v_proj), or all-linear; "
+        "default: peft's choice for the architecture",
+        list_like=True,
     )
-    merge_lora: bool = option(False, "write the adapter merged into the base weights (merge_and_unload): a plain Transformers folder")
+    merge_lora: bool = option(
+        False, "write the adapter merged into the base weights (merge_and_unload): a plain Transformers folder"
+    )
 
     def resolved(self) -> dict:
         alpha = {"lora_alpha": self.lora_alpha or 2 * self.lora_r} if self.lora_r is not None else {}
@@ -64,19 +83,30 @@ class LoraOptions(Options):
     def validate(self) -> None:
         super().validate()
         if self.lora_r is None:
-            for name, default in (("lora_alpha", None), ("lora_dropout", 0.0), ("lora_target_modules", None), ("merge_lora", False)):
+            for name, default in (
+                ("lora_alpha", None),
+                ("lora_dropout", 0.0),
+                ("lora_target_modules", None),
+                ("merge_lora", False),
+            ):
                 if getattr(self, name) != default:
                     raise ConfigError(f"--{flag_name(name)} needs --lora-r (the rank of the LoRA adapter to train)")
             return
         require(self.lora_r >= 1, "lora_r", self.lora_r, "an integer >= 1")
         if importlib.util.find_spec("peft") is None:  # said before any work, not at the adapter
-            raise ConfigError("--lora-r trains the adapter with peft, which is not installed: pip install 'acceltrain[peft]'")
+            raise ConfigError(
+                "--lora-r trains the adapter with peft, which is not installed: pip install 'acceltrain[peft]'"
+            )
         if self.lora_alpha is not None:
             require(self.lora_alpha > 0, "lora_alpha", self.lora_alpha, "a number > 0")
         require(0 <= self.lora_dropout < 1, "lora_dropout", self.lora_dropout, "a number in [0, 1)")
         if self.lora_target_modules is not None:
-            require(bool(_target_names(self.lora_target_modules)), "lora_target_modules", self.lora_target_modules,
-                    f"module names, or {ALL_LINEAR}")
+            require(
+                bool(_target_names(self.lora_target_modules)),
+                "lora_target_modules",
+                self.lora_target_modules,
+                f"module names, or {ALL_LINEAR}",
+            )
 
 
 def apply_lora(model, options: LoraOptions, *, missing_keys: Iterable[str] | None = None):
@@ -96,26 +126,36 @@ def apply_lora(model, options: LoraOptions, *, missing_keys: Iterable[str] | Non
     if options.lora_r is None:
         raise ConfigError("apply_lora needs options with lora_r set (--lora-r): the rank of the adapter")
     if is_peft_model(model):
-        raise ConfigError("--lora-r adds a LoRA adapter to a model that has one (--model-name-or-path a PEFT adapter "
-                          "folder: its adapter trains on, with its own settings): drop --lora-r")
+        raise ConfigError(
+            "--lora-r adds a LoRA adapter to a model that has one (--model-name-or-path a PEFT adapter "
+            "folder: its adapter trains on, with its own settings): drop --lora-r"
+        )
     task_type = _peft_task(model)[0]
     fresh = _fresh_modules(model, _fresh_parameters(model, missing_keys))
     inside_fresh = sorted(name for name, _ in model.named_modules() if any(_within(name, top) for top in fresh))
     config = LoraConfig(
-        r=options.lora_r, lora_alpha=options.resolved()["lora_alpha"], lora_dropout=options.lora_dropout,
-        target_modules=_targets(model, options.lora_target_modules, inside_fresh), task_type=task_type,
-        modules_to_save=fresh or None, exclude_modules=inside_fresh or None,
+        r=options.lora_r,
+        lora_alpha=options.resolved()["lora_alpha"],
+        lora_dropout=options.lora_dropout,
+        target_modules=_targets(model, options.lora_target_modules, inside_fresh),
+        task_type=task_type,
+        modules_to_save=fresh or None,
+        exclude_modules=inside_fresh or None,
     )
     try:
         with quiet_model_loading():  # peft reads transformers' deprecated is_gradient_checkpointing
             peft_model = get_peft_model(model, config)
     except ValueError as err:  # no default target modules for this architecture, a module peft cannot adapt
-        raise ConfigError(f"LoRA cannot adapt this {type(model).__name__}: {first_line(err)} (--lora-target-modules names the modules)") from None
+        raise ConfigError(
+            f"LoRA cannot adapt this {type(model).__name__}: {first_line(err)} (--lora-target-modules names the modules)"
+        ) from None
     adapter_config = peft_model.peft_config["default"]
     adapter_config.base_model_name_or_path = _portable_base(adapter_config.base_model_name_or_path)
     setattr(peft_model, MERGE_ATTRIBUTE, options.merge_lora)
     trainable, total = parameter_counts(peft_model)
-    _log(f"LoRA {describe(peft_model)}: {trainable:,} trainable of {total:,} parameters ({100 * trainable / total:.2f}%)")
+    _log(
+        f"LoRA {describe(peft_model)}: {trainable:,} trainable of {total:,} parameters ({100 * trainable / total:.2f}%)"
+    )
     return peft_model
 
 
@@ -154,7 +194,11 @@ def describe(model) -> str:
     adapter = model.peft_config["default"]
     targets = model.base_model.targeted_module_names
     prefix = "base_model.model."
-    in_full = [name.removeprefix(prefix) for name, module in model.named_modules() if type(module).__name__ == "ModulesToSaveWrapper"]
+    in_full = [
+        name.removeprefix(prefix)
+        for name, module in model.named_modules()
+        if type(module).__name__ == "ModulesToSaveWrapper"
+    ]
     shown = ", ".join(sorted({name.rpartition(".")[2] for name in targets}))
     full = f"; trained in full: {', '.join(in_full)}" if in_full else ""
     return f"r={adapter.r}, alpha={adapter.lora_alpha:g}, on {len(targets)} modules ({shown}){full}"
@@ -169,7 +213,14 @@ def adapter_loading(model) -> tuple[str, dict]:
     adapter = model.peft_config["default"]
     trained = base.config.to_dict()
     original = AutoConfig.from_pretrained(adapter.base_model_name_or_path).to_dict()
-    bookkeeping = {"architectures", "_name_or_path", "transformers_version", "dtype", "torch_dtype", "_attn_implementation_autoset"}
+    bookkeeping = {
+        "architectures",
+        "_name_or_path",
+        "transformers_version",
+        "dtype",
+        "torch_dtype",
+        "_attn_implementation_autoset",
+    }
     changed = {key: value for key, value in trained.items() if key not in bookkeeping and original.get(key) != value}
     return _peft_task(base)[1], _int_ids(changed)
 
@@ -197,20 +248,23 @@ def load_adapter(folder):
     import peft
 
     from .logs import quiet_model_loading
-    from .options import parse_json
     from .network import load_local_or_hub
+    from .options import parse_json
 
     settings_file = folder / ADAPTER_SETTINGS_FILE
     try:
         task = parse_json((folder / "adapter_config.json").read_text()).get("task_type")
         settings = parse_json(settings_file.read_text()) if settings_file.is_file() else {}
     except (OSError, ValueError, AttributeError) as err:
-        raise ConfigError(f"{str(folder)!r}: its adapter_config.json or {ADAPTER_SETTINGS_FILE} is unreadable "
-                          f"({first_line(err)})") from None
+        raise ConfigError(
+            f"{str(folder)!r}: its adapter_config.json or {ADAPTER_SETTINGS_FILE} is unreadable ({first_line(err)})"
+        ) from None
     loaders = {peft_task: loader for peft_task, loader in PEFT_TASKS.values()}
     if task not in loaders or not isinstance(settings, dict):
-        raise ConfigError(f"{str(folder)!r}: an adapter of task type {task!r}, which loads with none of peft's "
-                          f"{', '.join(loaders.values())}")
+        raise ConfigError(
+            f"{str(folder)!r}: an adapter of task type {task!r}, which loads with none of peft's "
+            f"{', '.join(loaders.values())}"
+        )
     loader = getattr(peft, loaders[task])
 
     def load(source: str):
@@ -218,8 +272,10 @@ def load_adapter(folder):
             return loader.from_pretrained(source, **_int_ids(settings))
         except RuntimeError as err:  # a head of other labels than the base config's, in a folder without the settings
             found = next((line.strip() for line in str(err).splitlines() if "size mismatch" in line), first_line(err))
-            raise ValueError(f"{found[:110]} (without {ADAPTER_SETTINGS_FILE}, give the settings its README.md shows to "
-                             "peft's from_pretrained)") from None
+            raise ValueError(
+                f"{found[:110]} (without {ADAPTER_SETTINGS_FILE}, give the settings its README.md shows to "
+                "peft's from_pretrained)"
+            ) from None
 
     with quiet_model_loading():
         return load_local_or_hub(load, str(folder), "the adapter folder", "the adapter onto its base model")
@@ -261,13 +317,22 @@ def _not_reproduced(model) -> set[str]:
     import torch
 
     if not model.name_or_path:
-        raise ConfigError(f"apply_lora: this {type(model).__name__} was not loaded with from_pretrained, so no checkpoint holds its "
-                          "base weights: LoRA adapts a pretrained model (load it with from_pretrained)")
-    _log(f"LoRA: loading {model.name_or_path} again to find the weights its checkpoint does not hold (pass missing_keys= "
-         "from from_pretrained(..., output_loading_info=True) to skip this)")
-    again = dict(type(model).from_pretrained(model.name_or_path, config=model.config).named_parameters(remove_duplicate=False))
-    return {name for name, param in model.named_parameters(remove_duplicate=False)
-            if name not in again or not torch.equal(param.detach().cpu(), again[name].detach())}
+        raise ConfigError(
+            f"apply_lora: this {type(model).__name__} was not loaded with from_pretrained, so no checkpoint holds its "
+            "base weights: LoRA adapts a pretrained model (load it with from_pretrained)"
+        )
+    _log(
+        f"LoRA: loading {model.name_or_path} again to find the weights its checkpoint does not hold (pass missing_keys= "
+        "from from_pretrained(..., output_loading_info=True) to skip this)"
+    )
+    again = dict(
+        type(model).from_pretrained(model.name_or_path, config=model.config).named_parameters(remove_duplicate=False)
+    )
+    return {
+        name
+        for name, param in model.named_parameters(remove_duplicate=False)
+        if name not in again or not torch.equal(param.detach().cpu(), again[name].detach())
+    }
 
 
 def _fresh_modules(model, fresh_parameters: set[str]) -> list[str]:
@@ -282,7 +347,11 @@ def _fresh_modules(model, fresh_parameters: set[str]) -> list[str]:
             parent = name.rpartition(".")[0] if "." in name else None
             if not parent or parent in selected or name not in selected:
                 continue
-            children = {f"{parent}.{child}" for child, module in modules[parent].named_children() if next(module.parameters(), None) is not None}
+            children = {
+                f"{parent}.{child}"
+                for child, module in modules[parent].named_children()
+                if next(module.parameters(), None) is not None
+            }
             if next(modules[parent].parameters(recurse=False), None) is None and children <= selected:
                 selected = (selected - children) | {parent}
                 grown = True
@@ -315,9 +384,11 @@ def _targets(model, spec: str | None, excluded: list[str]):
             continue
         flag = f"--lora-target-modules {target!r}"
         if _matches(target, every):  # inside a new module (a head the checkpoint lacks), which apply_lora excludes
-            raise ConfigError(f"{flag} is trained in full, not adapted: the checkpoint of this {type(model).__name__} "
-                              "does not hold it, so it is trained and saved whole with the adapter (peft's "
-                              f"modules_to_save); {shown_linear}")
+            raise ConfigError(
+                f"{flag} is trained in full, not adapted: the checkpoint of this {type(model).__name__} "
+                "does not hold it, so it is trained and saved whole with the adapter (peft's "
+                f"modules_to_save); {shown_linear}"
+            )
         leaves = sorted({name.rpartition(".")[2] for name, _ in adaptable})
         close = difflib.get_close_matches(target, leaves, n=4, cutoff=0.5)
         shown_close = f": close names: {', '.join(close)}" if close else ""

@@ -37,10 +37,14 @@ def merge(checkpoint: Path, out: Path) -> Path:
         raise ConfigError(f"OUT {str(out)!r} exists and is not an empty folder: choose a new one")
     engine = checkpoint_engine(checkpoint)
     if engine == "DeepSpeed":
-        raise ConfigError(f"checkpoint {str(checkpoint)!r} holds DeepSpeed state: DeepSpeed's zero_to_fp32.py in that folder merges it")
+        raise ConfigError(
+            f"checkpoint {str(checkpoint)!r} holds DeepSpeed state: DeepSpeed's zero_to_fp32.py in that folder merges it"
+        )
     if engine == "FSDP" and not (checkpoint / "pytorch_model_fsdp_0").is_dir():
-        raise ConfigError(f"checkpoint {str(checkpoint)!r} holds FSDP's full state dict, not DCP shards: use fsdp_state_dict_type: "
-                          "SHARDED_STATE_DICT, or load it under FSDP")
+        raise ConfigError(
+            f"checkpoint {str(checkpoint)!r} holds FSDP's full state dict, not DCP shards: use fsdp_state_dict_type: "
+            "SHARDED_STATE_DICT, or load it under FSDP"
+        )
     with _left_as_found(out):
         tensors = _weights(checkpoint, engine, out)
         if any(name.startswith(PEFT_PREFIX) for name in tensors):
@@ -131,9 +135,11 @@ def _write_described(tensors: dict, checkpoint: Path, out: Path) -> None:
     tensors = _with_tied_names(tensors, skeleton)
     problem = weights_mismatch(skeleton, {name: tuple(tensor.shape) for name, tensor in tensors.items()})
     if problem:
-        raise ConfigError(f"checkpoint {str(checkpoint)!r} holds weights that would not load into the model of "
-                          f"{_described(checkpoint, CONFIG_FILE)} ({problem}): a checkpoint of another model? Merge "
-                          "it in its own run folder")
+        raise ConfigError(
+            f"checkpoint {str(checkpoint)!r} holds weights that would not load into the model of "
+            f"{_described(checkpoint, CONFIG_FILE)} ({problem}): a checkpoint of another model? Merge "
+            "it in its own run folder"
+        )
     save_tensors(tensors, out)
 
 
@@ -159,21 +165,22 @@ def _merge_adapter(tensors: dict, checkpoint: Path, out: Path) -> None:
     from transformers import AutoConfig
     from transformers.utils import logging as transformers_logging
 
-    from .run_folder import WEIGHTS_FILE
     from .export import _on_cpu
     from .hub import check_matches, model_skeleton, transformers_class
-    from .run_folder import ADAPTER_CONFIG_FILE, CONFIG_FILE
     from .network import load_local_or_hub, one_line
+    from .run_folder import ADAPTER_CONFIG_FILE, CONFIG_FILE, WEIGHTS_FILE
 
     where = f"checkpoint {str(checkpoint)!r}"
     adapter_file, config_file = _described(checkpoint, ADAPTER_CONFIG_FILE), _described(checkpoint, CONFIG_FILE)
     if adapter_file is None or config_file is None:
         found = {ADAPTER_CONFIG_FILE: adapter_file, CONFIG_FILE: config_file}
         lacking = " and ".join(name for name, path in found.items() if path is None)
-        raise ConfigError(f"{where} holds a LoRA adapter's weights (peft names) and no {lacking} beside its "
-                          "checkpoints or in its run folder describes its model (an earlier acceltrain wrote none): "
-                          "merge the run's final adapter folder with peft "
-                          "(AutoPeftModelFor....from_pretrained(RUN).merge_and_unload())")
+        raise ConfigError(
+            f"{where} holds a LoRA adapter's weights (peft names) and no {lacking} beside its "
+            "checkpoints or in its run folder describes its model (an earlier acceltrain wrote none): "
+            "merge the run's final adapter folder with peft "
+            "(AutoPeftModelFor....from_pretrained(RUN).merge_and_unload())"
+        )
     adapter = PeftConfig.from_pretrained(str(adapter_file.parent))
     adapter.inference_mode = False  # its weights trainable: those the checkpoint must hold
     config = AutoConfig.from_pretrained(config_file.parent)
@@ -181,16 +188,21 @@ def _merge_adapter(tensors: dict, checkpoint: Path, out: Path) -> None:
     verbosity = transformers_logging.get_verbosity()
     transformers_logging.set_verbosity_error()  # the base lacks a new head: its random start is replaced here
     try:
-        base = load_local_or_hub(lambda path: model_class.from_pretrained(path, config=config),
-                                 adapter.base_model_name_or_path, f"{where} holds a LoRA adapter for the base model",
-                                 "a model")
+        base = load_local_or_hub(
+            lambda path: model_class.from_pretrained(path, config=config),
+            adapter.base_model_name_or_path,
+            f"{where} holds a LoRA adapter for the base model",
+            "a model",
+        )
     finally:
         transformers_logging.set_verbosity(verbosity)
     model = get_peft_model(base, adapter)
 
     def other(why: str) -> ConfigError:
-        return ConfigError(f"{where} holds other weights than the LoRA adapter {adapter_file} describes ({why}): a "
-                           "checkpoint of another run? Merge it in its own run folder")
+        return ConfigError(
+            f"{where} holds other weights than the LoRA adapter {adapter_file} describes ({why}): a "
+            "checkpoint of another run? Merge it in its own run folder"
+        )
 
     try:
         unexpected = model.load_state_dict(tensors, strict=False).unexpected_keys
@@ -217,8 +229,13 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    alone = "" if (weights.parent / CONFIG_FILE).is_file() else (
-        f", without a {CONFIG_FILE}: no config describes the checkpoint's model (a module its recipe builds: load the "
-        "weights into it)")
+    alone = (
+        ""
+        if (weights.parent / CONFIG_FILE).is_file()
+        else (
+            f", without a {CONFIG_FILE}: no config describes the checkpoint's model (a module its recipe builds: load the "
+            "weights into it)"
+        )
+    )
     print(f"wrote {weights}{alone}")
     return 0

@@ -17,12 +17,42 @@ from .hub import BUILD_ATTRIBUTE, is_transformers_model, model_head, own_class
 from .run_folder import ADAPTER_SETTINGS_FILE, TRAIN_CONFIG_FILE
 
 # run-location settings, left out of train_config.yaml so that it starts a fresh run anywhere
-NOT_REPRODUCED = ("config", "output_dir", "resume", "overwrite", "allow_config_change", "stop_after_steps",
-                  "push_to_hub", "hub_model_id", "hub_private")
-KEY_SETTINGS = ("batch_size", "grad_accum", "optimizer", "lr", "momentum", "weight_decay", "lr_schedule", "warmup_steps",
-                "max_grad_norm", "epochs", "max_steps", "seed")
-RESULT_KEYS = ("train_loss", "steps", "epochs", "samples_seen", "wall_seconds", "samples_per_second", "tokens_per_second",
-               "mfu", "time_to_target_seconds")
+NOT_REPRODUCED = (
+    "config",
+    "output_dir",
+    "resume",
+    "overwrite",
+    "allow_config_change",
+    "stop_after_steps",
+    "push_to_hub",
+    "hub_model_id",
+    "hub_private",
+)
+KEY_SETTINGS = (
+    "batch_size",
+    "grad_accum",
+    "optimizer",
+    "lr",
+    "momentum",
+    "weight_decay",
+    "lr_schedule",
+    "warmup_steps",
+    "max_grad_norm",
+    "epochs",
+    "max_steps",
+    "seed",
+)
+RESULT_KEYS = (
+    "train_loss",
+    "steps",
+    "epochs",
+    "samples_seen",
+    "wall_seconds",
+    "samples_per_second",
+    "tokens_per_second",
+    "mfu",
+    "time_to_target_seconds",
+)
 
 
 def write_train_config(cfg: TrainConfig, output_dir: Path) -> None:
@@ -43,7 +73,8 @@ def model_card(run, model: nn.Module, summary: dict, pipeline_tag: str | None, r
     build = getattr(model, BUILD_ATTRIBUTE, None)
     data = ModelCardData(
         library_name="peft" if adapter else "transformers" if transformers_model else "acceltrain",
-        pipeline_tag=pipeline_tag, tags=["acceltrain", *(["lora"] if adapter else [])],
+        pipeline_tag=pipeline_tag,
+        tags=["acceltrain", *(["lora"] if adapter else [])],
         base_model=getattr(cfg, "model_name_or_path", None),
         datasets=getattr(cfg, "dataset_name", None),
     )
@@ -69,53 +100,61 @@ def model_card(run, model: nn.Module, summary: dict, pipeline_tag: str | None, r
         samples.append(f"evaluation samples: {len(run.eval_batches.dataset)}")
     metrics = {k: v for k, v in summary.items() if k.startswith("eval_") and v is not None}
     metrics.update({k: summary[k] for k in RESULT_KEYS if summary.get(k) is not None})
-    hardware = {"device": runtime.get("device_name"), "processes": runtime.get("num_processes"),
-                "distributed type": runtime.get("distributed_type"), "mixed precision": summary.get("mixed_precision"),
-                "torch": runtime.get("torch"), "accelerate": runtime.get("accelerate"), "acceltrain": runtime.get("acceltrain")}
+    hardware = {
+        "device": runtime.get("device_name"),
+        "processes": runtime.get("num_processes"),
+        "distributed type": runtime.get("distributed_type"),
+        "mixed precision": summary.get("mixed_precision"),
+        "torch": runtime.get("torch"),
+        "accelerate": runtime.get("accelerate"),
+        "acceltrain": runtime.get("acceltrain"),
+    }
     settings = {key: resolved[key] for key in KEY_SETTINGS} | {"global batch": runtime.get("global_batch_size")}
     script = sys.argv[0] if sys.argv and sys.argv[0] else "RECIPE.py"
     # from where it was started: the command and train_config.yaml's data paths may be relative to there
     preset = str(run.output_dir.resolve() / TRAIN_CONFIG_FILE)
     again = f"cd {shlex.quote(os.getcwd())} && {shlex.join([*launch_command(), '--config', preset])}"
-    return "\n".join([
-        f"---\n{data.to_yaml()}\n---",
-        f"# {where.rsplit('/', 1)[-1]}",
-        "",
-        f"Trained by the acceltrain recipe `{Path(script).name}` (one training loop on Hugging Face Accelerate).",
-        "",
-        "## Model",
-        "",
-        f"{made}, {_parameters(model, summary)}.{_weights_step(summary)} Load it with one call:",
-        "",
-        f"```python\n{load}\n```",
-        "",
-        "## Model and data settings of the recipe",
-        "",
-        _table({name: resolved[name] for name in own_fields}),
-        "",
-        *[f"- {line}" for line in samples],
-        "",
-        "## Training settings",
-        "",
-        _table(settings),
-        "",
-        f"Every setting: `{TRAIN_CONFIG_FILE}`; the same run again, from the folder it was started in: `{again}`.",
-        "",
-        "## Results",
-        "",
-        _table(metrics),
-        "",
-        "Per-step metrics: `metrics.jsonl`; the whole record: `summary.json`.",
-        "",
-        "## Hardware",
-        "",
-        _table(hardware),
-        "",
-        "## Command",
-        "",
-        f"```bash\n{shlex.join([*launch_command(), *sys.argv[1:]])}\n```",
-        "",
-    ])
+    return "\n".join(
+        [
+            f"---\n{data.to_yaml()}\n---",
+            f"# {where.rsplit('/', 1)[-1]}",
+            "",
+            f"Trained by the acceltrain recipe `{Path(script).name}` (one training loop on Hugging Face Accelerate).",
+            "",
+            "## Model",
+            "",
+            f"{made}, {_parameters(model, summary)}.{_weights_step(summary)} Load it with one call:",
+            "",
+            f"```python\n{load}\n```",
+            "",
+            "## Model and data settings of the recipe",
+            "",
+            _table({name: resolved[name] for name in own_fields}),
+            "",
+            *[f"- {line}" for line in samples],
+            "",
+            "## Training settings",
+            "",
+            _table(settings),
+            "",
+            f"Every setting: `{TRAIN_CONFIG_FILE}`; the same run again, from the folder it was started in: `{again}`.",
+            "",
+            "## Results",
+            "",
+            _table(metrics),
+            "",
+            "Per-step metrics: `metrics.jsonl`; the whole record: `summary.json`.",
+            "",
+            "## Hardware",
+            "",
+            _table(hardware),
+            "",
+            "## Command",
+            "",
+            f"```bash\n{shlex.join([*launch_command(), *sys.argv[1:]])}\n```",
+            "",
+        ]
+    )
 
 
 def _adapter_description(model: nn.Module, where: str) -> tuple[str, str]:
@@ -125,13 +164,17 @@ def _adapter_description(model: nn.Module, where: str) -> tuple[str, str]:
 
     loader, settings = adapter_loading(model)
     base = model.get_base_model()
-    made = (f"A LoRA adapter (peft; {describe(model)}) for `{own_class(base).__name__}` (Transformers, `{base.config.model_type}`) on "
-            f"the base model `{model.peft_config['default'].base_model_name_or_path}`, which must be there to load it")
+    made = (
+        f"A LoRA adapter (peft; {describe(model)}) for `{own_class(base).__name__}` (Transformers, `{base.config.model_type}`) on "
+        f"the base model `{model.peft_config['default'].base_model_name_or_path}`, which must be there to load it"
+    )
 
     arguments = "".join(f", {key}={value!r}" for key, value in settings.items())
-    return made, (f'from peft import {loader}\nmodel = {loader}.from_pretrained("{where}"{arguments})\n'
-                  f'# or with no arguments (they are in {ADAPTER_SETTINGS_FILE}): from acceltrain import load_model; '
-                  f'model = load_model("{where}")')
+    return made, (
+        f'from peft import {loader}\nmodel = {loader}.from_pretrained("{where}"{arguments})\n'
+        f"# or with no arguments (they are in {ADAPTER_SETTINGS_FILE}): from acceltrain import load_model; "
+        f'model = load_model("{where}")'
+    )
 
 
 def launch_command() -> list[str]:

@@ -29,7 +29,9 @@ def check_reachable(url: str, service: str, ways_out: str) -> None:
         return
     except (OSError, ValueError) as err:  # URLError, timeouts, refused connections; ValueError: not a URL
         reason = getattr(err, "reason", None) or err
-        raise ConfigError(f"{service} at {url} is unreachable ({reason} within {PROBE_SECONDS} s); {ways_out}") from None
+        raise ConfigError(
+            f"{service} at {url} is unreachable ({reason} within {PROBE_SECONDS} s); {ways_out}"
+        ) from None
 
 
 def load_local_or_hub(loader: Callable, source: str, flag: str, what: str):

@@ -11,7 +11,6 @@ from torch import nn
 from .config import TrainConfig
 from .options import ConfigError, require
 
-
 NORMALISATIONS = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)
 
 
@@ -29,15 +28,20 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer
         if param.requires_grad:
             (scaled if id(param) in norm else decay if param.ndim >= 2 else other).append(param)
     other_decay = cfg.weight_decay if cfg.decay_all_parameters else 0.0
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": other, "weight_decay": other_decay},
-              {"params": scaled, "weight_decay": other_decay / cfg.norm_bias_lr_scale, "lr": cfg.lr * cfg.norm_bias_lr_scale}]
+    groups = [
+        {"params": decay, "weight_decay": cfg.weight_decay},
+        {"params": other, "weight_decay": other_decay},
+        {"params": scaled, "weight_decay": other_decay / cfg.norm_bias_lr_scale, "lr": cfg.lr * cfg.norm_bias_lr_scale},
+    ]
     matrices = []
     if cfg.optimizer == "muon":
         muon = muon_parameters(model)
         matrices = [param for param in decay if id(param) in muon]
         if not matrices:
-            raise ConfigError(f"--optimizer muon found no hidden weight matrices in {type(model).__name__} (it leaves "
-                              "embeddings, the last Linear and vectors to SGD): use --optimizer sgd or adamw")
+            raise ConfigError(
+                f"--optimizer muon found no hidden weight matrices in {type(model).__name__} (it leaves "
+                "embeddings, the last Linear and vectors to SGD): use --optimizer sgd or adamw"
+            )
         groups[0]["params"] = [param for param in decay if id(param) not in muon]
     groups = [group for group in groups if group["params"]]  # a model without norms or biases: no empty group
     if cfg.optimizer == "adamw":
@@ -84,12 +88,15 @@ class MuonWithSGD(torch.optim.Optimizer):
     filters so. torch's Muon takes 2-D parameters only: a kernel is given to it as a matrix view of its
     memory, re-made when the kernel moved (to the device, to channels_last) after the optimizer was built."""
 
-    def __init__(self, matrices: list[nn.Parameter], sgd: torch.optim.SGD, *, lr: float, momentum: float, weight_decay: float):
+    def __init__(
+        self, matrices: list[nn.Parameter], sgd: torch.optim.SGD, *, lr: float, momentum: float, weight_decay: float
+    ):
         super().__init__([{"params": matrices}], {"lr": lr, "momentum": momentum, "weight_decay": weight_decay})
         self.sgd = sgd
         self.param_groups += [group for group in sgd.param_groups if group["params"]]
-        self.muon = torch.optim.Muon([_as_matrix(p, p) for p in matrices], lr=lr, momentum=momentum,
-                                     weight_decay=weight_decay, nesterov=True)
+        self.muon = torch.optim.Muon(
+            [_as_matrix(p, p) for p in matrices], lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=True
+        )
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -109,8 +116,11 @@ class MuonWithSGD(torch.optim.Optimizer):
             view.grad = None
 
     def state_dict(self) -> dict:
-        return {"muon": self.muon.state_dict(), "sgd": self.sgd.state_dict(),
-                "muon_group": {key: value for key, value in self.param_groups[0].items() if key != "params"}}
+        return {
+            "muon": self.muon.state_dict(),
+            "sgd": self.sgd.state_dict(),
+            "muon_group": {key: value for key, value in self.param_groups[0].items() if key != "params"},
+        }
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.muon.load_state_dict(state_dict["muon"])
@@ -137,8 +147,16 @@ class ScheduleProgress:
         self.time_fraction = 0.0
 
 
-def lr_multiplier(step: int, *, total_steps: int, warmup_steps: int, schedule: str, time_fraction: float = 0.0,
-                  warmup_start: float = 0.0, floor: float = 0.0) -> float:
+def lr_multiplier(
+    step: int,
+    *,
+    total_steps: int,
+    warmup_steps: int,
+    schedule: str,
+    time_fraction: float = 0.0,
+    warmup_start: float = 0.0,
+    floor: float = 0.0,
+) -> float:
     """Fraction of the peak lr for the optimizer step numbered ``step`` (0-based): a linear warm-up from
     1/(warmup+1) (raised to ``warmup_start`` + the rest), then ``DECAYS[schedule]`` reaching its end,
     ``floor``, at ``total_steps`` (or earlier, at ``time_fraction`` 1, when that is ahead of the steps).
@@ -152,12 +170,22 @@ def lr_multiplier(step: int, *, total_steps: int, warmup_steps: int, schedule: s
     return floor + (1 - floor) * DECAYS[schedule](progress)
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig, total_steps: int, progress: ScheduleProgress | None = None):
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, cfg: TrainConfig, total_steps: int, progress: ScheduleProgress | None = None
+):
     """A LambdaLR stepped exactly once per optimizer step by the loop (never by Accelerate, whose
     prepared scheduler otherwise steps once per process: accelerate#1382, #2318); ``progress`` may move
     the decay ahead of the step count (a time budget)."""
     require(cfg.lr_schedule in DECAYS, "lr_schedule", cfg.lr_schedule, f"one of {', '.join(DECAYS)}")
-    multiplier = partial(lr_multiplier, total_steps=total_steps, warmup_steps=cfg.warmup_steps, schedule=cfg.lr_schedule,
-                         warmup_start=cfg.warmup_start_rate, floor=cfg.min_lr_rate)
+    multiplier = partial(
+        lr_multiplier,
+        total_steps=total_steps,
+        warmup_steps=cfg.warmup_steps,
+        schedule=cfg.lr_schedule,
+        warmup_start=cfg.warmup_start_rate,
+        floor=cfg.min_lr_rate,
+    )
     progress = progress or ScheduleProgress()
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: multiplier(step, time_fraction=progress.time_fraction))
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: multiplier(step, time_fraction=progress.time_fraction)
+    )

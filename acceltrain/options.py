@@ -13,9 +13,29 @@ import stat
 from typing import Any, Literal
 
 __all__ = [
-    "CheckpointOptions", "ConfigError", "EarlyStoppingOptions", "EvaluationOptions", "HubOptions", "LoggingOptions", "Options", "PlotOptions", "ProfilingOptions",
-    "ReportTo", "TimeBudgetOptions", "TrackingOptions", "WandbMode", "check_option_groups", "first_line", "flag_name", "option", "parse_step_range",
-    "file_kind", "parse_json", "read_small_file", "require", "shorten",
+    "CheckpointOptions",
+    "ConfigError",
+    "EarlyStoppingOptions",
+    "EvaluationOptions",
+    "HubOptions",
+    "LoggingOptions",
+    "Options",
+    "PlotOptions",
+    "ProfilingOptions",
+    "ReportTo",
+    "TimeBudgetOptions",
+    "TrackingOptions",
+    "WandbMode",
+    "check_option_groups",
+    "first_line",
+    "flag_name",
+    "option",
+    "parse_step_range",
+    "file_kind",
+    "parse_json",
+    "read_small_file",
+    "require",
+    "shorten",
 ]
 
 
@@ -34,7 +54,7 @@ def shorten(value: object, limit: int = 80) -> str:
     """``repr(value)`` for a one-line message, cut to ``limit`` characters: a bad value may be megabytes
     (a YAML alias bomb, a pasted file), and echoing it whole is no longer one line."""
     text = repr(value)
-    return text if len(text) <= limit else f"{text[:limit - 5]}...{text[-2:]}"
+    return text if len(text) <= limit else f"{text[: limit - 5]}...{text[-2:]}"
 
 
 def option(default: Any, help: str, **metadata: Any) -> Any:
@@ -88,8 +108,10 @@ def check_option_groups(config_class: type) -> None:
         for name in inspect.get_annotations(group):
             owner = owners.get(name)
             if owner is not None and name in fields and not issubclass(group, owner):
-                raise ConfigError(f"option groups {owner.__name__} and {group.__name__} both declare {name} (--{flag_name(name)}): "
-                                  f"rename the field of {group.__name__}")
+                raise ConfigError(
+                    f"option groups {owner.__name__} and {group.__name__} both declare {name} (--{flag_name(name)}): "
+                    f"rename the field of {group.__name__}"
+                )
             owners[name] = group
 
 
@@ -105,8 +127,13 @@ def flag_name(field_name: str) -> str:
 
 MAX_FILE_BYTES = 1_000_000  # a preset or a DeepSpeed JSON is a few kilobytes at most
 
-_FILE_KINDS = {stat.S_IFDIR: "a directory", stat.S_IFIFO: "a named pipe (FIFO)", stat.S_IFCHR: "a character device",
-               stat.S_IFBLK: "a block device", stat.S_IFSOCK: "a socket"}
+_FILE_KINDS = {
+    stat.S_IFDIR: "a directory",
+    stat.S_IFIFO: "a named pipe (FIFO)",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+    stat.S_IFSOCK: "a socket",
+}
 
 
 def file_kind(mode: int) -> str | None:
@@ -164,14 +191,20 @@ class EvaluationOptions(Options):
         None, "evaluate every N optimizer steps; unset: at the end of each epoch and of the run", free_on_resume=True
     )
     eval_samples: int | None = option(
-        None, "evaluate on a seeded random subset of N eval samples (stratified by label), the same on any number of "
-        "processes; unset: all of them", free_on_resume=True,
+        None,
+        "evaluate on a seeded random subset of N eval samples (stratified by label), the same on any number of "
+        "processes; unset: all of them",
+        free_on_resume=True,
     )
     target_metric: float | None = option(
-        None, "finish as soon as the task's primary metric reaches this (accuracy: >=, loss: <=); records time_to_target_seconds", free_on_resume=True
+        None,
+        "finish as soon as the task's primary metric reaches this (accuracy: >=, loss: <=); records time_to_target_seconds",
+        free_on_resume=True,
     )
     target_accuracy: float | None = option(
-        None, "--target-metric for tasks whose primary metric is accuracy (classification), as a fraction", free_on_resume=True
+        None,
+        "--target-metric for tasks whose primary metric is accuracy (classification), as a fraction",
+        free_on_resume=True,
     )
 
     def validate(self) -> None:
@@ -193,21 +226,37 @@ class EarlyStoppingOptions(Options):
     """``EarlyStopping``'s patience: evaluations without improvement of the task's primary metric before the run finishes."""
 
     early_stopping_patience: int | None = option(
-        None, "finish after N evaluations in a row that do not improve the task's primary metric (accuracy: higher, loss: "
-        "lower) by more than --early-stopping-threshold; the count survives --resume", free_on_resume=True,
+        None,
+        "finish after N evaluations in a row that do not improve the task's primary metric (accuracy: higher, loss: "
+        "lower) by more than --early-stopping-threshold; the count survives --resume",
+        free_on_resume=True,
     )
     early_stopping_threshold: float = option(
-        0.0, "with --early-stopping-patience: the least change of the primary metric that counts as an improvement", free_on_resume=True
+        0.0,
+        "with --early-stopping-patience: the least change of the primary metric that counts as an improvement",
+        free_on_resume=True,
     )
 
     def validate(self) -> None:
         super().validate()
         if self.early_stopping_patience is None:
             if self.early_stopping_threshold != 0.0:
-                raise ConfigError("--early-stopping-threshold needs --early-stopping-patience (the evaluations to wait for an improvement)")
+                raise ConfigError(
+                    "--early-stopping-threshold needs --early-stopping-patience (the evaluations to wait for an improvement)"
+                )
             return
-        require(self.early_stopping_patience >= 1, "early_stopping_patience", self.early_stopping_patience, "an integer >= 1")
-        require(self.early_stopping_threshold >= 0, "early_stopping_threshold", self.early_stopping_threshold, "a number >= 0")
+        require(
+            self.early_stopping_patience >= 1,
+            "early_stopping_patience",
+            self.early_stopping_patience,
+            "an integer >= 1",
+        )
+        require(
+            self.early_stopping_threshold >= 0,
+            "early_stopping_threshold",
+            self.early_stopping_threshold,
+            "a number >= 0",
+        )
 
 
 @dataclasses.dataclass
@@ -215,7 +264,8 @@ class TimeBudgetOptions(Options):
     """``TimeBudget``'s wall-clock budget."""
 
     time_budget_minutes: float | None = option(
-        None, "finish when the next step and the final evaluation would pass this much wall clock (from the first step, "
+        None,
+        "finish when the next step and the final evaluation would pass this much wall clock (from the first step, "
         "evaluations included); the LR schedule decays over the budget, or over --epochs/--max-steps when they end first",
     )
 
@@ -240,10 +290,18 @@ def parse_step_range(text: str) -> tuple[int, int]:
 class ProfilingOptions(Options):
     """``Profiler``'s step range and ``MemoryReport``'s switch."""
 
-    profile_steps: str | None = option(None, "A:B: torch.profiler over optimizer steps A..B, trace and top ops in <output_dir>/profile/", free_on_resume=True)
-    profile_with_stack: bool = option(False, "record Python stacks in the profile (slower, bigger trace)", free_on_resume=True)
+    profile_steps: str | None = option(
+        None,
+        "A:B: torch.profiler over optimizer steps A..B, trace and top ops in <output_dir>/profile/",
+        free_on_resume=True,
+    )
+    profile_with_stack: bool = option(
+        False, "record Python stacks in the profile (slower, bigger trace)", free_on_resume=True
+    )
     memory_report: bool = option(
-        False, "print memory after model build, first forward, first backward, first optimizer step (memory.json)", free_on_resume=True
+        False,
+        "print memory after model build, first forward, first backward, first optimizer step (memory.json)",
+        free_on_resume=True,
     )
 
     def validate(self) -> None:
@@ -257,19 +315,31 @@ class CheckpointOptions(Options):
     """When to checkpoint and what to keep (``CheckpointSchedule``), and time slices (``Preemption``)."""
 
     save_every_steps: int | None = option(None, "save a checkpoint every N optimizer steps", free_on_resume=True)
-    save_every_minutes: float | None = option(None, "save a checkpoint once N minutes have passed since the last one", free_on_resume=True)
-    keep_last: int | None = option(None, "keep only the newest N checkpoints (never deleting the best one); unset: keep all", free_on_resume=True)
-    keep_best: bool = option(False, "checkpoint whenever the eval metric improves, and never delete the best checkpoint", free_on_resume=True)
+    save_every_minutes: float | None = option(
+        None, "save a checkpoint once N minutes have passed since the last one", free_on_resume=True
+    )
+    keep_last: int | None = option(
+        None, "keep only the newest N checkpoints (never deleting the best one); unset: keep all", free_on_resume=True
+    )
+    keep_best: bool = option(
+        False, "checkpoint whenever the eval metric improves, and never delete the best checkpoint", free_on_resume=True
+    )
     load_best_at_end: bool = option(
-        False, "with --keep-best: the run folder's weights are the best evaluation's (its checkpoint), not the last "
-        "step's, as Trainer's load_best_model_at_end; summary.json's weights_step says which", free_on_resume=True,
+        False,
+        "with --keep-best: the run folder's weights are the best evaluation's (its checkpoint), not the last "
+        "step's, as Trainer's load_best_model_at_end; summary.json's weights_step says which",
+        free_on_resume=True,
     )
     stop_after_steps: int | None = option(
-        None, "checkpoint and stop after N optimizer steps of this launch (time-sliced jobs); continue with --resume auto", free_on_resume=True
+        None,
+        "checkpoint and stop after N optimizer steps of this launch (time-sliced jobs); continue with --resume auto",
+        free_on_resume=True,
     )
     async_checkpoint: bool = option(
-        False, "write checkpoints while training goes on: a save blocks only for a copy of the state in memory (DDP and "
-        "FSDP; at most one save in flight; a checkpoint counts once complete; a stop waits for it)", free_on_resume=True,
+        False,
+        "write checkpoints while training goes on: a save blocks only for a copy of the state in memory (DDP and "
+        "FSDP; at most one save in flight; a checkpoint counts once complete; a stop waits for it)",
+        free_on_resume=True,
     )
 
     def validate(self) -> None:
@@ -280,7 +350,9 @@ class CheckpointOptions(Options):
         if self.save_every_minutes is not None:
             require(self.save_every_minutes > 0, "save_every_minutes", self.save_every_minutes, "a number > 0")
         if self.load_best_at_end and not self.keep_best:
-            raise ConfigError("--load-best-at-end needs --keep-best: the best evaluation's checkpoint is the one it loads")
+            raise ConfigError(
+                "--load-best-at-end needs --keep-best: the best evaluation's checkpoint is the one it loads"
+            )
 
 
 @dataclasses.dataclass
@@ -289,8 +361,10 @@ class LoggingOptions(Options):
 
     log_every: int = option(50, "log loss, lr and samples/s every N optimizer steps", free_on_resume=True)
     progress: bool | None = option(
-        None, "progress bars on the main process: --progress always, --no-progress never (default: only when stderr is a "
-        "terminal, so a log file gets no bar updates)", free_on_resume=True,
+        None,
+        "progress bars on the main process: --progress always, --no-progress never (default: only when stderr is a "
+        "terminal, so a log file gets no bar updates)",
+        free_on_resume=True,
     )
 
     def validate(self) -> None:
@@ -303,7 +377,9 @@ class PlotOptions(Options):
     """Whether ``Curves`` draws curves.png."""
 
     plots: bool = option(
-        True, "draw <output_dir>/curves.png (loss and eval metric against step and seconds) when each launch ends", free_on_resume=True
+        True,
+        "draw <output_dir>/curves.png (loss and eval metric against step and seconds) when each launch ends",
+        free_on_resume=True,
     )
 
 
@@ -311,16 +387,30 @@ class PlotOptions(Options):
 class TrackingOptions(Options):
     """The trackers a run reports to (the ``Trackers`` hook) and the W&B run's settings."""
 
-    report_to: ReportTo = option("wandb", "experiment tracker: wandb, tensorboard, all (both) or none", free_on_resume=True)
-    wandb_project: str | None = option(None, "W&B project (default: $WANDB_PROJECT, else 'acceltrain'); also TensorBoard's subfolder", free_on_resume=True)
+    report_to: ReportTo = option(
+        "wandb", "experiment tracker: wandb, tensorboard, all (both) or none", free_on_resume=True
+    )
+    wandb_project: str | None = option(
+        None,
+        "W&B project (default: $WANDB_PROJECT, else 'acceltrain'); also TensorBoard's subfolder",
+        free_on_resume=True,
+    )
     run_name: str | None = option(None, "tracker run name (default: the output folder's name)", free_on_resume=True)
     wandb_group: str | None = option(None, "W&B group, e.g. to gather the runs of a sweep", free_on_resume=True)
-    wandb_tags: str | None = option(None, "comma-separated W&B tags (a list in YAML)", free_on_resume=True, list_like=True)
+    wandb_tags: str | None = option(
+        None, "comma-separated W&B tags (a list in YAML)", free_on_resume=True, list_like=True
+    )
     wandb_notes: str | None = option(None, "W&B run notes", free_on_resume=True)
     wandb_mode: WandbMode | None = option(
-        None, "online, offline or disabled (default: $WANDB_MODE, else online with an API key, offline without)", free_on_resume=True
+        None,
+        "online, offline or disabled (default: $WANDB_MODE, else online with an API key, offline without)",
+        free_on_resume=True,
     )
-    log_model: bool = option(False, "upload the final model.safetensors as a W&B artifact (offline: kept for wandb sync)", free_on_resume=True)
+    log_model: bool = option(
+        False,
+        "upload the final model.safetensors as a W&B artifact (offline: kept for wandb sync)",
+        free_on_resume=True,
+    )
 
 
 @dataclasses.dataclass
@@ -328,11 +418,20 @@ class HubOptions(Options):
     """``HubReady``'s upload to the Hugging Face Hub."""
 
     push_to_hub: bool = option(
-        False, "upload the finished run folder (weights, config.json, model card, summary) to the Hub; token and repo checked before training",
+        False,
+        "upload the finished run folder (weights, config.json, model card, summary) to the Hub; token and repo checked before training",
         free_on_resume=True,
     )
-    hub_model_id: str | None = option(None, "Hub repo for --push-to-hub, 'name' or 'namespace/name' (default: the output folder's name)", free_on_resume=True)
-    hub_private: bool = option(False, "with --push-to-hub: create the repo private (default: the namespace's default visibility)", free_on_resume=True)
+    hub_model_id: str | None = option(
+        None,
+        "Hub repo for --push-to-hub, 'name' or 'namespace/name' (default: the output folder's name)",
+        free_on_resume=True,
+    )
+    hub_private: bool = option(
+        False,
+        "with --push-to-hub: create the repo private (default: the namespace's default visibility)",
+        free_on_resume=True,
+    )
 
     def validate(self) -> None:
         super().validate()

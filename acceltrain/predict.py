@@ -334,9 +334,9 @@ def _write(predictions: list[dict], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """``acceltrain predict``: exit 0, or 2 with one line on bad input."""
-    from .preemption import EXIT_BAD_INPUT, report_error
     from .config import parse_config
     from .logs import set_log_level
+    from .preemption import EXIT_BAD_INPUT, report_error
 
     try:
         options = parse_config(

@@ -23,10 +23,21 @@ from .distributed import check_backend_honoured, convert_sync_batchnorm, deepspe
 from .eval_subset import eval_subset
 from .optim import ScheduleProgress, build_scheduler
 from .options import ConfigError
-from .sharding import build_accelerator, choose_wrap_policy, guard_gradient_average, keep_norms_in_fp32, parameter_counts
-from .sharding import share_norm_statistics
-from .speed import apply_batch_size, enable_activation_checkpointing, find_batch_size, peak_flops_per_device
-from .speed import training_flops_per_sample
+from .sharding import (
+    build_accelerator,
+    choose_wrap_policy,
+    guard_gradient_average,
+    keep_norms_in_fp32,
+    parameter_counts,
+    share_norm_statistics,
+)
+from .speed import (
+    apply_batch_size,
+    enable_activation_checkpointing,
+    find_batch_size,
+    peak_flops_per_device,
+    training_flops_per_sample,
+)
 from .streams import first_samples, is_stream, stream_loader
 from .tasks import check_first_batch
 
@@ -53,33 +64,57 @@ class Prepared:
     notes: list[str]  # for the start-up log
 
 
-def prepare(cfg: TrainConfig, output_dir: Path, model: nn.Module, optimizer, train_set, eval_set, task, collate_fn,
-            trackers: list[str]) -> Prepared:
+def prepare(
+    cfg: TrainConfig,
+    output_dir: Path,
+    model: nn.Module,
+    optimizer,
+    train_set,
+    eval_set,
+    task,
+    collate_fn,
+    trackers: list[str],
+) -> Prepared:
     """Build the accelerator, apply the speed flags, make the loaders and ``Accelerator.prepare`` them; plan the run."""
     from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin, ProjectConfiguration
 
     stream = is_stream(train_set)
     accelerator = build_accelerator(
-        use_cpu(cfg.cpu), mixed_precision=cfg.mixed_precision, deepspeed_plugin=deepspeed_plugin(cfg),
+        use_cpu(cfg.cpu),
+        mixed_precision=cfg.mixed_precision,
+        deepspeed_plugin=deepspeed_plugin(cfg),
         # a stream's windows run across its passes' ends, and its loader's position is checkpointed (streams.py)
-        gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=cfg.grad_accum, sync_with_dataloader=not stream),
-        dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=stream, dispatch_batches=False if stream else None),
+        gradient_accumulation_plugin=GradientAccumulationPlugin(
+            num_steps=cfg.grad_accum, sync_with_dataloader=not stream
+        ),
+        dataloader_config=DataLoaderConfiguration(
+            use_stateful_dataloader=stream, dispatch_batches=False if stream else None
+        ),
         log_with=trackers or None,
         project_config=ProjectConfiguration(project_dir=str(output_dir), logging_dir=str(output_dir / "logs")),
     )
     check_backend_honoured(accelerator.distributed_type)
     collate_fn = collate_fn or default_collate
-    model, flops_per_sample, found, notes = _apply_speed_flags(cfg, accelerator, model, optimizer, train_set, task, collate_fn)
+    model, flops_per_sample, found, notes = _apply_speed_flags(
+        cfg, accelerator, model, optimizer, train_set, task, collate_fn
+    )
     cfg = _resolved(cfg, accelerator, output_dir, task, found)
     train_loaders, eval_set = _loaders(cfg, accelerator, train_set, eval_set, collate_fn)
     notes += [choose_wrap_policy(accelerator, model), keep_norms_in_fp32(accelerator, model, optimizer)]
     model, optimizer, *loaders = accelerator.prepare(model, optimizer, *train_loaders)
     notes += [guard_gradient_average(accelerator, model), share_norm_statistics(accelerator, model)]
     if cfg.data_on_device:
-        loaders.insert(0, train_set.device_loader(
-            batch_size=cfg.batch_size, seed=cfg.seed, device=accelerator.device, process_index=accelerator.process_index,
-            num_processes=accelerator.num_processes, channels_last=cfg.channels_last,
-        ))
+        loaders.insert(
+            0,
+            train_set.device_loader(
+                batch_size=cfg.batch_size,
+                seed=cfg.seed,
+                device=accelerator.device,
+                process_index=accelerator.process_index,
+                num_processes=accelerator.num_processes,
+                channels_last=cfg.channels_last,
+            ),
+        )
     batches_per_epoch = 0 if stream else len(loaders[0])
     if batches_per_epoch == 0 and not stream:
         raise ConfigError(
@@ -93,12 +128,33 @@ def prepare(cfg: TrainConfig, output_dir: Path, model: nn.Module, optimizer, tra
     schedule_progress = ScheduleProgress()
     scheduler = build_scheduler(optimizer, cfg, total_steps, schedule_progress)
     peak_flops = peak_flops_per_device(accelerator.device, accelerator.mixed_precision, cfg.peak_tflops)
-    runtime = _runtime(cfg, accelerator, steps_per_epoch=steps_per_epoch, total_steps=total_steps,
-                       model_flops_per_sample=flops_per_sample, peak_flops_per_device=peak_flops, **parameter_counts(model))
-    return Prepared(cfg, accelerator, model, optimizer, scheduler, schedule_progress, loaders[0],
-                    loaders[1] if eval_set is not None else None, total_steps, batches_per_epoch,
-                    0 if stream else len(train_set), _data_fingerprint(train_set), flops_per_sample, peak_flops, runtime,
-                    notes)
+    runtime = _runtime(
+        cfg,
+        accelerator,
+        steps_per_epoch=steps_per_epoch,
+        total_steps=total_steps,
+        model_flops_per_sample=flops_per_sample,
+        peak_flops_per_device=peak_flops,
+        **parameter_counts(model),
+    )
+    return Prepared(
+        cfg,
+        accelerator,
+        model,
+        optimizer,
+        scheduler,
+        schedule_progress,
+        loaders[0],
+        loaders[1] if eval_set is not None else None,
+        total_steps,
+        batches_per_epoch,
+        0 if stream else len(train_set),
+        _data_fingerprint(train_set),
+        flops_per_sample,
+        peak_flops,
+        runtime,
+        notes,
+    )
 
 
 def _resolved(cfg: TrainConfig, accelerator, output_dir: Path, task, found: dict) -> TrainConfig:
@@ -127,7 +183,9 @@ def _data_fingerprint(train_set) -> str | None:
     in each checkpoint so that a resume refuses other data (a stream has no length to compare)."""
     fingerprint = getattr(train_set, "fingerprint", None)
     if fingerprint is not None and not isinstance(fingerprint, str):
-        raise ConfigError(f"the training set's fingerprint is a {type(fingerprint).__name__}: it must be a string (or absent)")
+        raise ConfigError(
+            f"the training set's fingerprint is a {type(fingerprint).__name__}: it must be a string (or absent)"
+        )
     return fingerprint
 
 
@@ -149,7 +207,9 @@ def _apply_speed_flags(cfg: TrainConfig, accelerator, model: nn.Module, optimize
     if cfg.sync_bn and accelerator.num_processes > 1:
         model = convert_sync_batchnorm(model, on_cpu=accelerator.device.type == "cpu")
     if cfg.auto_batch_size:
-        batch_size = find_batch_size(accelerator, model, optimizer, task, train_set, start=cfg.batch_size, collate_fn=collate_fn)
+        batch_size = find_batch_size(
+            accelerator, model, optimizer, task, train_set, start=cfg.batch_size, collate_fn=collate_fn
+        )
         found, note = apply_batch_size(cfg, batch_size, optimizer)
         accelerator.gradient_accumulation_steps = found.get("grad_accum", cfg.grad_accum)
         notes.append(note)
@@ -161,8 +221,12 @@ def _apply_speed_flags(cfg: TrainConfig, accelerator, model: nn.Module, optimize
 def _loaders(cfg: TrainConfig, accelerator, train_set, eval_set, collate_fn):
     """The loaders for ``Accelerator.prepare`` (none for training with ``--data-on-device``: the dataset's own
     loader comes after), and the eval set as evaluated."""
-    options = {"num_workers": cfg.num_workers, "pin_memory": cfg.pin_memory, "prefetch_factor": cfg.prefetch_factor,
-               "collate_fn": collate_fn}
+    options = {
+        "num_workers": cfg.num_workers,
+        "pin_memory": cfg.pin_memory,
+        "prefetch_factor": cfg.prefetch_factor,
+        "collate_fn": collate_fn,
+    }
     if cfg.data_on_device:
         if not hasattr(train_set, "device_loader"):
             raise ConfigError(
@@ -173,10 +237,14 @@ def _loaders(cfg: TrainConfig, accelerator, train_set, eval_set, collate_fn):
     if is_stream(train_set):
         loaders = [stream_loader(train_set, batch_size=cfg.batch_size, **options)]
     else:
-        loaders = [] if cfg.data_on_device else [train_loader(train_set, batch_size=cfg.batch_size, seed=cfg.seed, **options)]
+        loaders = (
+            [] if cfg.data_on_device else [train_loader(train_set, batch_size=cfg.batch_size, seed=cfg.seed, **options)]
+        )
     if cfg.eval_samples is not None:
         if eval_set is None:
-            raise ConfigError(f"--eval-samples {cfg.eval_samples} needs an eval set, and this recipe passes none to fit()")
+            raise ConfigError(
+                f"--eval-samples {cfg.eval_samples} needs an eval set, and this recipe passes none to fit()"
+            )
         eval_set = eval_subset(eval_set, cfg.eval_samples, cfg.seed)
     if eval_set is not None:
         loaders.append(eval_loader(eval_set, batch_size=cfg.batch_size, **options))
@@ -206,6 +274,13 @@ def _backend_settings(accelerator) -> dict:
         return {"deepspeed_config": accelerator.state.deepspeed_plugin.deepspeed_config}
     if accelerator.distributed_type == DistributedType.FSDP:
         plugin = accelerator.state.fsdp_plugin
-        keys = ("fsdp_version", "reshard_after_forward", "state_dict_type", "auto_wrap_policy", "cpu_offload", "mixed_precision_policy")
+        keys = (
+            "fsdp_version",
+            "reshard_after_forward",
+            "state_dict_type",
+            "auto_wrap_policy",
+            "cpu_offload",
+            "mixed_precision_policy",
+        )
         return {"fsdp": {key: str(getattr(plugin, key, None)) for key in keys}}
     return {}

@@ -41,14 +41,25 @@ class Progress:
     """The loop's state (see the module docstring). ``train_batches`` is the prepared training loader;
     ``batches_per_epoch`` 0 means a stream, whose passes end when the stream does."""
 
-    def __init__(self, cfg, accelerator, train_batches, *, total_steps: int, batches_per_epoch: int, train_samples: int,
-                 data_fingerprint: str | None):
+    def __init__(
+        self,
+        cfg,
+        accelerator,
+        train_batches,
+        *,
+        total_steps: int,
+        batches_per_epoch: int,
+        train_samples: int,
+        data_fingerprint: str | None,
+    ):
         self.cfg, self.accelerator, self.train_batches = cfg, accelerator, train_batches
         self.total_steps, self.batches_per_epoch, self.train_samples = total_steps, batches_per_epoch, train_samples
         self.data_fingerprint = data_fingerprint
         self.stream = batches_per_epoch == 0
         self.global_batch_size = cfg.batch_size * accelerator.num_processes  # of one micro-step
-        self.control_group = control_group() if self.stream and accelerator.num_processes > 1 else None  # None: gloo's default
+        self.control_group = (
+            control_group() if self.stream and accelerator.num_processes > 1 else None
+        )  # None: gloo's default
         self.state = RunState()
         self.pass_end = False  # a stream's current batch ends its pass (on every process)
         # the training-log window: micro-batches, or loss targets (tokens) for a task that returns (sum, count)
@@ -88,8 +99,9 @@ class Progress:
     def start_clock(self) -> None:
         """The launch's first step starts now: timers begin after the warm-up steps."""
         self.launch_start_step = self.step
-        self.throughput = Throughput(self.accelerator.device,
-                                     warmup_steps=min(self.cfg.timing_warmup_steps, self.total_steps - self.step - 1))
+        self.throughput = Throughput(
+            self.accelerator.device, warmup_steps=min(self.cfg.timing_warmup_steps, self.total_steps - self.step - 1)
+        )
         synchronize(self.accelerator.device)
         self.launch_started = time.perf_counter()
         self.started = self.launch_started - self.state.train_seconds
@@ -125,7 +137,11 @@ class Progress:
         if state.batch_in_epoch and not self.stream:  # exact mid-epoch resume (a stream's loader restored its
             # position, the on-device loader skips by itself)
             skip = getattr(batches, "skip_first", None)
-            batches = skip(state.batch_in_epoch) if skip else self.accelerator.skip_first_batches(batches, state.batch_in_epoch)
+            batches = (
+                skip(state.batch_in_epoch)
+                if skip
+                else self.accelerator.skip_first_batches(batches, state.batch_in_epoch)
+            )
         iterator, resumed_at, self.pass_end = iter(batches), state.batch_in_epoch, False
         while True:
             waited = time.perf_counter()
@@ -134,9 +150,13 @@ class Progress:
                 break
             if batch is _END:
                 break
-            if batch is None:  # the loop's own end of an epoch was once None: a None from the user ended every epoch at once
-                raise ConfigError("a training batch is None: the collate function returned nothing (a missing return?); it "
-                                  "must return a batch the task takes")
+            if (
+                batch is None
+            ):  # the loop's own end of an epoch was once None: a None from the user ended every epoch at once
+                raise ConfigError(
+                    "a training batch is None: the collate function returned nothing (a missing return?); it "
+                    "must return a batch the task takes"
+                )
             self.throughput.add_data_wait(time.perf_counter() - waited)
             state.batch_in_epoch += 1
             yield to_channels_last(batch) if self.cfg.channels_last else batch
@@ -185,9 +205,12 @@ class Progress:
             return
         iterator.close()
         self.train_batches.end()  # what the closed generator would have done at its end
-        logger.warning(f"process {self.accelerator.process_index}: pass {self.state.epoch} of the training stream ended on "
-                       f"another process after {self.state.batch_in_epoch} batches; the rest of this process's pass is left "
-                       "out (the stream holds more samples here than there)", main_process_only=False)
+        logger.warning(
+            f"process {self.accelerator.process_index}: pass {self.state.epoch} of the training stream ended on "
+            f"another process after {self.state.batch_in_epoch} batches; the rest of this process's pass is left "
+            "out (the stream holds more samples here than there)",
+            main_process_only=False,
+        )
 
     def epoch_ended(self) -> bool:
         """Whether the batch just trained was its epoch's last (a stream's: as all processes agreed)."""
@@ -238,8 +261,11 @@ class Progress:
         if self.accelerator.num_processes > 1:
             import torch.distributed as dist
 
-            requests = torch.tensor([save, stop is not None and not stop.finish, stop is not None and stop.finish],
-                                    dtype=torch.int32, device=self.accelerator.device)
+            requests = torch.tensor(
+                [save, stop is not None and not stop.finish, stop is not None and stop.finish],
+                dtype=torch.int32,
+                device=self.accelerator.device,
+            )
             flags = torch.cat([requests, self.diverged.view(1).int()])
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
             save, resume_later, finish, diverged = (bool(flag) for flag in flags.tolist())
@@ -252,9 +278,11 @@ class Progress:
         if diverged:
             norm = f" (grad norm {float(self.grad_norm):.4g})" if self.grad_norm is not None else ""
             kept = f"; the last checkpoint is step {self.last_saved_step}" if self.last_saved_step is not None else ""
-            raise TrainingDiverged(f"training diverged at step {self.step}: the training loss or gradient norm is not "
-                                   f"finite{norm}; nothing was saved from this step on{kept}; lower --lr or clip with "
-                                   "--max-grad-norm")
+            raise TrainingDiverged(
+                f"training diverged at step {self.step}: the training loss or gradient norm is not "
+                f"finite{norm}; nothing was saved from this step on{kept}; lower --lr or clip with "
+                "--max-grad-norm"
+            )
         return save, stop
 
     def request_stop(self, stop: Stop) -> None:
@@ -265,7 +293,9 @@ class Progress:
 
     def loss_window(self) -> torch.Tensor:
         """(loss sum, count) of the open training-log window, summed over processes (a collective)."""
-        return self.accelerator.reduce(torch.stack([self.loss_sum, self.loss_sum.new_tensor(float(self.loss_count))]), "sum")
+        return self.accelerator.reduce(
+            torch.stack([self.loss_sum, self.loss_sum.new_tensor(float(self.loss_count))]), "sum"
+        )
 
     def take_train_loss(self) -> float:
         totals = self.loss_window()
@@ -302,9 +332,15 @@ class Progress:
         """What a checkpoint records of the data and layout it trained on: what a resume must keep (seed, data),
         or map onto another process count."""
         processes = self.accelerator.num_processes
-        return RunState(seed=self.cfg.seed, global_batch_size=self.cfg.batch_size * processes, grad_accum=self.cfg.grad_accum,
-                        train_samples=self.train_samples, data_fingerprint=self.data_fingerprint, num_processes=processes,
-                        batches_per_epoch=self.batches_per_epoch)
+        return RunState(
+            seed=self.cfg.seed,
+            global_batch_size=self.cfg.batch_size * processes,
+            grad_accum=self.cfg.grad_accum,
+            train_samples=self.train_samples,
+            data_fingerprint=self.data_fingerprint,
+            num_processes=processes,
+            batches_per_epoch=self.batches_per_epoch,
+        )
 
     def snapshot(self) -> RunState:
         """The state as a checkpoint records it now (a collective: the open training-loss window, summed over
@@ -314,8 +350,16 @@ class Progress:
         if self.epoch_ended():
             epoch, position = epoch + 1, 0
         layout = {field: getattr(self.layout(), field) for field in LAYOUT_FIELDS}
-        return dataclasses.replace(self.state, epoch=epoch, batch_in_epoch=position, train_seconds=self.elapsed(),
-                                   loss_sum=window[0].item(), loss_count=window[1].item(), config=self.cfg.to_dict(), **layout)
+        return dataclasses.replace(
+            self.state,
+            epoch=epoch,
+            batch_in_epoch=position,
+            train_seconds=self.elapsed(),
+            loss_sum=window[0].item(),
+            loss_count=window[1].item(),
+            config=self.cfg.to_dict(),
+            **layout,
+        )
 
     def restore(self, state: RunState) -> None:
         """Continue from a checkpoint's state (the checkpointer has loaded everything else)."""
@@ -326,8 +370,15 @@ class Progress:
             self.loss_count = state.loss_count
 
 
-LAYOUT_FIELDS = ("seed", "global_batch_size", "grad_accum", "train_samples", "data_fingerprint", "num_processes",
-                 "batches_per_epoch")
+LAYOUT_FIELDS = (
+    "seed",
+    "global_batch_size",
+    "grad_accum",
+    "train_samples",
+    "data_fingerprint",
+    "num_processes",
+    "batches_per_epoch",
+)
 _END = object()  # the end of an epoch's batches: no value a loader or collate function can return
 
 

@@ -83,13 +83,23 @@ def build_parser() -> argparse.ArgumentParser:
     typo); --num-workers is checked by :func:`_check`, so that a mistyped flag is named before a missing one."""
     from .config import _OneLineParser
 
-    parser = _OneLineParser(prog="acceltrain ray", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                            allow_abbrev=False)
+    parser = _OneLineParser(
+        prog="acceltrain ray",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    )
     parser.add_argument("--num-workers", type=int, help="training processes (one per GPU with --use-gpu); required")
     parser.add_argument("--use-gpu", action="store_true", help="one GPU per worker, NCCL (default: CPU workers, gloo)")
-    parser.add_argument("--address", default=None, help="the Ray cluster to join ('auto': the running one); default: a local one")
-    parser.add_argument("--max-failures", type=int, default=0, help="restarts after a worker dies, each resuming the newest checkpoint")
-    parser.add_argument("--storage-path", default=None, help="where Ray keeps its run records and reported checkpoints (default: Ray's)")
+    parser.add_argument(
+        "--address", default=None, help="the Ray cluster to join ('auto': the running one); default: a local one"
+    )
+    parser.add_argument(
+        "--max-failures", type=int, default=0, help="restarts after a worker dies, each resuming the newest checkpoint"
+    )
+    parser.add_argument(
+        "--storage-path", default=None, help="where Ray keeps its run records and reported checkpoints (default: Ray's)"
+    )
     parser.add_argument("recipe", help="the recipe script, e.g. recipes/resnet_cifar.py")
     parser.add_argument("recipe_args", nargs=argparse.REMAINDER, help="the recipe's own flags")
     return parser
@@ -102,12 +112,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args, unknown = parser.parse_known_args(argv)
         if unknown:
-            raise unrecognized_arguments(unknown, parser, [], "acceltrain ray's flags go before the recipe, the recipe's "
-                                                              "after it: acceltrain ray --help")
+            raise unrecognized_arguments(
+                unknown,
+                parser,
+                [],
+                "acceltrain ray's flags go before the recipe, the recipe's after it: acceltrain ray --help",
+            )
         _check(args)
         import ray
-        from .recipe_loading import recipe_config_class
+
         from .config import parse_config
+        from .recipe_loading import recipe_config_class
 
         recipe_argv = _recipe_argv(args.recipe_args)
         parse_config(recipe_config_class(args.recipe, "recipe"), recipe_argv)  # the recipe's line, as a worker's
@@ -129,12 +144,21 @@ def main(argv: list[str] | None = None) -> int:
     bad_input_key = f"acceltrain-ray-bad-input-{uuid.uuid4().hex}"
     trainer = TorchTrainer(
         _worker,
-        train_loop_config={"recipe": str(Path(args.recipe).resolve()), "argv": recipe_argv, "cwd": os.getcwd(),
-                           "bad_input_key": bad_input_key},
-        scaling_config=ScalingConfig(num_workers=args.num_workers, use_gpu=args.use_gpu, resources_per_worker={"CPU": 1}),
+        train_loop_config={
+            "recipe": str(Path(args.recipe).resolve()),
+            "argv": recipe_argv,
+            "cwd": os.getcwd(),
+            "bad_input_key": bad_input_key,
+        },
+        scaling_config=ScalingConfig(
+            num_workers=args.num_workers, use_gpu=args.use_gpu, resources_per_worker={"CPU": 1}
+        ),
         torch_config=TorchConfig(backend="nccl" if args.use_gpu else "gloo"),
-        run_config=RunConfig(name=Path(args.recipe).stem, storage_path=args.storage_path,
-                             failure_config=FailureConfig(max_failures=args.max_failures)),
+        run_config=RunConfig(
+            name=Path(args.recipe).stem,
+            storage_path=args.storage_path,
+            failure_config=FailureConfig(max_failures=args.max_failures),
+        ),
     )
     failure = None
     try:
@@ -180,14 +204,18 @@ def _check_address(address: str | None) -> None:
 def _no_cluster(address: str | None, target: str | None, reason: Exception) -> ConfigError:
     """The one line for an address without a cluster, found before ``ray.init`` or by it (exit 2: the address is
     input, known before anything starts)."""
-    return ConfigError(f"--address {address!r}: no Ray cluster answered at {target} ({first_line(reason)}); give a running "
-                       "cluster's host:port (`ray start --head` prints it), 'auto' for the one started on this machine, "
-                       "or leave --address out for a local one")
+    return ConfigError(
+        f"--address {address!r}: no Ray cluster answered at {target} ({first_line(reason)}); give a running "
+        "cluster's host:port (`ray start --head` prints it), 'auto' for the one started on this machine, "
+        "or leave --address out for a local one"
+    )
 
 
 def _check(args) -> None:
     if args.num_workers is None:
-        raise ConfigError("--num-workers is required: how many training processes Ray starts (one per GPU with --use-gpu)")
+        raise ConfigError(
+            "--num-workers is required: how many training processes Ray starts (one per GPU with --use-gpu)"
+        )
     if args.num_workers < 1:
         raise ConfigError(f"--num-workers {args.num_workers}: it must be an integer >= 1")
     if args.max_failures < 0:

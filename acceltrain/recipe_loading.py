@@ -40,17 +40,24 @@ def recipe_config_class(recipe: str, what: str = "--recipe") -> type:
     module = _import_recipe(recipe, what)
     main = getattr(module, "main", None)
     if not callable(main):
-        raise ConfigError(f"{what} {recipe!r} has no main(cfg): a recipe is a config class (a TrainConfig subclass), "
-                          f"main(cfg) and cli(), as {DEFAULT_RECIPE}")
+        raise ConfigError(
+            f"{what} {recipe!r} has no main(cfg): a recipe is a config class (a TrainConfig subclass), "
+            f"main(cfg) and cli(), as {DEFAULT_RECIPE}"
+        )
     parameters = list(inspect.signature(main).parameters.values())
     annotated = parameters[0].annotation if parameters else None
     if isinstance(annotated, type) and issubclass(annotated, TrainConfig):
         return annotated
-    found = {value for value in vars(module).values()
-             if isinstance(value, type) and issubclass(value, TrainConfig) and value is not TrainConfig}
+    found = {
+        value
+        for value in vars(module).values()
+        if isinstance(value, type) and issubclass(value, TrainConfig) and value is not TrainConfig
+    }
     if len(found) == 1:
         return found.pop()
-    raise ConfigError(f"{what} {recipe!r} has no config class: annotate main(cfg: YourConfig) with a TrainConfig subclass")
+    raise ConfigError(
+        f"{what} {recipe!r} has no config class: annotate main(cfg: YourConfig) with a TrainConfig subclass"
+    )
 
 
 def _import_recipe(recipe: str, what: str):
@@ -72,11 +79,15 @@ def _import_recipe(recipe: str, what: str):
         raise ConfigError(f"{what} {recipe!r} cannot be loaded as a Python recipe: {first_line(err)}") from None
 
 
-def unrecognized_arguments(tokens: list[str], parser: argparse.ArgumentParser, more_flags: list[str], hint: str) -> Exception:
+def unrecognized_arguments(
+    tokens: list[str], parser: argparse.ArgumentParser, more_flags: list[str], hint: str
+) -> Exception:
     """The one line for the tokens no parser took (``acceltrain bench`` and ``acceltrain ray``): each flag with the
     closest one ``parser`` or ``more_flags`` knows (a typo's likely meaning), then ``hint``: where flags are listed."""
     from .config import _with_suggestion
     from .options import ConfigError
 
     flags = [flag for action in parser._actions for flag in action.option_strings] + more_flags
-    return ConfigError("unrecognized arguments: " + " ".join(_with_suggestion(token, flags) for token in tokens) + f" ({hint})")
+    return ConfigError(
+        "unrecognized arguments: " + " ".join(_with_suggestion(token, flags) for token in tokens) + f" ({hint})"
+    )

@@ -31,11 +31,18 @@ class Run:
     # what the run is made of, fixed before the first step
     cfg = _view("_cfg", "the resolved TrainConfig")
     accelerator = _view("_accelerator", "Accelerate's Accelerator")
-    model = _view("_model", "the prepared model as Accelerate wrapped it (DDP, FSDP, DeepSpeed, compiled); its own "
-                            "modules and parameter names: ``run.accelerator.unwrap_model(run.model)``")
-    optimizer = _view("_optimizer", "the prepared optimizer (Accelerate's wrapper; the torch optimizer is its ``.optimizer``)")
+    model = _view(
+        "_model",
+        "the prepared model as Accelerate wrapped it (DDP, FSDP, DeepSpeed, compiled); its own "
+        "modules and parameter names: ``run.accelerator.unwrap_model(run.model)``",
+    )
+    optimizer = _view(
+        "_optimizer", "the prepared optimizer (Accelerate's wrapper; the torch optimizer is its ``.optimizer``)"
+    )
     scheduler = _view("_scheduler", "the LR scheduler, stepped once per optimizer step on every process")
-    schedule_progress = _view("_schedule_progress", "the LR schedule's progress by another measure than steps (a time budget)")
+    schedule_progress = _view(
+        "_schedule_progress", "the LR schedule's progress by another measure than steps (a time budget)"
+    )
     task = _view("_task", "the task: batches into losses and eval values")
     eval_batches = _view("_eval_batches", "the prepared eval loader, or None")
     output_dir = _view("_output_dir", "the run folder (a Path)")
@@ -48,27 +55,58 @@ class Run:
     # where it stands: its RunState
     step = _view("_progress.state.step", "optimizer steps done")
     epoch = _view("_progress.state.epoch", "the epoch being trained, counted from 0")
-    batch_in_epoch = _view("_progress.state.batch_in_epoch",
-                           "per-process batches of this epoch trained on (in a step: the current one's, from 1)")
+    batch_in_epoch = _view(
+        "_progress.state.batch_in_epoch",
+        "per-process batches of this epoch trained on (in a step: the current one's, from 1)",
+    )
     samples_seen = _view("_progress.state.samples_seen", "training samples seen by all processes")
     best_metric = _view("_progress.state.best_metric", "the best primary eval metric so far, or None")
     last_eval = _view("_progress.state.last_eval", "the latest evaluation's metrics ({} before the first)")
     epoch_progress = _view("_progress.epoch_progress", "epochs done, fractional: 1.5 is the middle of the second epoch")
     # what this launch measured
-    lr = _view("_progress.lr", "the learning rate of the latest optimizer step (in on_before_optimizer_step: of the coming one)")
-    grad_norm = _view("_progress.grad_norm", "with --max-grad-norm: that step's gradient norm before clipping (a tensor); else None")
+    lr = _view(
+        "_progress.lr",
+        "the learning rate of the latest optimizer step (in on_before_optimizer_step: of the coming one)",
+    )
+    grad_norm = _view(
+        "_progress.grad_norm", "with --max-grad-norm: that step's gradient norm before clipping (a tensor); else None"
+    )
     skipped_steps = _view("_progress.skipped_steps", "optimizer steps the fp16 grad scaler skipped (an overflow)")
-    train_loss = _view("_progress.train_loss", "the mean training loss of the latest closed window (see take_train_loss), or None")
-    eval_improved = _view("_progress.eval_improved", "whether the latest evaluation's primary metric is strictly better than any before")
+    train_loss = _view(
+        "_progress.train_loss", "the mean training loss of the latest closed window (see take_train_loss), or None"
+    )
+    eval_improved = _view(
+        "_progress.eval_improved", "whether the latest evaluation's primary metric is strictly better than any before"
+    )
     last_eval_step = _view("_progress.last_eval_step", "the step of this launch's latest evaluation, or None")
-    last_eval_started = _view("_progress.last_eval_started", "time.perf_counter() when it started (0.0 before the first)")
+    last_eval_started = _view(
+        "_progress.last_eval_started", "time.perf_counter() when it started (0.0 before the first)"
+    )
     last_eval_seconds = _view("_progress.last_eval_seconds", "how long it took, or None")
     launch_started = _view("_progress.launch_started", "time.perf_counter() when this launch's first step started")
-    throughput = _view("_progress.throughput", "this launch's speed meter (window(), totals()); None before the first step")
+    throughput = _view(
+        "_progress.throughput", "this launch's speed meter (window(), totals()); None before the first step"
+    )
     stop = _view("_progress.stop", "why training ended early (a Stop: reason, finish), else None")
 
-    def __init__(self, *, cfg, accelerator, model, optimizer, scheduler, schedule_progress, task, eval_batches,
-                 output_dir: Path, runtime: dict, flops_per_sample, peak_flops, progress, hooks):
+    def __init__(
+        self,
+        *,
+        cfg,
+        accelerator,
+        model,
+        optimizer,
+        scheduler,
+        schedule_progress,
+        task,
+        eval_batches,
+        output_dir: Path,
+        runtime: dict,
+        flops_per_sample,
+        peak_flops,
+        progress,
+        hooks,
+    ):
         self._cfg, self._accelerator, self._task = cfg.read_only(), accelerator, task
         self._model, self._optimizer, self._scheduler = model, optimizer, scheduler
         self._schedule_progress, self._eval_batches = schedule_progress, eval_batches
@@ -118,7 +156,9 @@ class Run:
         with self.paused():
             progress.last_eval_started = time.perf_counter()
             self._hooks.call("on_eval_start", self)
-            metrics, samples = evaluate(self._accelerator, self._model, self._eval_batches, self._task, progress=self._cfg.progress)
+            metrics, samples = evaluate(
+                self._accelerator, self._model, self._eval_batches, self._task, progress=self._cfg.progress
+            )
             self._model.train()
             progress.last_eval_seconds = time.perf_counter() - progress.last_eval_started
             progress.record_eval(metrics, self._task.primary_metric, self._task.higher_is_better)
@@ -151,15 +191,52 @@ class Run:
 # Run's public attributes, all read-only (tested against a real run): the list the docs give.
 RUN_PUBLIC = (
     # what the run is made of
-    "cfg", "accelerator", "model", "optimizer", "scheduler", "schedule_progress", "task", "eval_batches", "output_dir",
-    "runtime", "total_steps", "batches_per_epoch", "train_samples", "flops_per_sample", "peak_flops",
+    "cfg",
+    "accelerator",
+    "model",
+    "optimizer",
+    "scheduler",
+    "schedule_progress",
+    "task",
+    "eval_batches",
+    "output_dir",
+    "runtime",
+    "total_steps",
+    "batches_per_epoch",
+    "train_samples",
+    "flops_per_sample",
+    "peak_flops",
     # where it stands (its RunState)
-    "step", "epoch", "batch_in_epoch", "samples_seen", "best_metric", "last_eval", "epoch_progress",
+    "step",
+    "epoch",
+    "batch_in_epoch",
+    "samples_seen",
+    "best_metric",
+    "last_eval",
+    "epoch_progress",
     # what this launch measured
-    "lr", "grad_norm", "skipped_steps", "train_loss", "eval_improved", "last_eval_step", "last_eval_started",
-    "last_eval_seconds", "launch_started", "throughput", "stop", "attached_files", "elapsed",
+    "lr",
+    "grad_norm",
+    "skipped_steps",
+    "train_loss",
+    "eval_improved",
+    "last_eval_step",
+    "last_eval_started",
+    "last_eval_seconds",
+    "launch_started",
+    "throughput",
+    "stop",
+    "attached_files",
+    "elapsed",
     # what a hook may ask for
-    "request_save", "request_stop", "request_export", "attach", "log", "evaluate", "paused", "take_train_loss",
+    "request_save",
+    "request_stop",
+    "request_export",
+    "attach",
+    "log",
+    "evaluate",
+    "paused",
+    "take_train_loss",
 )
 RUN_DEPRECATED = ("weights_to_export",)  # kept for one release, with a DeprecationWarning
 
@@ -175,8 +252,14 @@ def evaluate(accelerator, model, batches, task, *, progress: bool | None = False
     totals: dict[str, torch.Tensor] = {}
     count = 0
     with torch.no_grad():
-        for batch in tqdm(batches, desc="eval", unit="batch", leave=False, dynamic_ncols=True,
-                          disable=not (show_progress(progress) and accelerator.is_main_process)):
+        for batch in tqdm(
+            batches,
+            desc="eval",
+            unit="batch",
+            leave=False,
+            dynamic_ncols=True,
+            disable=not (show_progress(progress) and accelerator.is_main_process),
+        ):
             values = accelerator.gather_for_metrics(task.eval_values(model, batch))
             for key, value in values.items():
                 totals[key] = totals.get(key, 0) + value.double().sum()

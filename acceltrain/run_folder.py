@@ -30,7 +30,9 @@ CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
 ADAPTER_CONFIG_FILE = "adapter_config.json"  # a PEFT adapter folder's (peft's own names)
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
-ADAPTER_SETTINGS_FILE = "adapter_base_settings.json"  # what training changed in the base model's config (its new labels)
+ADAPTER_SETTINGS_FILE = (
+    "adapter_base_settings.json"  # what training changed in the base model's config (its new labels)
+)
 CARD_FILE = "README.md"
 TRAIN_CONFIG_FILE = "train_config.yaml"
 CURVES_FILE = "curves.png"
@@ -39,8 +41,20 @@ CHECKPOINTS_DIR = "checkpoints"
 LOCK_FILE = ".lock"
 # In a folder that no acceltrain run has used (no .lock) these would replace the user's own (--output-dir . in a
 # checkout: its README.md)
-RUN_FILES = (WEIGHTS_FILE, SUMMARY_FILE, METRICS_FILE, CONFIG_FILE, GENERATION_CONFIG_FILE, CARD_FILE, TRAIN_CONFIG_FILE,
-             CURVES_FILE, MEMORY_FILE, ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE, ADAPTER_SETTINGS_FILE)
+RUN_FILES = (
+    WEIGHTS_FILE,
+    SUMMARY_FILE,
+    METRICS_FILE,
+    CONFIG_FILE,
+    GENERATION_CONFIG_FILE,
+    CARD_FILE,
+    TRAIN_CONFIG_FILE,
+    CURVES_FILE,
+    MEMORY_FILE,
+    ADAPTER_CONFIG_FILE,
+    ADAPTER_WEIGHTS_FILE,
+    ADAPTER_SETTINGS_FILE,
+)
 TOKEN_NORMALISATION_UNDER_DEEPSPEED = (
     "a task returning (loss sum, target count) needs the gradients in param.grad to normalise them, and "
     "DeepSpeed keeps them in its partitions: use DDP or FSDP for this recipe"
@@ -56,7 +70,9 @@ class RunFolder:
     is_main_process: bool
     distributed_type: object  # accelerate's DistributedType
     num_processes: int
-    found: frozenset[str] | None  # the folder's entries before this launch claimed it (main process); None: it did not exist
+    found: (
+        frozenset[str] | None
+    )  # the folder's entries before this launch claimed it (main process); None: it did not exist
     trained: bool = False  # training has started: from then on a failure keeps everything (fit() sets it)
 
     @contextlib.contextmanager
@@ -96,8 +112,14 @@ def claim_run_folder(cfg: TrainConfig, name: str, task=None) -> RunFolder:
         return claimed
     found = frozenset(os.listdir(output_dir)) if state.is_main_process and output_dir.is_dir() else None
     main_process_only(lambda: _claim(output_dir, cfg.overwrite))
-    folder = RunFolder(dataclasses.replace(cfg, output_dir=str(output_dir)), output_dir, state.is_main_process,
-                       state.distributed_type, state.num_processes, found)
+    folder = RunFolder(
+        dataclasses.replace(cfg, output_dir=str(output_dir)),
+        output_dir,
+        state.is_main_process,
+        state.distributed_type,
+        state.num_processes,
+        found,
+    )
     _CLAIMS[_key(output_dir)] = folder
     return folder
 
@@ -243,8 +265,11 @@ def setup_run(cfg: TrainConfig, name: str, task=None) -> RunFolder:
     """Deprecated (0.4): :func:`claim_run_folder`."""
     import warnings
 
-    warnings.warn("acceltrain.setup_run is deprecated: call acceltrain.claim_run_folder (it returns a RunFolder)",
-                  DeprecationWarning, stacklevel=2)
+    warnings.warn(
+        "acceltrain.setup_run is deprecated: call acceltrain.claim_run_folder (it returns a RunFolder)",
+        DeprecationWarning,
+        stacklevel=2,
+    )
     return claim_run_folder(cfg, name, task)
 
 

@@ -38,19 +38,31 @@ def build_accelerator(on_cpu: bool, **kwargs):
         return Accelerator(cpu=on_cpu, **kwargs)
     version = os.environ.get("FSDP_VERSION", "1")
     if version != "2":
-        raise ConfigError(f"fsdp_version {version} on CPU processes: FSDP1 needs GPUs; use fsdp_version: 2 "
-                          "(accelerate_configs/fsdp_cpu.yaml)")
+        raise ConfigError(
+            f"fsdp_version {version} on CPU processes: FSDP1 needs GPUs; use fsdp_version: 2 "
+            "(accelerate_configs/fsdp_cpu.yaml)"
+        )
     if not use_cpu(False):
-        raise ConfigError("FSDP on CPU processes of a machine with an accelerator: FSDP would build its device mesh on the "
-                          "accelerator; train on it (accelerate_configs/fsdp.yaml), or use DDP on CPU (multi_cpu.yaml)")
+        raise ConfigError(
+            "FSDP on CPU processes of a machine with an accelerator: FSDP would build its device mesh on the "
+            "accelerator; train on it (accelerate_configs/fsdp.yaml), or use DDP on CPU (multi_cpu.yaml)"
+        )
     with building_fsdp_on_cpu():
         accelerator = Accelerator(cpu=True, **kwargs)
-    if not (accelerator.distributed_type == DistributedType.FSDP and accelerator.is_fsdp2 and accelerator.device.type == "cpu"):
-        raise ConfigError(f"FSDP2 on CPU processes could not be set up (Accelerate set up {accelerator.distributed_type.value}): "
-                          "use DDP on CPU (multi_cpu.yaml)")
+    if not (
+        accelerator.distributed_type == DistributedType.FSDP
+        and accelerator.is_fsdp2
+        and accelerator.device.type == "cpu"
+    ):
+        raise ConfigError(
+            f"FSDP2 on CPU processes could not be set up (Accelerate set up {accelerator.distributed_type.value}): "
+            "use DDP on CPU (multi_cpu.yaml)"
+        )
     if accelerator.num_processes == 1:
-        logger.warning("FSDP on 1 process shards nothing (each process holds 1/N of each sharded tensor): it runs, so that a "
-                       "sharded checkpoint can continue on one process; to save memory, launch more processes")
+        logger.warning(
+            "FSDP on 1 process shards nothing (each process holds 1/N of each sharded tensor): it runs, so that a "
+            "sharded checkpoint can continue on one process; to save memory, launch more processes"
+        )
     return accelerator
 
 
@@ -68,7 +80,11 @@ def choose_wrap_policy(accelerator, model: nn.Module) -> str | None:
         plugin.auto_wrap_policy = transformer_auto_wrap_policy if blocks else size_based_auto_wrap_policy
     elif plugin.auto_wrap_policy is size_based_auto_wrap_policy and blocks:
         plugin.auto_wrap_policy = transformer_auto_wrap_policy
-    elif plugin.auto_wrap_policy is transformer_auto_wrap_policy and not blocks and not plugin.transformer_cls_names_to_wrap:
+    elif (
+        plugin.auto_wrap_policy is transformer_auto_wrap_policy
+        and not blocks
+        and not plugin.transformer_cls_names_to_wrap
+    ):
         plugin.auto_wrap_policy = size_based_auto_wrap_policy
     if plugin.auto_wrap_policy is transformer_auto_wrap_policy:
         if not plugin.transformer_cls_names_to_wrap:  # Accelerate would take every _no_split_modules class
@@ -87,8 +103,11 @@ def _transformer_blocks(model: nn.Module) -> list[str]:
     names = set(getattr(model, "_no_split_modules", None) or ())
     get_embeddings = getattr(model, "get_input_embeddings", None)
     embeddings = get_embeddings() if callable(get_embeddings) else None
-    holders = {type(module).__name__ for module in model.modules()
-               if embeddings is not None and module is not embeddings and any(sub is embeddings for sub in module.modules())}
+    holders = {
+        type(module).__name__
+        for module in model.modules()
+        if embeddings is not None and module is not embeddings and any(sub is embeddings for sub in module.modules())
+    }
     return sorted(({type(module).__name__ for module in model.modules()} & names) - holders)
 
 
@@ -111,7 +130,11 @@ def guard_gradient_average(accelerator, model: nn.Module) -> str | None:
     import torch.distributed as dist
     from torch.distributed.fsdp import FSDPModule
 
-    if accelerator.distributed_type != DistributedType.FSDP or dist.get_backend() != "gloo" or accelerator.num_processes == 1:
+    if (
+        accelerator.distributed_type != DistributedType.FSDP
+        or dist.get_backend() != "gloo"
+        or accelerator.num_processes == 1
+    ):
         return None
     if average_reduction_works():
         return None
@@ -136,10 +159,14 @@ def keep_norms_in_fp32(accelerator, model: nn.Module, optimizer) -> str | None:
         return None
     plugin = accelerator.state.fsdp_plugin
     policy = plugin.mixed_precision_policy or MixedPrecisionPolicy()
-    fp32 = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=policy.reduce_dtype, output_dtype=None, cast_forward_inputs=False)
+    fp32 = MixedPrecisionPolicy(
+        param_dtype=None, reduce_dtype=policy.reduce_dtype, output_dtype=None, cast_forward_inputs=False
+    )
     before = {id(param): (norm, name) for norm in norms for name, param in norm.named_parameters(recurse=False)}
     for norm in norms:
-        fully_shard(norm, reshard_after_forward=plugin.reshard_after_forward, offload_policy=plugin.cpu_offload, mp_policy=fp32)
+        fully_shard(
+            norm, reshard_after_forward=plugin.reshard_after_forward, offload_policy=plugin.cpu_offload, mp_policy=fp32
+        )
     for group in optimizer.param_groups:
         group["params"] = [getattr(*before[id(p)]) if id(p) in before else p for p in group["params"]]
     return f"FSDP keeps the {len(norms)} normalisation layers with running statistics in fp32 under {accelerator.mixed_precision}"
@@ -155,7 +182,12 @@ def share_norm_statistics(accelerator, model: nn.Module) -> str | None:
 
     if accelerator.distributed_type != DistributedType.FSDP or accelerator.num_processes == 1:
         return None
-    buffers = [buffer for module in model.modules() if _keeps_running_statistics(module) for buffer in module.buffers(recurse=False)]
+    buffers = [
+        buffer
+        for module in model.modules()
+        if _keeps_running_statistics(module)
+        for buffer in module.buffers(recurse=False)
+    ]
     if not buffers:
         return None
 
@@ -179,5 +211,11 @@ def parameter_counts(model: nn.Module) -> dict[str, int]:
     for param in model.parameters():
         total += getattr(param, "ds_numel", param.numel())
         local = getattr(param, "ds_tensor", None)
-        held += local.numel() if local is not None else param.to_local().numel() if hasattr(param, "to_local") else param.numel()
+        held += (
+            local.numel()
+            if local is not None
+            else param.to_local().numel()
+            if hasattr(param, "to_local")
+            else param.numel()
+        )
     return {"parameters": total, "parameters_per_process": held}

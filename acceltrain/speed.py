@@ -73,7 +73,10 @@ def training_flops_per_sample(model: nn.Module, task, batch) -> float | None:
 
 def to_channels_last(batch):
     """Images (4-d float tensors) of a batch in channels_last memory format; everything else unchanged."""
-    return _map_tensors(batch, lambda t: t.contiguous(memory_format=torch.channels_last) if t.dim() == 4 and t.is_floating_point() else t)
+    return _map_tensors(
+        batch,
+        lambda t: t.contiguous(memory_format=torch.channels_last) if t.dim() == 4 and t.is_floating_point() else t,
+    )
 
 
 def _map_tensors(batch, fn):
@@ -124,7 +127,9 @@ def _checkpointed_forward(block: nn.Module, forward, *args, **kwargs):
     if not (torch.is_grad_enabled() and block.training):
         return forward(*args, **kwargs)
     recompute = functools.partial(_frozen_batchnorm_statistics, block)
-    return checkpoint(forward, *args, use_reentrant=False, context_fn=lambda: (contextlib.nullcontext(), recompute()), **kwargs)
+    return checkpoint(
+        forward, *args, use_reentrant=False, context_fn=lambda: (contextlib.nullcontext(), recompute()), **kwargs
+    )
 
 
 @contextlib.contextmanager
@@ -164,7 +169,9 @@ def find_batch_size(accelerator, model: nn.Module, optimizer, task, dataset, sta
     @find_executable_batch_size(starting_batch_size=current[0], reduce_batch_size_fn=halve)
     def probe(batch_size: int) -> int:
         samples = [dataset.sample(i, 0) if hasattr(dataset, "sample") else dataset[i] for i in range(batch_size)]
-        batch = _map_tensors((collate_fn or torch.utils.data.default_collate)(samples), lambda t: t.to(accelerator.device))
+        batch = _map_tensors(
+            (collate_fn or torch.utils.data.default_collate)(samples), lambda t: t.to(accelerator.device)
+        )
         with accelerator.autocast():
             loss = task.train_loss(model, batch)
         loss = loss[0] if isinstance(loss, tuple) else loss

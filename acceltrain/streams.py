@@ -84,5 +84,10 @@ class Replayed(IterableDataset):
 def stream_loader(dataset: IterableDataset, *, batch_size: int, **options) -> DataLoader:
     """Batches of a stream, the last incomplete one of each pass dropped; Accelerate makes it stateful and
     dispatches it. ``options``: see :func:`acceltrain.data.loader_options`."""
-    return DataLoader(Replayed(dataset), batch_size=batch_size, drop_last=True, generator=torch.Generator(),  # see train_loader
-                      **loader_options(**options))
+    return DataLoader(
+        Replayed(dataset),
+        batch_size=batch_size,
+        drop_last=True,
+        generator=torch.Generator(),  # see train_loader
+        **loader_options(**options),
+    )

@@ -54,8 +54,10 @@ def check_first_batch(task, batch, collate_fn) -> None:
     function, instead of an error deep inside the model or the loss (or, for None, an epoch that ends at once)."""
     name = getattr(collate_fn, "__qualname__", None) or type(collate_fn).__name__
     if batch is None:
-        raise ConfigError(f"the collate function {name} returned None (a missing return?): it must return a batch "
-                          f"{type(task).__name__} takes")
+        raise ConfigError(
+            f"the collate function {name} returned None (a missing return?): it must return a batch "
+            f"{type(task).__name__} takes"
+        )
     check = getattr(task, "check_batch", None) if _checks_its_own_batches(task) else None
     problem = check(batch) if check is not None else None
     if problem:
@@ -65,6 +67,7 @@ def check_first_batch(task, batch, collate_fn) -> None:
 def _checks_its_own_batches(task) -> bool:
     """Whether ``task``'s ``check_batch`` knows the batches its ``train_loss`` takes: not when a subclass reads batches
     of another form (a dict) and inherits its parent's check."""
+
     def definer(name):
         return next((cls for cls in type(task).__mro__ if name in vars(cls)), None)
 
@@ -95,13 +98,20 @@ def check_task(task, evaluates: bool) -> None:
     name = type(task).__name__
     required = {"train_loss": callable}
     if evaluates:
-        required.update(eval_values=callable, primary_metric=lambda v: isinstance(v, str),
-                        higher_is_better=lambda v: isinstance(v, bool))
+        required.update(
+            eval_values=callable,
+            primary_metric=lambda v: isinstance(v, str),
+            higher_is_better=lambda v: isinstance(v, bool),
+        )
     for attribute, valid in required.items():
         if not hasattr(task, attribute):
-            raise ConfigError(f"task {name} has no {attribute!r}: a task needs {', '.join(required)} (see acceltrain.Task)")
+            raise ConfigError(
+                f"task {name} has no {attribute!r}: a task needs {', '.join(required)} (see acceltrain.Task)"
+            )
         if not valid(getattr(task, attribute)):
-            raise ConfigError(f"task {name}.{attribute} = {getattr(task, attribute)!r} is invalid (see acceltrain.Task)")
+            raise ConfigError(
+                f"task {name}.{attribute} = {getattr(task, attribute)!r} is invalid (see acceltrain.Task)"
+            )
 
 
 class ClassificationTask(Task):

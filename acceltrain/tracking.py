@@ -38,7 +38,9 @@ def active_trackers(cfg: TrainConfig) -> list[str]:
     names = [n for n in tracker_names(cfg.report_to) if not (n == "wandb" and wandb_mode(cfg) == "disabled")]
     for name in names:
         if importlib.util.find_spec(TRACKER_PACKAGES[name]) is None:
-            raise ConfigError(f"--report-to {cfg.report_to} needs the {TRACKER_PACKAGES[name]!r} package: pip install {TRACKER_PACKAGES[name]}")
+            raise ConfigError(
+                f"--report-to {cfg.report_to} needs the {TRACKER_PACKAGES[name]!r} package: pip install {TRACKER_PACKAGES[name]}"
+            )
     if "wandb" in names:
         check_wandb_dir()
     # the main process alone talks to W&B; the others learn of its failure from the launcher
@@ -72,7 +74,9 @@ def _check_wandb_online(base_url: str) -> None:
             f"W&B at {base_url} rejected {_credentials_source()} ({reason[:200]}); check it (wandb login --relogin), or {OFFLINE_WAYS}"
         ) from None
     except wandb.errors.UsageError as err:  # --wandb-mode online without any credentials
-        raise ConfigError(f"W&B online needs credentials ({first_line(err, 200)}); set WANDB_API_KEY, or {OFFLINE_WAYS}") from None
+        raise ConfigError(
+            f"W&B online needs credentials ({first_line(err, 200)}); set WANDB_API_KEY, or {OFFLINE_WAYS}"
+        ) from None
 
 
 def _credentials_source() -> str:
@@ -109,7 +113,9 @@ def wandb_mode(cfg: TrainConfig) -> str:
     if env == "":
         del os.environ["WANDB_MODE"]
     elif env is not None and env not in (*allowed, "dryrun"):
-        raise ConfigError(f"WANDB_MODE={shorten(env)} is invalid: must be one of {', '.join(allowed)} (as --wandb-mode), or empty for unset")
+        raise ConfigError(
+            f"WANDB_MODE={shorten(env)} is invalid: must be one of {', '.join(allowed)} (as --wandb-mode), or empty for unset"
+        )
     mode = cfg.wandb_mode or env
     if mode == "dryrun":
         return "offline"
@@ -125,13 +131,23 @@ def check_wandb_dir() -> None:
     path = Path(folder).absolute()
     existing = next(p for p in (path, *path.parents) if p.exists())
     if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
-        raise ConfigError(f"WANDB_DIR={shorten(folder, 200)} cannot be a folder: {shorten(str(existing), 200)} is "
-                          f"{'not writable' if existing.is_dir() else 'not a folder'}; point it at a writable folder, or "
-                          "unset it for <output-dir>/wandb")
+        raise ConfigError(
+            f"WANDB_DIR={shorten(folder, 200)} cannot be a folder: {shorten(str(existing), 200)} is "
+            f"{'not writable' if existing.is_dir() else 'not a folder'}; point it at a writable folder, or "
+            "unset it for <output-dir>/wandb"
+        )
 
 
-def start_tracking(accelerator, cfg: TrainConfig, names: list[str], *, run_name: str, output_dir: Path,
-                   run_config: dict, resume_run_id: str | None) -> str | None:
+def start_tracking(
+    accelerator,
+    cfg: TrainConfig,
+    names: list[str],
+    *,
+    run_name: str,
+    output_dir: Path,
+    run_config: dict,
+    resume_run_id: str | None,
+) -> str | None:
     """Start the trackers' run on the main process; returns the W&B run id (to save in checkpoints)."""
     if not names:
         return None
@@ -151,14 +167,22 @@ def start_tracking(accelerator, cfg: TrainConfig, names: list[str], *, run_name:
         return None
     run = accelerator.get_tracker("wandb", unwrap=True)
     if wandb_kwargs["mode"] == "offline":
-        why = "" if cfg.wandb_mode or os.environ.get("WANDB_MODE") else "no W&B API key found (WANDB_API_KEY or `wandb login`), so "
-        from accelerate.logging import get_logger  # here: run_recipe imports this module before torch, to check trackers
+        why = (
+            ""
+            if cfg.wandb_mode or os.environ.get("WANDB_MODE")
+            else "no W&B API key found (WANDB_API_KEY or `wandb login`), so "
+        )
+        from accelerate.logging import (
+            get_logger,
+        )  # here: run_recipe imports this module before torch, to check trackers
 
         get_logger(__name__).info(f"W&B: {why}logging offline; upload later with: wandb sync {run.settings.sync_dir}")
     return run.id
 
 
-def finish_tracking(accelerator, names: list[str], summary: dict, weights: Path, log_model: bool, extra_files=()) -> None:
+def finish_tracking(
+    accelerator, names: list[str], summary: dict, weights: Path, log_model: bool, extra_files=()
+) -> None:
     """Make the W&B run summary equal ``summary.json``, attach the weights if asked and ``extra_files``
     (the profiler's trace and tables). ``Accelerator.end_training`` closes the run afterwards."""
     if "wandb" in names and accelerator.is_main_process:
@@ -239,7 +263,9 @@ def read_offline_run(run_dir: Path) -> dict:
             for item in record.config.update:
                 out["config"][item.key] = json.loads(item.value_json)
         elif kind == "history":
-            out["history"].append({item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item})
+            out["history"].append(
+                {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+            )
         elif kind == "summary":
             for item in record.summary.update:
                 out["summary"][item.key or "/".join(item.nested_key)] = json.loads(item.value_json)

@@ -61,8 +61,10 @@ def machine() -> dict:
 def machine_line(info: dict) -> str:
     gpu = f", GPU {info['gpu']}" if info["gpu"] else ", no GPU"
     load = f", load {info['load_average'][0]:.1f}" if info["load_average"] else ""
-    return (f"machine: {info['cpu']}, {info['cpu_cores']} cores{gpu}, torch {info['torch']}, "
-            f"accelerate {info['accelerate']}, {info['date']}{load}")
+    return (
+        f"machine: {info['cpu']}, {info['cpu_cores']} cores{gpu}, torch {info['torch']}, "
+        f"accelerate {info['accelerate']}, {info['date']}{load}"
+    )
 
 
 def start(title: str) -> dict:
@@ -143,12 +145,25 @@ def quiet_env() -> dict[str, str]:
 def run_recipe_process(output_dir: Path, args: list[str], recipe: Path = RECIPE, timeout: float | None = None) -> dict:
     """Run a recipe in a fresh ``python`` process (``--report-to none --no-progress``, its own output folder)
     and return its summary.json, with the events of its metrics.jsonl under ``"events"``."""
-    command = [sys.executable, str(recipe), *args, "--output-dir", str(output_dir), "--overwrite",
-               "--report-to", "none", "--no-progress"]
+    command = [
+        sys.executable,
+        str(recipe),
+        *args,
+        "--output-dir",
+        str(output_dir),
+        "--overwrite",
+        "--report-to",
+        "none",
+        "--no-progress",
+    ]
     done = subprocess.run(command, cwd=REPO, env=quiet_env(), capture_output=True, text=True, timeout=timeout)
     if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(command)} failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+        raise RuntimeError(
+            f"{' '.join(command)} failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+        )
     summary = json.loads((output_dir / "summary.json").read_text())
     metrics = output_dir / "metrics.jsonl"
-    summary["events"] = [json.loads(line) for line in metrics.read_text().splitlines() if line] if metrics.exists() else []
+    summary["events"] = (
+        [json.loads(line) for line in metrics.read_text().splitlines() if line] if metrics.exists() else []
+    )
     return summary

@@ -34,7 +34,6 @@ os.environ.setdefault("HF_DATASETS_CACHE", str(WORK / "hf_datasets"))  # before 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything here is local
 
 import torch  # noqa: E402
-
 from common import REPO, run_recipe_process, start, write_result  # noqa: E402
 
 TEXT = REPO.parent / "shared" / "datasets" / "tinyshakespeare.txt"
@@ -60,8 +59,15 @@ def plan_steps(warmup: dict, launch_seconds: float, budget_seconds: float) -> tu
     usable = budget_seconds * (1 - MARGIN) - fixed_seconds - EVALUATIONS * eval_seconds
     steps = int(usable / step_seconds)
     if steps < 10:
-        raise SystemExit(f"a {budget_seconds / 60:g}-minute budget leaves {steps} steps on this machine: raise --budget-minutes")
-    plan = {"step_seconds": step_seconds, "launch_seconds": fixed_seconds, "eval_seconds": eval_seconds, "max_steps": steps}
+        raise SystemExit(
+            f"a {budget_seconds / 60:g}-minute budget leaves {steps} steps on this machine: raise --budget-minutes"
+        )
+    plan = {
+        "step_seconds": step_seconds,
+        "launch_seconds": fixed_seconds,
+        "eval_seconds": eval_seconds,
+        "max_steps": steps,
+    }
     return steps, plan
 
 
@@ -69,8 +75,15 @@ def baselines(run_dir: Path, config: dict) -> dict:
     """Unigram and untrained-model cross-entropy (nats per predicted token) on the run's held-out blocks."""
     from accelerate.utils import set_seed
 
-    from acceltrain.text import CausalLMTask, build_causal_lm
-    from acceltrain.text import load_text, show_progress_bars, split_blocks, token_blocks, tokenizer_for_run
+    from acceltrain.text import (
+        CausalLMTask,
+        build_causal_lm,
+        load_text,
+        show_progress_bars,
+        split_blocks,
+        token_blocks,
+        tokenizer_for_run,
+    )
 
     show_progress_bars(False)
     texts = load_text(str(TEXT))
@@ -84,7 +97,9 @@ def baselines(run_dir: Path, config: dict) -> dict:
     unigram = -(counts / counts.sum()).log()[targets].mean().item()
 
     set_seed(config["seed"])  # the same initial weights as the run's
-    model = build_causal_lm(config["model"], vocab_size=vocab, block_size=config["block_size"], end_of_text_id=tokenizer.eos_token_id)
+    model = build_causal_lm(
+        config["model"], vocab_size=vocab, block_size=config["block_size"], end_of_text_id=tokenizer.eos_token_id
+    )
     task = CausalLMTask(config["block_size"], 0)
     sums = {"loss_sum": 0.0, "tokens": 0.0}
     with torch.no_grad():
@@ -92,14 +107,24 @@ def baselines(run_dir: Path, config: dict) -> dict:
             values = task.eval_values(model.eval(), {"input_ids": eval_tokens[start_row : start_row + 64]})
             sums = {key: sums[key] + values[key].sum().item() for key in sums}
     untrained = task.eval_metrics(sums, len(held_out))["loss"]
-    return {"unigram_loss": unigram, "untrained_loss": untrained, "uniform_loss": math.log(vocab),
-            "eval_blocks": len(held_out), "train_blocks": len(train), "vocab_size": vocab}
+    return {
+        "unigram_loss": unigram,
+        "untrained_loss": untrained,
+        "uniform_loss": math.log(vocab),
+        "eval_blocks": len(held_out),
+        "train_blocks": len(train),
+        "vocab_size": vocab,
+    }
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
     parser.add_argument("--budget-minutes", type=float, default=10.0, help="wall-clock budget of the measured launch")
-    parser.add_argument("--warmup-steps", type=int, default=100, help="optimizer steps of the throughput warm-up launch")
+    parser.add_argument(
+        "--warmup-steps", type=int, default=100, help="optimizer steps of the throughput warm-up launch"
+    )
     options = parser.parse_args()
     info = start(f"causal LM ({PRESET.name}) on tinyshakespeare, {options.budget_minutes:g}-minute budget")
     if not TEXT.is_file():
@@ -109,12 +134,26 @@ def main() -> None:
     budget_seconds = options.budget_minutes * 60
     try:
         warmup_dir, run_dir = WORK / "warmup", WORK / "run"
-        warmup, warmup_launch = timed_launch(warmup_dir, ["--max-steps", str(options.warmup_steps), "--eval-every", str(10**9)])
+        warmup, warmup_launch = timed_launch(
+            warmup_dir, ["--max-steps", str(options.warmup_steps), "--eval-every", str(10**9)]
+        )
         steps, plan = plan_steps(warmup, warmup_launch, budget_seconds)
-        print(f"warm-up: {plan['step_seconds']:.3f} s/step, {plan['launch_seconds']:.1f} s per launch, "
-              f"{plan['eval_seconds']:.1f} s per evaluation -> --max-steps {steps}", flush=True)
-        run, run_seconds = timed_launch(run_dir, ["--max-steps", str(steps), "--eval-every", str(math.ceil(steps / (EVALUATIONS - 1))),
-                                                  "--tokenizer", str(warmup_dir / "tokenizer.json")])
+        print(
+            f"warm-up: {plan['step_seconds']:.3f} s/step, {plan['launch_seconds']:.1f} s per launch, "
+            f"{plan['eval_seconds']:.1f} s per evaluation -> --max-steps {steps}",
+            flush=True,
+        )
+        run, run_seconds = timed_launch(
+            run_dir,
+            [
+                "--max-steps",
+                str(steps),
+                "--eval-every",
+                str(math.ceil(steps / (EVALUATIONS - 1))),
+                "--tokenizer",
+                str(warmup_dir / "tokenizer.json"),
+            ],
+        )
         reference = baselines(run_dir, run["config"])
     finally:
         shutil.rmtree(WORK, ignore_errors=True)
@@ -139,11 +178,15 @@ def main() -> None:
         "perplexity_vs_unigram": math.exp(loss - reference["unigram_loss"]),
         "eval_curve": curve,
     }
-    print(f"eval loss {loss:.3f} nats/token (perplexity {math.exp(loss):.1f}) after {run['steps']} steps, "
-          f"{result['tokens_seen'] / 1e6:.2f}M tokens in {run_seconds:.0f} s of a {budget_seconds:.0f} s budget")
-    print(f"unigram baseline {reference['unigram_loss']:.3f} (perplexity {math.exp(reference['unigram_loss']):.1f}), "
-          f"untrained model {reference['untrained_loss']:.3f}: loss ratio {result['loss_vs_unigram']:.3f}, "
-          f"perplexity ratio {result['perplexity_vs_unigram']:.3f} (lower is better)")
+    print(
+        f"eval loss {loss:.3f} nats/token (perplexity {math.exp(loss):.1f}) after {run['steps']} steps, "
+        f"{result['tokens_seen'] / 1e6:.2f}M tokens in {run_seconds:.0f} s of a {budget_seconds:.0f} s budget"
+    )
+    print(
+        f"unigram baseline {reference['unigram_loss']:.3f} (perplexity {math.exp(reference['unigram_loss']):.1f}), "
+        f"untrained model {reference['untrained_loss']:.3f}: loss ratio {result['loss_vs_unigram']:.3f}, "
+        f"perplexity ratio {result['perplexity_vs_unigram']:.3f} (lower is better)"
+    )
     write_result("lm_tinyshakespeare", info, result)
 
 

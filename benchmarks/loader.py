@@ -67,19 +67,29 @@ def torchvision_loader(root, workers: int) -> DataLoader:
 
     from acceltrain.vision import CIFAR10_MEAN, CIFAR10_STD
 
-    transform = transforms.Compose([
-        transforms.RandomCrop(32, padding=4), transforms.RandomHorizontalFlip(),
-        transforms.ToTensor(), transforms.Normalize(CIFAR10_MEAN, CIFAR10_STD),
-    ])
+    transform = transforms.Compose(
+        [
+            transforms.RandomCrop(32, padding=4),
+            transforms.RandomHorizontalFlip(),
+            transforms.ToTensor(),
+            transforms.Normalize(CIFAR10_MEAN, CIFAR10_STD),
+        ]
+    )
     dataset = datasets.ImageFolder(str(root / "train"), transform=transform)
-    return DataLoader(dataset, batch_size=BATCH_SIZE, shuffle=True, drop_last=True, num_workers=workers,
-                      pin_memory=DEVICE.type == "cuda", persistent_workers=workers > 0)
+    return DataLoader(
+        dataset,
+        batch_size=BATCH_SIZE,
+        shuffle=True,
+        drop_last=True,
+        num_workers=workers,
+        pin_memory=DEVICE.type == "cuda",
+        persistent_workers=workers > 0,
+    )
 
 
 def main() -> None:
     from acceltrain.data import train_loader
-    from acceltrain.vision import image_datasets
-    from acceltrain.vision import DeviceImageLoader
+    from acceltrain.vision import DeviceImageLoader, image_datasets
 
     torch.set_num_threads(TORCH_THREADS)
     info = start(f"loader: ready batches of {BATCH_SIZE} on {DEVICE}, {TORCH_THREADS} torch thread(s)")
@@ -90,8 +100,12 @@ def main() -> None:
     train_set, _ = image_datasets("imagefolder", str(root), seed=0)
     rows = [
         best_over_workers("torchvision ImageFolder + transforms", lambda workers: torchvision_loader(root, workers)),
-        best_over_workers("acceltrain DataLoader path", lambda workers: train_loader(
-            train_set, batch_size=BATCH_SIZE, seed=0, num_workers=workers, pin_memory=DEVICE.type == "cuda")),
+        best_over_workers(
+            "acceltrain DataLoader path",
+            lambda workers: train_loader(
+                train_set, batch_size=BATCH_SIZE, seed=0, num_workers=workers, pin_memory=DEVICE.type == "cuda"
+            ),
+        ),
     ]
 
     for stale in root.glob("decoded-*.safetensors"):  # so that the cold build really decodes
@@ -100,23 +114,41 @@ def main() -> None:
     for build in ("cold", "warm"):
         started = time.perf_counter()
         loader = DeviceImageLoader.from_dataset(
-            train_set, batch_size=BATCH_SIZE, seed=0, device=DEVICE, process_index=0, num_processes=1, cache_dir=root)
+            train_set, batch_size=BATCH_SIZE, seed=0, device=DEVICE, process_index=0, num_processes=1, cache_dir=root
+        )
         seconds[build] = time.perf_counter() - started
-    rows.append({"loader": "acceltrain DeviceImageLoader", "num_workers": 0, "images_per_second": images_per_second(loader)})
+    rows.append(
+        {"loader": "acceltrain DeviceImageLoader", "num_workers": 0, "images_per_second": images_per_second(loader)}
+    )
 
     baseline = rows[0]["images_per_second"]
     print(f"{'loader':40} {'workers':>7} {'images/s':>10} {'vs (a)':>8}")
     for row in rows:
         row["vs_torchvision"] = row["images_per_second"] / baseline
-        print(f"{row['loader']:40} {row['num_workers']:>7} {row['images_per_second']:>10,.0f} {row['vs_torchvision']:>7.1f}x")
-    print(f"device loader one-off: decode + write cache {seconds['cold']:.1f} s (cold), read cache {seconds['warm']:.2f} s (warm)")
+        print(
+            f"{row['loader']:40} {row['num_workers']:>7} {row['images_per_second']:>10,.0f} {row['vs_torchvision']:>7.1f}x"
+        )
+    print(
+        f"device loader one-off: decode + write cache {seconds['cold']:.1f} s (cold), read cache {seconds['warm']:.2f} s (warm)"
+    )
     ratio = rows[2]["vs_torchvision"]
     print(f"device loader / torchvision = {ratio:.1f}x; {verdict(ratio, TARGET, at_least=True)}")
-    write_result("loader", info, {
-        "batch_size": BATCH_SIZE, "timed_batches": TIMED_BATCHES, "repeats": REPEATS, "device": str(DEVICE),
-        "results": rows, "device_loader_decode_seconds": seconds["cold"], "device_loader_cache_read_seconds": seconds["warm"],
-        "target_ratio": TARGET, "ratio": ratio, "target_met": ratio >= TARGET,
-    })
+    write_result(
+        "loader",
+        info,
+        {
+            "batch_size": BATCH_SIZE,
+            "timed_batches": TIMED_BATCHES,
+            "repeats": REPEATS,
+            "device": str(DEVICE),
+            "results": rows,
+            "device_loader_decode_seconds": seconds["cold"],
+            "device_loader_cache_read_seconds": seconds["warm"],
+            "target_ratio": TARGET,
+            "ratio": ratio,
+            "target_met": ratio >= TARGET,
+        },
+    )
 
 
 if __name__ == "__main__":

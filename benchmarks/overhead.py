@@ -28,14 +28,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from accelerate.utils import set_seed
+from common import median, reset_accelerate_state, start, verdict, write_result
 
 from acceltrain import TrainConfig, build_optimizer, fit
 from acceltrain.data import train_loader
-from acceltrain.vision import CropFlip, ImageClassification, synthetic_images
 from acceltrain.metrics import synchronize
-from acceltrain.vision import build_resnet
 from acceltrain.optim import build_scheduler
-from common import median, reset_accelerate_state, start, verdict, write_result
+from acceltrain.vision import CropFlip, ImageClassification, build_resnet, synthetic_images
 
 TARGET = 0.98
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # what acceltrain picks as well
@@ -59,7 +58,9 @@ def plain_leg(cfg: TrainConfig) -> float:
     model = build_resnet("resnet_tiny").to(DEVICE)
     optimizer = build_optimizer(model, cfg)
     scheduler = build_scheduler(optimizer, cfg, cfg.max_steps)
-    loader = train_loader(train_set(cfg.seed), batch_size=cfg.batch_size, seed=cfg.seed, num_workers=0, pin_memory=False)
+    loader = train_loader(
+        train_set(cfg.seed), batch_size=cfg.batch_size, seed=cfg.seed, num_workers=0, pin_memory=False
+    )
     model.train()
     step, epoch, loss_sum, started = 0, 0, torch.zeros((), device=DEVICE), None
     while step < cfg.max_steps:
@@ -86,7 +87,9 @@ def plain_leg(cfg: TrainConfig) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=50, help="optimizer steps per leg, warm-up included")
     parser.add_argument("--warmup", type=int, default=5)
@@ -95,13 +98,24 @@ def main() -> None:
     if not 1 <= args.warmup < args.steps:
         parser.error("need 1 <= --warmup < --steps")
     os.environ["WANDB_MODE"] = "disabled"
-    info = start(f"loop overhead: resnet_tiny, batch {args.batch_size}, {args.steps} steps "
-                 f"({args.warmup} warm-up), {args.rounds} rounds of acceltrain.fit vs a plain loop, device {DEVICE}")
+    info = start(
+        f"loop overhead: resnet_tiny, batch {args.batch_size}, {args.steps} steps "
+        f"({args.warmup} warm-up), {args.rounds} rounds of acceltrain.fit vs a plain loop, device {DEVICE}"
+    )
 
     rates = {"acceltrain": [], "plain": []}
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = TrainConfig(batch_size=args.batch_size, max_steps=args.steps, timing_warmup_steps=args.warmup, lr=0.05,
-                          report_to="none", progress=False, num_workers=0, output_dir=str(Path(tmp) / "run"), overwrite=True)
+        cfg = TrainConfig(
+            batch_size=args.batch_size,
+            max_steps=args.steps,
+            timing_warmup_steps=args.warmup,
+            lr=0.05,
+            report_to="none",
+            progress=False,
+            num_workers=0,
+            output_dir=str(Path(tmp) / "run"),
+            overwrite=True,
+        )
         legs = {"acceltrain": lambda: acceltrain_leg(cfg, Path(cfg.output_dir)), "plain": lambda: plain_leg(cfg)}
         for round_index in range(args.rounds):
             order = ["acceltrain", "plain"] if round_index % 2 == 0 else ["plain", "acceltrain"]
@@ -113,14 +127,29 @@ def main() -> None:
     ratio = acc / plain
     paired = median([a / b for a, b in zip(rates["acceltrain"], rates["plain"])])  # robust to slow drifts in load
     print(f"median samples/s: acceltrain {acc:.1f}, plain loop {plain:.1f}")
-    print(f"ratio acceltrain/plain: {ratio:.3f}  ({verdict(ratio, TARGET, at_least=True)}); median of per-round ratios {paired:.3f}")
-    write_result("overhead", info, {
-        "what": "steady-state samples/s of acceltrain.fit vs a plain PyTorch loop, same model/data/optimizer/steps",
-        "model": "resnet_tiny", "device": str(DEVICE), "batch_size": args.batch_size, "steps": args.steps,
-        "timing_warmup_steps": args.warmup, "rounds": args.rounds, "samples_per_second": rates,
-        "median_acceltrain": acc, "median_plain": plain, "ratio": ratio, "median_round_ratio": paired,
-        "target": TARGET, "target_met": ratio >= TARGET,
-    })
+    print(
+        f"ratio acceltrain/plain: {ratio:.3f}  ({verdict(ratio, TARGET, at_least=True)}); median of per-round ratios {paired:.3f}"
+    )
+    write_result(
+        "overhead",
+        info,
+        {
+            "what": "steady-state samples/s of acceltrain.fit vs a plain PyTorch loop, same model/data/optimizer/steps",
+            "model": "resnet_tiny",
+            "device": str(DEVICE),
+            "batch_size": args.batch_size,
+            "steps": args.steps,
+            "timing_warmup_steps": args.warmup,
+            "rounds": args.rounds,
+            "samples_per_second": rates,
+            "median_acceltrain": acc,
+            "median_plain": plain,
+            "ratio": ratio,
+            "median_round_ratio": paired,
+            "target": TARGET,
+            "target_met": ratio >= TARGET,
+        },
+    )
 
 
 if __name__ == "__main__":

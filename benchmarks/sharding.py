@@ -38,39 +38,96 @@ MALLOC = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 
 def leg(engine: str, asynchronous: bool, out: Path, args: list[str]) -> dict:
     """One launch of the LM recipe on 2 processes; its summary.json."""
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "accelerate_configs" / ENGINES[engine]),
-               str(REPO / "recipes" / "causal_lm.py"), *args, "--output-dir", str(out), "--overwrite", "--report-to", "none",
-               "--no-progress", *(["--async-checkpoint"] if asynchronous else [])]
+    command = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(REPO / "accelerate_configs" / ENGINES[engine]),
+        str(REPO / "recipes" / "causal_lm.py"),
+        *args,
+        "--output-dir",
+        str(out),
+        "--overwrite",
+        "--report-to",
+        "none",
+        "--no-progress",
+        *(["--async-checkpoint"] if asynchronous else []),
+    ]
     done = subprocess.run(command, cwd=REPO, env={**quiet_env(), **MALLOC}, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"{engine} leg failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
     summary = json.loads((out / "summary.json").read_text())
     log = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line]
     saves = [row["checkpoint_seconds"] for row in log if "checkpoint_seconds" in row]
-    row = {"engine": engine, "async": asynchronous, "peak_rss_mb": max(row["peak_rss_mb"] for row in log if "peak_rss_mb" in row),
-           "peak_rss_mb_with_export": summary["peak_rss_mb"], "ms_per_step": summary.get("ms_per_step"),
-           "save_seconds": sum(saves) / len(saves) if saves else None, "saves_during_training": saves, "checkpoint_seconds": summary["checkpoint_seconds"],
-           "parameters": summary["runtime"]["parameters"], "parameters_per_process": summary["runtime"]["parameters_per_process"]}
+    row = {
+        "engine": engine,
+        "async": asynchronous,
+        "peak_rss_mb": max(row["peak_rss_mb"] for row in log if "peak_rss_mb" in row),
+        "peak_rss_mb_with_export": summary["peak_rss_mb"],
+        "ms_per_step": summary.get("ms_per_step"),
+        "save_seconds": sum(saves) / len(saves) if saves else None,
+        "saves_during_training": saves,
+        "checkpoint_seconds": summary["checkpoint_seconds"],
+        "parameters": summary["runtime"]["parameters"],
+        "parameters_per_process": summary["runtime"]["parameters_per_process"],
+    }
     print(json.dumps(row), flush=True)
     return row
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
     parser.add_argument("--rounds", type=int, default=2, help="alternating rounds of the four legs (default: 2)")
     parser.add_argument("--steps", type=int, default=12, help="optimizer steps per leg (default: 12)")
-    parser.add_argument("--save-every", type=int, default=4, help="a save every N steps: a writer in flight longer than N "
-                        "steps makes the next save wait for it (default: 4)")
+    parser.add_argument(
+        "--save-every",
+        type=int,
+        default=4,
+        help="a save every N steps: a writer in flight longer than N "
+        "steps makes the next save wait for it (default: 4)",
+    )
     parser.add_argument("--quick", action="store_true", help="llama-tiny, 4 steps, one round: checks the plumbing only")
     args = parser.parse_args()
     if not TEXT.is_file():
         parser.error(f"{TEXT} is absent: the benchmark trains on tinyshakespeare from ../shared")
     info = start("sharding: FSDP2 vs DDP memory and step time, async vs sync checkpoint blocking, 2 CPU processes")
-    model, vocab, steps, every, rounds = ("llama-tiny", "2000", 4, 2, 1) if args.quick else ("llama-small", "24000", args.steps, args.save_every, args.rounds)
+    model, vocab, steps, every, rounds = (
+        ("llama-tiny", "2000", 4, 2, 1)
+        if args.quick
+        else ("llama-small", "24000", args.steps, args.save_every, args.rounds)
+    )
     work = Path(tempfile.mkdtemp(prefix="acceltrain-sharding-"))
-    base = ["--model", model, "--text-files", str(TEXT), "--block-size", "256", "--batch-size", "2", "--max-steps", str(steps),
-            "--save-every-steps", str(every), "--keep-last", "1", "--eval-fraction", "0.002", "--timing-warmup-steps", "1", "--log-every", "1",
-            "--num-workers", "0", "--optimizer", "adamw", "--lr", "3e-4"]
+    base = [
+        "--model",
+        model,
+        "--text-files",
+        str(TEXT),
+        "--block-size",
+        "256",
+        "--batch-size",
+        "2",
+        "--max-steps",
+        str(steps),
+        "--save-every-steps",
+        str(every),
+        "--keep-last",
+        "1",
+        "--eval-fraction",
+        "0.002",
+        "--timing-warmup-steps",
+        "1",
+        "--log-every",
+        "1",
+        "--num-workers",
+        "0",
+        "--optimizer",
+        "adamw",
+        "--lr",
+        "3e-4",
+    ]
     tokenizer = work / "tokenizer"  # trained once (vocabulary 24,000 asked, 21,528 made), then given to every leg
     leg("ddp", False, tokenizer, [*base, "--vocab-size", vocab, "--max-steps", "1"])
     base += ["--tokenizer", str(tokenizer / "tokenizer.json")]
@@ -86,22 +143,46 @@ def main() -> None:
     memory = med("fsdp", False, "peak_rss_mb") / med("ddp", False, "peak_rss_mb")
     step_time = med("fsdp", False, "ms_per_step") / med("ddp", False, "ms_per_step")
     blocking = {engine: med(engine, True, "save_seconds") / med(engine, False, "save_seconds") for engine in ENGINES}
-    result = {"model": model, "parameters": rows[0]["parameters"], "steps": steps, "save_every": every, "rounds": rounds, "quick": args.quick,
-              "malloc": MALLOC,
-              "fsdp_over_ddp_peak_memory": round(memory, 3), "fsdp_over_ddp_step_time": round(step_time, 3),
-              "async_over_sync_save_seconds": {engine: round(ratio, 3) for engine, ratio in blocking.items()},
-              "medians": {f"{engine}{'-async' if asynchronous else ''}": {key: med(engine, asynchronous, key) for key in
-                                                                            ("peak_rss_mb", "peak_rss_mb_with_export", "ms_per_step",
-                                                                             "save_seconds", "checkpoint_seconds")}
-                          for engine in ENGINES for asynchronous in (False, True)},
-              "rows": rows}
+    result = {
+        "model": model,
+        "parameters": rows[0]["parameters"],
+        "steps": steps,
+        "save_every": every,
+        "rounds": rounds,
+        "quick": args.quick,
+        "malloc": MALLOC,
+        "fsdp_over_ddp_peak_memory": round(memory, 3),
+        "fsdp_over_ddp_step_time": round(step_time, 3),
+        "async_over_sync_save_seconds": {engine: round(ratio, 3) for engine, ratio in blocking.items()},
+        "medians": {
+            f"{engine}{'-async' if asynchronous else ''}": {
+                key: med(engine, asynchronous, key)
+                for key in (
+                    "peak_rss_mb",
+                    "peak_rss_mb_with_export",
+                    "ms_per_step",
+                    "save_seconds",
+                    "checkpoint_seconds",
+                )
+            }
+            for engine in ENGINES
+            for asynchronous in (False, True)
+        },
+        "rows": rows,
+    }
     print(machine_line(info))
-    print(f"{model}: {rows[0]['parameters'] / 1e6:.1f}M parameters, {rows[0]['parameters_per_process'] / 1e6:.1f}M held per "
-          "process under DDP")
-    print(f"(a) peak memory per process while training, FSDP/DDP: {memory:.3f} ({verdict(memory, MEMORY_TARGET, at_least=False)})")
+    print(
+        f"{model}: {rows[0]['parameters'] / 1e6:.1f}M parameters, {rows[0]['parameters_per_process'] / 1e6:.1f}M held per "
+        "process under DDP"
+    )
+    print(
+        f"(a) peak memory per process while training, FSDP/DDP: {memory:.3f} ({verdict(memory, MEMORY_TARGET, at_least=False)})"
+    )
     print(f"(b) step time FSDP/DDP: {step_time:.3f}")
     for engine, ratio in blocking.items():
-        print(f"(c) {engine}: seconds a save blocked training, async/sync: {ratio:.3f} ({verdict(ratio, BLOCKING_TARGET, at_least=False)})")
+        print(
+            f"(c) {engine}: seconds a save blocked training, async/sync: {ratio:.3f} ({verdict(ratio, BLOCKING_TARGET, at_least=False)})"
+        )
     write_result("sharding_quick" if args.quick else "sharding", info, result)
 
 

@@ -44,9 +44,19 @@ from common import REPO, RESULTS_DIR, chosen, cifar10_jpeg, machine, run_recipe_
 
 PRESET = REPO / "recipes" / "configs" / "cifar10_fast.yaml"
 MUON_PRESET = REPO / "recipes" / "configs" / "cifar10_muon.yaml"
-TINY_TUNED = ("--model resnet_tiny --channels-last --data-on-device --batch-size 256 --lr 0.4 --lr-schedule linear "
-              "--warmup-steps 100 --label-smoothing 0.1")
-LEGS = ("fast-epochs", "fast-epochs-no-lookahead", "fast-epochs-jpeg-q50", "fast-epochs-freeze-whitening-bias", "muon-epochs", "fast-budget", "tiny-budget")
+TINY_TUNED = (
+    "--model resnet_tiny --channels-last --data-on-device --batch-size 256 --lr 0.4 --lr-schedule linear "
+    "--warmup-steps 100 --label-smoothing 0.1"
+)
+LEGS = (
+    "fast-epochs",
+    "fast-epochs-no-lookahead",
+    "fast-epochs-jpeg-q50",
+    "fast-epochs-freeze-whitening-bias",
+    "muon-epochs",
+    "fast-budget",
+    "tiny-budget",
+)
 TARGET = 0.94
 AGAIN_QUALITY, SUBSAMPLING_420 = 50, 2  # the archive's quantisation tables are libjpeg's quality 75, its chroma 4:2:0
 
@@ -55,8 +65,8 @@ def compressed_again(data_dir: Path, quality: int = AGAIN_QUALITY) -> tuple[Path
     """The ImageFolder tree at ``data_dir`` JPEG-encoded once more at ``quality`` (4:2:0, as the archive), next
     to it, and the PSNR in dB of the new images against the old (mean squared error over every pixel). Made
     once: a complete tree holds its PSNR in ``psnr.json``, written last (and reused, with its decode cache)."""
-    from PIL import Image
     import numpy as np
+    from PIL import Image
 
     target = data_dir.with_name(f"{data_dir.name}-q{quality}")
     if (target / "psnr.json").is_file():
@@ -84,24 +94,46 @@ def compressed_again(data_dir: Path, quality: int = AGAIN_QUALITY) -> tuple[Path
 
 def run_leg(name: str, flags: list[str], data_dir: Path, tmp: Path) -> dict:
     started = time.perf_counter()
-    summary = run_recipe_process(tmp / name, ["--dataset", "imagefolder", "--data-dir", str(data_dir), "--log-every", "100", *flags])
+    summary = run_recipe_process(
+        tmp / name, ["--dataset", "imagefolder", "--data-dir", str(data_dir), "--log-every", "100", *flags]
+    )
     process_seconds = time.perf_counter() - started
-    curve = [{"step": e["step"], "epoch": round(e["step"] / summary["runtime"]["steps_per_epoch"], 3),
-              "accuracy": e["eval_accuracy"], "seconds": e["wall_seconds"]} for e in summary["events"] if "eval_accuracy" in e]
+    curve = [
+        {
+            "step": e["step"],
+            "epoch": round(e["step"] / summary["runtime"]["steps_per_epoch"], 3),
+            "accuracy": e["eval_accuracy"],
+            "seconds": e["wall_seconds"],
+        }
+        for e in summary["events"]
+        if "eval_accuracy" in e
+    ]
     reached = next((point for point in curve if point["accuracy"] >= TARGET), None)
     result = {
-        "flags": shlex.join(flags), "steps": summary["steps"], "epochs": summary["epochs"],
-        "samples_per_second": summary["samples_per_second"], "wall_seconds": summary["wall_seconds"],
+        "flags": shlex.join(flags),
+        "steps": summary["steps"],
+        "epochs": summary["epochs"],
+        "samples_per_second": summary["samples_per_second"],
+        "wall_seconds": summary["wall_seconds"],
         "outside_training_seconds": round(process_seconds - curve[-1]["seconds"], 1),
-        "final_accuracy": summary["eval_accuracy"], "best_accuracy": max(point["accuracy"] for point in curve),
-        "epochs_to_target": reached["epoch"] if reached else None, "seconds_to_target": reached["seconds"] if reached else None,
+        "final_accuracy": summary["eval_accuracy"],
+        "best_accuracy": max(point["accuracy"] for point in curve),
+        "epochs_to_target": reached["epoch"] if reached else None,
+        "seconds_to_target": reached["seconds"] if reached else None,
         "curve": curve,
     }
-    to_target = f"{TARGET:.0%} at epoch {reached['epoch']:g} ({reached['seconds']:.0f} s)" if reached else f"{TARGET:.0%} not reached"
+    to_target = (
+        f"{TARGET:.0%} at epoch {reached['epoch']:g} ({reached['seconds']:.0f} s)"
+        if reached
+        else f"{TARGET:.0%} not reached"
+    )
     rate = f"{result['samples_per_second']:.0f}" if result["samples_per_second"] else "n/a (too few steps to time)"
-    print(f"{name}: {result['epochs']:.2f} epochs, {result['steps']} steps, {rate} samples/s, "
-          f"final accuracy {result['final_accuracy']:.4f} at {curve[-1]['seconds']:.0f} s (+{result['outside_training_seconds']:.0f} s "
-          f"start-up and data preparation); {to_target}", flush=True)
+    print(
+        f"{name}: {result['epochs']:.2f} epochs, {result['steps']} steps, {rate} samples/s, "
+        f"final accuracy {result['final_accuracy']:.4f} at {curve[-1]['seconds']:.0f} s (+{result['outside_training_seconds']:.0f} s "
+        f"start-up and data preparation); {to_target}",
+        flush=True,
+    )
     return result
 
 
@@ -145,7 +177,9 @@ def plot(results: dict, path: Path, budget_minutes: float) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
     parser.add_argument("--legs", default=",".join(LEGS), help=f"comma-separated, of {', '.join(LEGS)}")
     parser.add_argument("--budget-minutes", type=float, default=10.0, help="the budget legs' --time-budget-minutes")
     parser.add_argument("--extra", default="", help="flags added to every leg (e.g. '--mixed-precision bf16')")
@@ -163,7 +197,14 @@ def main() -> None:
         "fast-epochs": ["--config", str(PRESET), "--eval-every", "96"],
         "fast-epochs-no-lookahead": ["--config", str(PRESET), "--eval-every", "96", "--lookahead-decay", "none"],
         "fast-epochs-jpeg-q50": ["--config", str(PRESET), "--eval-every", "96"],
-        "fast-epochs-freeze-whitening-bias": ["--config", str(PRESET), "--eval-every", "96", "--freeze-whitening-bias-after-epochs", "3"],
+        "fast-epochs-freeze-whitening-bias": [
+            "--config",
+            str(PRESET),
+            "--eval-every",
+            "96",
+            "--freeze-whitening-bias-after-epochs",
+            "3",
+        ],
         "muon-epochs": ["--config", str(MUON_PRESET), "--eval-every", "50"],  # 25 steps an epoch at batch 2000
         "fast-budget": ["--config", str(PRESET), *budget],
         "tiny-budget": [*shlex.split(TINY_TUNED), *budget],
@@ -175,18 +216,29 @@ def main() -> None:
             if leg == "fast-epochs-jpeg-q50":
                 leg_data, psnr = compressed_again(data_dir)
                 extra = {"psnr_db_against_the_copy": round(psnr, 2)}
-                print(f"{leg}: the copy compressed again at quality {AGAIN_QUALITY}: PSNR {psnr:.2f} dB against it", flush=True)
-            results[leg] = {**run_leg(leg, flags[leg] + shlex.split(args.extra), leg_data, Path(tmp)), **extra, "machine": machine()}
+                print(
+                    f"{leg}: the copy compressed again at quality {AGAIN_QUALITY}: PSNR {psnr:.2f} dB against it",
+                    flush=True,
+                )
+            results[leg] = {
+                **run_leg(leg, flags[leg] + shlex.split(args.extra), leg_data, Path(tmp)),
+                **extra,
+                "machine": machine(),
+            }
             write(args.budget_minutes, info, results)
     headline = write(args.budget_minutes, info, results)
     if "fast-epochs" in results:
         epochs = results["fast-epochs"]["epochs_to_target"]
-        print(f">= {TARGET:.0%} within 10 epochs: {'met at epoch %g' % epochs if epochs and epochs <= 10 else 'NOT met'} "
-              f"(best {results['fast-epochs']['best_accuracy']:.4f})")
+        print(
+            f">= {TARGET:.0%} within 10 epochs: {'met at epoch %g' % epochs if epochs and epochs <= 10 else 'NOT met'} "
+            f"(best {results['fast-epochs']['best_accuracy']:.4f})"
+        )
     if headline:
-        print(f"within {args.budget_minutes:g} min: fast preset {headline['fast_budget_accuracy']:.4f}, tiny ResNet "
-              f"{headline['tiny_budget_accuracy']:.4f}; ratio {headline['ratio_accuracy_fast_over_tiny_within_budget']:.3f}; "
-              f">= 90% in 10 min: {'met' if headline['fast_budget_accuracy'] >= 0.90 and args.budget_minutes <= 10 else 'NOT met'}")
+        print(
+            f"within {args.budget_minutes:g} min: fast preset {headline['fast_budget_accuracy']:.4f}, tiny ResNet "
+            f"{headline['tiny_budget_accuracy']:.4f}; ratio {headline['ratio_accuracy_fast_over_tiny_within_budget']:.3f}; "
+            f">= 90% in 10 min: {'met' if headline['fast_budget_accuracy'] >= 0.90 and args.budget_minutes <= 10 else 'NOT met'}"
+        )
 
 
 def write(budget_minutes: float, info: dict, results: dict) -> dict:
@@ -194,11 +246,23 @@ def write(budget_minutes: float, info: dict, results: dict) -> dict:
     headline = {}
     if {"fast-budget", "tiny-budget"} <= results.keys():
         fast, tiny = results["fast-budget"]["final_accuracy"], results["tiny-budget"]["final_accuracy"]
-        headline = {"fast_budget_accuracy": fast, "tiny_budget_accuracy": tiny,
-                    "ratio_accuracy_fast_over_tiny_within_budget": fast / tiny}
+        headline = {
+            "fast_budget_accuracy": fast,
+            "tiny_budget_accuracy": tiny,
+            "ratio_accuracy_fast_over_tiny_within_budget": fast / tiny,
+        }
     name = "time_to_accuracy" if budget_minutes == 10 else "time_to_accuracy_smoke"
-    write_result(name, info, {"what": "CIFAR-10 test accuracy against epochs and wall-clock", "target_accuracy": TARGET,
-                              "budget_minutes": budget_minutes, "results": results, **headline})
+    write_result(
+        name,
+        info,
+        {
+            "what": "CIFAR-10 test accuracy against epochs and wall-clock",
+            "target_accuracy": TARGET,
+            "budget_minutes": budget_minutes,
+            "results": results,
+            **headline,
+        },
+    )
     plot(results, RESULTS_DIR / f"{name}.png", budget_minutes)
     return headline
 

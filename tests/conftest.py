@@ -40,6 +40,7 @@ def run_tiny_in_process(output_dir: Path | None, *args: str, hooks=(), task=None
     when it stopped to be resumed; 2 on bad input). ``hooks``/``task`` go to ``fit``."""
     sys.path.insert(0, str(TINY_RECIPE.parent))
     import tiny_recipe
+
     from acceltrain import run_recipe
 
     reset_accelerate_state()
@@ -78,20 +79,41 @@ def launch(
     if launcher == "python":
         command = [sys.executable, str(script)]
     elif launcher == "torchrun":
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes), "--master_port", str(_free_port()), str(script)]
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            str(processes),
+            "--master_port",
+            str(_free_port()),
+            str(script),
+        ]
     elif launcher == "accelerate":
         command = [
-            sys.executable, "-m", "accelerate.commands.launch",
-            "--config_file", str(REPO / "accelerate_configs" / config), *launcher_args,
-            "--num_processes", str(processes), "--main_process_port", str(_free_port()), str(script),
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--config_file",
+            str(REPO / "accelerate_configs" / config),
+            *launcher_args,
+            "--num_processes",
+            str(processes),
+            "--main_process_port",
+            str(_free_port()),
+            str(script),
         ]
     else:
         raise ValueError(launcher)
-    return subprocess.run(command + args, cwd=REPO, env=subprocess_env(**env), capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        command + args, cwd=REPO, env=subprocess_env(**env), capture_output=True, text=True, timeout=timeout
+    )
 
 
 def check(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
-    assert result.returncode == 0, f"exit {result.returncode}\n--- stdout\n{result.stdout[-4000:]}\n--- stderr\n{result.stderr[-4000:]}"
+    assert result.returncode == 0, (
+        f"exit {result.returncode}\n--- stdout\n{result.stdout[-4000:]}\n--- stderr\n{result.stderr[-4000:]}"
+    )
     return result
 
 

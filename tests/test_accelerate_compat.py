@@ -9,17 +9,24 @@ import re
 
 import pytest
 import torch
-
-from acceltrain import accelerate_compat
 from conftest import REPO
 
-PRIVATE = re.compile(r"accelerator\._[a-z]|_shared_state|accelerate\.checkpointing|DataLoaderStateMixin|\.step = |"
-                     r"_iterator_finished|dl_state_dict")
+from acceltrain import accelerate_compat
+
+PRIVATE = re.compile(
+    r"accelerator\._[a-z]|_shared_state|accelerate\.checkpointing|DataLoaderStateMixin|\.step = |"
+    r"_iterator_finished|dl_state_dict"
+)
 
 
 def test_no_module_but_the_compat_module_touches_accelerates_private_parts():
-    found = [f"{path.relative_to(REPO)}: {line.strip()}" for path in (REPO / "acceltrain").rglob("*.py")
-             if path.name != "accelerate_compat.py" for line in path.read_text().splitlines() if PRIVATE.search(line)]
+    found = [
+        f"{path.relative_to(REPO)}: {line.strip()}"
+        for path in (REPO / "acceltrain").rglob("*.py")
+        if path.name != "accelerate_compat.py"
+        for line in path.read_text().splitlines()
+        if PRIVATE.search(line)
+    ]
     assert not found, "\n".join(found)
 
 
@@ -29,10 +36,20 @@ def test_save_loop_state_writes_what_load_state_reads(tmp_path):
 
     accelerator = Accelerator(cpu=True)
     loader = accelerator.prepare(torch.utils.data.DataLoader(list(range(8)), batch_size=2))
-    assert accelerator._dataloaders == [loader], "save_loop_state: Accelerator._dataloaders no longer lists the prepared loaders"
+    assert accelerator._dataloaders == [loader], (
+        "save_loop_state: Accelerator._dataloaders no longer lists the prepared loaders"
+    )
     parameters = list(inspect.signature(save_accelerator_state).parameters)
-    assert parameters[:8] == ["output_dir", "model_states", "optimizers", "schedulers", "dataloaders", "process_index", "step",
-                              "scaler"], f"save_loop_state: save_accelerator_state's parameters changed: {parameters}"
+    assert parameters[:8] == [
+        "output_dir",
+        "model_states",
+        "optimizers",
+        "schedulers",
+        "dataloaders",
+        "process_index",
+        "step",
+        "scaler",
+    ], f"save_loop_state: save_accelerator_state's parameters changed: {parameters}"
     accelerate_compat.save_loop_state(accelerator, tmp_path)
     assert (tmp_path / "random_states_0.pkl").is_file(), "save_loop_state: no RNG state written"
     accelerator.load_state(str(tmp_path))
@@ -44,7 +61,9 @@ def test_set_micro_step_is_the_count_accumulate_reads():
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=4)
     accelerate_compat.set_micro_step(accelerator, 3)
     assert accelerator.step == 3
-    assert "self.step" in inspect.getsource(Accelerator._do_sync), "set_micro_step: accumulate no longer counts Accelerator.step"
+    assert "self.step" in inspect.getsource(Accelerator._do_sync), (
+        "set_micro_step: accumulate no longer counts Accelerator.step"
+    )
 
 
 def test_mark_loader_finished_is_the_key_torchdata_resumes_a_finished_pass_from():
@@ -52,14 +71,20 @@ def test_mark_loader_finished_is_the_key_torchdata_resumes_a_finished_pass_from(
 
     loader = StatefulDataLoader(list(range(4)), batch_size=2)
     list(loader)
-    assert loader.state_dict().get("_iterator_finished") is True, "mark_loader_finished: torchdata's finished-pass key changed"
+    assert loader.state_dict().get("_iterator_finished") is True, (
+        "mark_loader_finished: torchdata's finished-pass key changed"
+    )
 
 
 def test_the_file_names_that_tell_an_older_checkpoints_engine():
     from accelerate.utils import constants
 
     assert (constants.MODEL_NAME, constants.FSDP_MODEL_NAME, constants.OPTIMIZER_NAME, constants.SAFE_WEIGHTS_NAME) == (
-        "pytorch_model", "pytorch_model_fsdp", "optimizer", "model.safetensors"), "engine_from_file_names: Accelerate renamed its files"
+        "pytorch_model",
+        "pytorch_model_fsdp",
+        "optimizer",
+        "model.safetensors",
+    ), "engine_from_file_names: Accelerate renamed its files"
 
 
 def test_building_fsdp_on_cpu_switches_the_shared_state_it_relies_on():
@@ -71,7 +96,8 @@ def test_building_fsdp_on_cpu_switches_the_shared_state_it_relies_on():
     assert "distributed_type" in PartialState._shared_state, "building_fsdp_on_cpu: PartialState._shared_state changed"
     source = inspect.getsource(AcceleratorState.__init__)
     assert "DistributedType.MULTI_GPU" in source and "DistributedType.FSDP" in source, (
-        "building_fsdp_on_cpu: AcceleratorState no longer sets FSDP up in its multi-GPU branch")
+        "building_fsdp_on_cpu: AcceleratorState no longer sets FSDP up in its multi-GPU branch"
+    )
     with accelerate_compat.building_fsdp_on_cpu():
         assert PartialState._shared_state["distributed_type"] == DistributedType.MULTI_GPU
     assert PartialState._shared_state["distributed_type"] == DistributedType.MULTI_CPU
@@ -79,6 +105,9 @@ def test_building_fsdp_on_cpu_switches_the_shared_state_it_relies_on():
 
 @pytest.mark.parametrize("member", ["begin", "end", "end_of_dataloader"])
 def test_the_loader_state_protocol_the_on_device_loader_follows(member):
-    assert hasattr(accelerate_compat.LoaderStateMixin, member) or member in inspect.getsource(accelerate_compat.LoaderStateMixin), (
-        f"LoaderStateMixin: Accelerate's loader state lost {member}")
-    assert "_drop_last" in inspect.getsource(accelerate_compat.LoaderStateMixin.begin), "LoaderStateMixin: begin no longer reads _drop_last"
+    assert hasattr(accelerate_compat.LoaderStateMixin, member) or member in inspect.getsource(
+        accelerate_compat.LoaderStateMixin
+    ), f"LoaderStateMixin: Accelerate's loader state lost {member}"
+    assert "_drop_last" in inspect.getsource(accelerate_compat.LoaderStateMixin.begin), (
+        "LoaderStateMixin: begin no longer reads _drop_last"
+    )

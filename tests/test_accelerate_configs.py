@@ -54,7 +54,9 @@ def test_config_loads_and_has_header(name):
     if name.startswith("fsdp"):
         assert cfg.fsdp_config["fsdp_version"] == 2  # FSDP1 does not run on CPU
         assert cfg.fsdp_config["fsdp_auto_wrap_policy"] == "SIZE_BASED_WRAP"  # a transformer's blocks: chosen per model
-        assert cfg.fsdp_config["fsdp_state_dict_type"] == "SHARDED_STATE_DICT"  # DCP: another process count, async saves
+        assert (
+            cfg.fsdp_config["fsdp_state_dict_type"] == "SHARDED_STATE_DICT"
+        )  # DCP: another process count, async saves
         assert isinstance(cfg.fsdp_config["fsdp_reshard_after_forward"], bool)  # FSDP2 wants a bool
 
 

@@ -15,14 +15,29 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from conftest import REPO, TINY_RECIPE, check, launch, read_events, read_summary, run_tiny_in_process, subprocess_env
 
 from acceltrain import ConfigError, Hook
 from acceltrain.checkpoint.files import complete_checkpoints
 from acceltrain.preemption import EXIT_PREEMPTED
-from conftest import REPO, TINY_RECIPE, check, launch, read_events, read_summary, run_tiny_in_process, subprocess_env
 
-RUN = ["--batch-size", "4", "--max-steps", "12", "--lr", "0.05", "--no-progress", "--num-workers", "0", "--report-to", "none",
-       "--save-every-steps", "3", "--log-every", "1"]
+RUN = [
+    "--batch-size",
+    "4",
+    "--max-steps",
+    "12",
+    "--lr",
+    "0.05",
+    "--no-progress",
+    "--num-workers",
+    "0",
+    "--report-to",
+    "none",
+    "--save-every-steps",
+    "3",
+    "--log-every",
+    "1",
+]
 
 
 @pytest.fixture(scope="module")
@@ -88,9 +103,21 @@ runpy.run_path(sys.argv[0], run_name='__main__')
 @pytest.mark.slow
 def test_training_goes_on_while_a_save_is_written_and_a_kill_then_leaves_the_previous_checkpoint(tmp_path):
     out = tmp_path / "run"
-    command = [sys.executable, "-c", SLOW_WRITE, str(TINY_RECIPE), *RUN, "--sleep-per-step", "0.2", "--async-checkpoint",
-               "--output-dir", str(out)]
-    child = subprocess.Popen(command, cwd=REPO, env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    command = [
+        sys.executable,
+        "-c",
+        SLOW_WRITE,
+        str(TINY_RECIPE),
+        *RUN,
+        "--sleep-per-step",
+        "0.2",
+        "--async-checkpoint",
+        "--output-dir",
+        str(out),
+    ]
+    child = subprocess.Popen(
+        command, cwd=REPO, env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     try:
         deadline = time.monotonic() + 300  # a hang guard
         while not any(row.get("step", 0) >= 8 and "loss" in row for row in _rows(out)):
@@ -103,7 +130,12 @@ def test_training_goes_on_while_a_save_is_written_and_a_kill_then_leaves_the_pre
     assert (out / "checkpoints" / ".tmp-step_00000006" / "trainer_state.json").is_file()
     assert not (out / "checkpoints" / ".tmp-step_00000006" / "COMPLETE").exists()
     # the rest as the child ran (one thread, conftest's environment), to compare bytes with a run of the same kind
-    check(launch(TINY_RECIPE, [*RUN, "--sleep-per-step", "0.2", "--async-checkpoint", "--resume", "auto", "--output-dir", str(out)]))
+    check(
+        launch(
+            TINY_RECIPE,
+            [*RUN, "--sleep-per-step", "0.2", "--async-checkpoint", "--resume", "auto", "--output-dir", str(out)],
+        )
+    )
     reference = tmp_path / "reference"
     check(launch(TINY_RECIPE, [*RUN, "--output-dir", str(reference)]))
     assert read_summary(out)["resumed_from_step"] == 3 and weights(out) == weights(reference)
@@ -117,7 +149,9 @@ def _rows(out: Path) -> list[dict]:
         return []
 
 
-def test_a_disk_that_fills_during_an_async_write_is_one_line_and_keeps_the_previous_checkpoints(tmp_path, monkeypatch, capsys):
+def test_a_disk_that_fills_during_an_async_write_is_one_line_and_keeps_the_previous_checkpoints(
+    tmp_path, monkeypatch, capsys
+):
     from acceltrain.checkpoint import writers
 
     original = writers.write_part
@@ -131,8 +165,10 @@ def test_a_disk_that_fills_during_an_async_write_is_one_line_and_keeps_the_previ
     out = tmp_path / "run"
     assert run_tiny_in_process(out, *RUN, "--async-checkpoint") == 2
     err = capsys.readouterr().err.strip()
-    assert err == (f"error: could not write checkpoint {str(out / 'checkpoints' / 'step_00000006')!r}: No space left on device; "
-                   "the previous checkpoints are intact (free space and continue with --resume auto)"), err
+    assert err == (
+        f"error: could not write checkpoint {str(out / 'checkpoints' / 'step_00000006')!r}: No space left on device; "
+        "the previous checkpoints are intact (free space and continue with --resume auto)"
+    ), err
     assert [p.name for p in complete_checkpoints(out)] == ["step_00000003"]
     assert not list((out / "checkpoints").glob(".tmp-*"))
 
@@ -142,9 +178,13 @@ def test_async_saves_are_refused_where_they_cannot_work():
 
     from acceltrain.checkpoint.manager import check_async_supported
 
-    with pytest.raises(ConfigError, match="--async-checkpoint works under DDP and FSDP; DeepSpeed writes its checkpoints itself"):
+    with pytest.raises(
+        ConfigError, match="--async-checkpoint works under DDP and FSDP; DeepSpeed writes its checkpoints itself"
+    ):
         check_async_supported(SimpleNamespace(distributed_type=DistributedType.DEEPSPEED))
-    full = SimpleNamespace(distributed_type=DistributedType.FSDP,
-                           state=SimpleNamespace(fsdp_plugin=SimpleNamespace(state_dict_type="StateDictType.FULL_STATE_DICT")))
+    full = SimpleNamespace(
+        distributed_type=DistributedType.FSDP,
+        state=SimpleNamespace(fsdp_plugin=SimpleNamespace(state_dict_type="StateDictType.FULL_STATE_DICT")),
+    )
     with pytest.raises(ConfigError, match="under FSDP needs fsdp_state_dict_type: SHARDED_STATE_DICT"):
         check_async_supported(full)

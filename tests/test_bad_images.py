@@ -108,9 +108,26 @@ def test_the_recipe_prints_one_line_exits_2_and_writes_nothing(image_folder, tmp
     _plant(image_folder, "truncated")
     output = tmp_path / "out"
     result = subprocess.run(
-        [sys.executable, str(REPO / "recipes" / "resnet_cifar.py"), "--dataset", "imagefolder", "--data-dir", str(image_folder),
-         "--model", "resnet_tiny", "--max-steps", "2", "--output-dir", str(output), "--report-to", "none", "--no-progress"],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            str(REPO / "recipes" / "resnet_cifar.py"),
+            "--dataset",
+            "imagefolder",
+            "--data-dir",
+            str(image_folder),
+            "--model",
+            "resnet_tiny",
+            "--max-steps",
+            "2",
+            "--output-dir",
+            str(output),
+            "--report-to",
+            "none",
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip().count("\n") == 0 and "test/cat/bad-truncated.jpg" in result.stderr

@@ -10,18 +10,39 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import REPO, check, launch
 
 from acceltrain import ConfigError, TrainConfig
-from conftest import REPO, check, launch
 
 sys.path.insert(0, str(REPO / "tests" / "helpers"))
 from pretrained_folders import bert_folder  # noqa: E402
 
 MATRIX_RECIPE = REPO / "tests" / "helpers" / "matrix_recipe.py"
-RUN = ["--batch-size", "4", "--lr", "0.05", "--lr-schedule", "constant", "--warmup-steps", "0", "--eval-every", "2",
-       "--peaking-metric", "--no-progress", "--num-workers", "0", "--report-to", "none", "--log-every", "1"]
-CASES = {"one process": ("cnn", {}), "two processes": ("cnn", {"processes": 2, "launcher": "accelerate"}),
-         "lora": ("lora", {})}
+RUN = [
+    "--batch-size",
+    "4",
+    "--lr",
+    "0.05",
+    "--lr-schedule",
+    "constant",
+    "--warmup-steps",
+    "0",
+    "--eval-every",
+    "2",
+    "--peaking-metric",
+    "--no-progress",
+    "--num-workers",
+    "0",
+    "--report-to",
+    "none",
+    "--log-every",
+    "1",
+]
+CASES = {
+    "one process": ("cnn", {}),
+    "two processes": ("cnn", {"processes": 2, "launcher": "accelerate"}),
+    "lora": ("lora", {}),
+}
 
 
 def weights(out: Path) -> bytes:
@@ -40,8 +61,13 @@ def test_the_run_folder_holds_the_best_evaluations_weights(case, base, tmp_path)
     kind, where = CASES[case]
     model = ["--kind", kind, *(["--base", str(base), "--lora-r", "4"] if kind == "lora" else [])]
     best, at_four = tmp_path / "best", tmp_path / "four"
-    check(launch(MATRIX_RECIPE, [*RUN, *model, "--max-steps", "8", "--keep-best", "--load-best-at-end",
-                                 "--output-dir", str(best)], **where))
+    check(
+        launch(
+            MATRIX_RECIPE,
+            [*RUN, *model, "--max-steps", "8", "--keep-best", "--load-best-at-end", "--output-dir", str(best)],
+            **where,
+        )
+    )
     check(launch(MATRIX_RECIPE, [*RUN, *model, "--max-steps", "4", "--output-dir", str(at_four)], **where))
     summary = json.loads((best / "summary.json").read_text())
     assert (summary["steps"], summary["weights_step"], summary["eval_accuracy"]) == (8, 4, 0.2)
@@ -54,5 +80,7 @@ def test_load_best_at_end_without_keep_best_or_evaluation_is_one_line(tmp_path):
         TrainConfig(load_best_at_end=True).validate()
     from acceltrain.hooks import CheckpointSchedule
 
-    with pytest.raises(ConfigError, match="--load-best-at-end keeps the best evaluation's weights, and this run has no eval"):
+    with pytest.raises(
+        ConfigError, match="--load-best-at-end keeps the best evaluation's weights, and this run has no eval"
+    ):
         CheckpointSchedule.from_config(TrainConfig(keep_best=True, load_best_at_end=True), evaluates=False)

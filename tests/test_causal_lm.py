@@ -13,33 +13,62 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import REPO, check, launch, read_events, read_summary, reset_accelerate_state
 from safetensors.torch import load_file
 
 from acceltrain import ConfigError, parse_config, run_recipe
 from acceltrain.preemption import EXIT_PREEMPTED
-from conftest import REPO, check, launch, read_events, read_summary, reset_accelerate_state
 
 sys.path.insert(0, str(REPO / "recipes"))
 sys.path.insert(0, str(REPO / "tests" / "helpers"))
 import causal_lm  # noqa: E402
 import uneven_causal_lm  # noqa: E402
 
-from acceltrain.text import CausalLMTask, build_causal_lm, flops_per_block, matmul_parameters  # noqa: E402
-from acceltrain.text import TOKENIZER_FILE, split_blocks  # noqa: E402
+from acceltrain.text import (  # noqa: E402  # noqa: E402
+    TOKENIZER_FILE,
+    CausalLMTask,
+    build_causal_lm,
+    flops_per_block,
+    matmul_parameters,
+    split_blocks,
+)
 
 UNEVEN_RECIPE = REPO / "tests" / "helpers" / "uneven_causal_lm.py"
-WORDS = ("king queen lord lady sword crown night day love war speak hear good ill heart blood fair foul "
-         "come go thou thee thy shall will not what why when now then here there death life").split()
+WORDS = (
+    "king queen lord lady sword crown night day love war speak hear good ill heart blood fair foul "
+    "come go thou thee thy shall will not what why when now then here there death life"
+).split()
 # gpt2-tiny on 32-token blocks of a 300-token BPE: a few milliseconds a step
-SMALL = ["--model", "gpt2-tiny", "--vocab-size", "300", "--block-size", "32", "--eval-fraction", "0.1", "--num-proc", "1",
-         "--num-workers", "0", "--no-progress", "--report-to", "none", "--log-every", "1"]
+SMALL = [
+    "--model",
+    "gpt2-tiny",
+    "--vocab-size",
+    "300",
+    "--block-size",
+    "32",
+    "--eval-fraction",
+    "0.1",
+    "--num-proc",
+    "1",
+    "--num-workers",
+    "0",
+    "--no-progress",
+    "--report-to",
+    "none",
+    "--log-every",
+    "1",
+]
 # plain SGD and no clipping: the update is the gradient itself, so any mis-weighted token shows
 EXACT = [*SMALL, "--optimizer", "sgd", "--lr", "0.5", "--momentum", "0", "--max-grad-norm", "none", "--max-steps", "4"]
 
 
 def write_text(path: Path, lines: int = 600, seed: int = 0) -> Path:
     rng = random.Random(seed)
-    path.write_text("".join(" ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 12))).capitalize() + ".\n" for _ in range(lines)))
+    path.write_text(
+        "".join(
+            " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 12))).capitalize() + ".\n" for _ in range(lines)
+        )
+    )
     return path
 
 
@@ -115,13 +144,29 @@ def big_batch(tmp_path_factory, hf_root, text_file) -> Path:
 
 def test_trains_and_writes_summary_metrics_weights_and_a_loadable_folder(tmp_path, text_file):
     out = tmp_path / "run"
-    assert run(causal_lm.main, out, *SMALL, "--text-files", str(text_file), "--batch-size", "8", "--max-steps", "6",
-               "--eval-every", "3") == 0
+    assert (
+        run(
+            causal_lm.main,
+            out,
+            *SMALL,
+            "--text-files",
+            str(text_file),
+            "--batch-size",
+            "8",
+            "--max-steps",
+            "6",
+            "--eval-every",
+            "3",
+        )
+        == 0
+    )
     summary = read_summary(out)
     evals = [e for e in read_events(out) if "eval_loss" in e]
     assert [e["step"] for e in evals] == [3, 6]
     assert evals[-1]["eval_perplexity"] == pytest.approx(math.exp(evals[-1]["eval_loss"]))
-    assert summary["eval_loss"] == pytest.approx(evals[-1]["eval_loss"]) and summary["eval_loss"] < evals[0]["eval_loss"]
+    assert (
+        summary["eval_loss"] == pytest.approx(evals[-1]["eval_loss"]) and summary["eval_loss"] < evals[0]["eval_loss"]
+    )
     assert summary["eval_perplexity"] == pytest.approx(evals[-1]["eval_perplexity"])
     assert summary["eval_loss"] < math.log(300), "better than uniform over the vocabulary"
     assert summary["steps"] == 6 and summary["samples_seen"] == 48
@@ -130,7 +175,9 @@ def test_trains_and_writes_summary_metrics_weights_and_a_loadable_folder(tmp_pat
     model, tokenizer = AutoModelForCausalLM.from_pretrained(out), AutoTokenizer.from_pretrained(out)
     assert len(tokenizer) == model.config.vocab_size == 300 and tokenizer.eos_token == "<|endoftext|>"
     assert tokenizer.decode(tokenizer("Good night, sweet lord.\n")["input_ids"]) == "Good night, sweet lord.\n"
-    torch.testing.assert_close(model.transformer.h[0].attn.c_attn.weight, weights(out)["transformer.h.0.attn.c_attn.weight"])
+    torch.testing.assert_close(
+        model.transformer.h[0].attn.c_attn.weight, weights(out)["transformer.h.0.attn.c_attn.weight"]
+    )
 
 
 def test_blocks_are_fixed_length_tensors_and_the_split_is_seeded(tmp_path, text_file):
@@ -145,15 +192,25 @@ def test_blocks_are_fixed_length_tensors_and_the_split_is_seeded(tmp_path, text_
     assert len(held_out) == round(0.1 * len(blocks)) and len(train) + len(held_out) == len(blocks)
     rows = lambda dataset: {tuple(row.tolist()) for row in dataset["input_ids"]}  # noqa: E731
     assert not rows(train) & rows(held_out)
-    again, other_seed = split_blocks(blocks, eval_fraction=0.1, seed=0)[1], split_blocks(blocks, eval_fraction=0.1, seed=1)[1]
+    again, other_seed = (
+        split_blocks(blocks, eval_fraction=0.1, seed=0)[1],
+        split_blocks(blocks, eval_fraction=0.1, seed=1)[1],
+    )
     assert rows(again) == rows(held_out) != rows(other_seed)
     in_parallel = token_blocks(texts, tokenizer, block_size=32, num_proc=2)
-    assert torch.equal(torch.as_tensor(in_parallel[:]["input_ids"]), torch.as_tensor(blocks[:]["input_ids"])), "num_proc changes nothing"
+    assert torch.equal(torch.as_tensor(in_parallel[:]["input_ids"]), torch.as_tensor(blocks[:]["input_ids"])), (
+        "num_proc changes nothing"
+    )
 
 
 def test_grad_accumulation_matches_the_big_batch_with_uneven_targets(tmp_path, big_batch, text_file):
     out = tmp_path / "accum"
-    assert run(uneven_causal_lm.main, out, *EXACT, "--text-files", str(text_file), "--batch-size", "2", "--grad-accum", "4") == 0
+    assert (
+        run(
+            uneven_causal_lm.main, out, *EXACT, "--text-files", str(text_file), "--batch-size", "2", "--grad-accum", "4"
+        )
+        == 0
+    )
     assert_same_weights(out, big_batch)
     assert read_summary(out)["train_loss"] == pytest.approx(read_summary(big_batch)["train_loss"], rel=1e-5)
 
@@ -162,9 +219,17 @@ def test_grad_accumulation_matches_the_big_batch_with_uneven_targets(tmp_path, b
 @pytest.mark.multiprocess
 def test_two_processes_match_one_process_with_uneven_targets(tmp_path, big_batch, text_file, hf_root):
     out = tmp_path / "ddp"
-    result = check(launch(UNEVEN_RECIPE, [*EXACT, "--text-files", str(text_file), "--batch-size", "4", "--output-dir", str(out)],
-                          processes=2, launcher="accelerate", HF_HOME=str(hf_root / "home"),
-                          HF_DATASETS_CACHE=str(hf_root / "datasets"), HF_HUB_OFFLINE="1"))
+    result = check(
+        launch(
+            UNEVEN_RECIPE,
+            [*EXACT, "--text-files", str(text_file), "--batch-size", "4", "--output-dir", str(out)],
+            processes=2,
+            launcher="accelerate",
+            HF_HOME=str(hf_root / "home"),
+            HF_DATASETS_CACHE=str(hf_root / "datasets"),
+            HF_HUB_OFFLINE="1",
+        )
+    )
     assert read_summary(out)["num_processes"] == 2 and result.stdout.count("trained a byte-level BPE") == 1
     assert_same_weights(out, big_batch)
 
@@ -173,8 +238,21 @@ def test_two_processes_match_one_process_with_uneven_targets(tmp_path, big_batch
 def test_resume_is_byte_identical_and_reuses_the_tokenizer(tmp_path, text_file, capsys):
     """With dropout: the resumed launch's loader once drew its base seed from the restored global generator, which
     shifted every later dropout mask (the loaders have their own generators now)."""
-    args = [*SMALL, "--text-files", str(text_file), "--batch-size", "4", "--grad-accum", "2", "--max-steps", "6", "--eval-every", "2",
-            "--dropout", "0.1"]
+    args = [
+        *SMALL,
+        "--text-files",
+        str(text_file),
+        "--batch-size",
+        "4",
+        "--grad-accum",
+        "2",
+        "--max-steps",
+        "6",
+        "--eval-every",
+        "2",
+        "--dropout",
+        "0.1",
+    ]
     full, part = tmp_path / "full", tmp_path / "part"
     assert run(causal_lm.main, full, *args) == 0
     assert run(causal_lm.main, part, *args, "--stop-after-steps", "3") == EXIT_PREEMPTED
@@ -182,7 +260,9 @@ def test_resume_is_byte_identical_and_reuses_the_tokenizer(tmp_path, text_file, 
     trained = tokenizer_file.read_bytes()
     capsys.readouterr()
     assert run(causal_lm.main, part, *args, "--resume", "auto", "--vocab-size", "500") == 2
-    assert "vocab_size 300 -> 500" in capsys.readouterr().err, "a setting the resume would ignore is refused, not dropped"
+    assert "vocab_size 300 -> 500" in capsys.readouterr().err, (
+        "a setting the resume would ignore is refused, not dropped"
+    )
     assert run(causal_lm.main, part, *args, "--resume", "auto") == 0
     assert "tokenizer: reusing" in capsys.readouterr().out
     assert tokenizer_file.read_bytes() == trained, "reused, not retrained"
@@ -205,9 +285,25 @@ def test_a_new_run_in_an_old_folder_trains_its_own_tokenizer(tmp_path, text_file
 
 def test_continues_training_a_local_pretrained_folder_with_its_tokenizer(tmp_path, big_batch, text_file):
     out = tmp_path / "finetune"
-    assert run(causal_lm.main, out, *SMALL, "--text-files", str(text_file), "--model-name-or-path", str(big_batch),
-               "--batch-size", "4", "--max-steps", "2") == 0
-    assert (out / TOKENIZER_FILE).read_bytes() == (big_batch / TOKENIZER_FILE).read_bytes(), "the model folder's tokenizer, kept"
+    assert (
+        run(
+            causal_lm.main,
+            out,
+            *SMALL,
+            "--text-files",
+            str(text_file),
+            "--model-name-or-path",
+            str(big_batch),
+            "--batch-size",
+            "4",
+            "--max-steps",
+            "2",
+        )
+        == 0
+    )
+    assert (out / TOKENIZER_FILE).read_bytes() == (big_batch / TOKENIZER_FILE).read_bytes(), (
+        "the model folder's tokenizer, kept"
+    )
     assert read_summary(out)["eval_loss"] is not None
 
 
@@ -218,8 +314,23 @@ def test_without_block_size_a_pretrained_model_trains_at_its_limit_one_given_is_
     from pretrained_folders import causal_lm_folder
 
     model = causal_lm_folder(tmp_path / "short", positions=128)
-    args = ["--text-files", str(text_file), "--model-name-or-path", str(model), "--num-proc", "1", "--num-workers", "0",
-            "--no-progress", "--report-to", "none", "--batch-size", "2", "--max-steps", "1"]
+    args = [
+        "--text-files",
+        str(text_file),
+        "--model-name-or-path",
+        str(model),
+        "--num-proc",
+        "1",
+        "--num-workers",
+        "0",
+        "--no-progress",
+        "--report-to",
+        "none",
+        "--batch-size",
+        "2",
+        "--max-steps",
+        "1",
+    ]
     assert run(causal_lm.main, tmp_path / "unsized", *args) == 0
     assert read_summary(tmp_path / "unsized")["config"]["block_size"] == 128
     logged = f"--block-size 128: the positions of --model-name-or-path {str(model)!r} (the default, 256, is longer)"
@@ -242,13 +353,19 @@ def test_llama_preset_and_flop_count():
     assert count.item() == 2 * 31 and loss_sum.item() / 31 / 2 == pytest.approx(math.log(300), rel=0.1)
     values = task.eval_values(model, batch)
     assert values["tokens"].tolist() == [31.0, 31.0]
-    assert task.eval_metrics({"loss_sum": 62 * 2.0, "tokens": 62.0}, 2) == {"loss": 2.0, "perplexity": pytest.approx(math.exp(2))}
+    assert task.eval_metrics({"loss_sum": 62 * 2.0, "tokens": 62.0}, 2) == {
+        "loss": 2.0,
+        "perplexity": pytest.approx(math.exp(2)),
+    }
     assert (task.tokens_per_sample, task.primary_metric, task.higher_is_better) == (32, "loss", False)
 
 
 @pytest.mark.parametrize("preset", ["lm_tiny_cpu.yaml", "lm_gpt2_124m_gpu.yaml"])
 def test_presets_are_valid(preset, text_file):
-    cfg = parse_config(causal_lm.CausalLMConfig, ["--config", str(REPO / "recipes" / "configs" / preset), "--text-files", str(text_file)])
+    cfg = parse_config(
+        causal_lm.CausalLMConfig,
+        ["--config", str(REPO / "recipes" / "configs" / preset), "--text-files", str(text_file)],
+    )
     assert cfg.optimizer == "adamw" and cfg.lr < 0.01
 
 
@@ -257,19 +374,33 @@ BAD_INPUTS = [
     (["--text-files", "{tmp}/empty.txt"], "the files are empty"),
     (["--text-files", "{tmp}/fifo"], "fifo' is a named pipe (FIFO), not a regular file"),  # was "the files are empty"
     (["--text-files", "{text}", "--block-size", "100000"], "--block-size 100000 is too long for the text"),
-    (["--text-files", "{text}", "--eval-fraction", "0.99", "--block-size", "512"], "--eval-fraction 0.99 leaves no training data"),
+    (
+        ["--text-files", "{text}", "--eval-fraction", "0.99", "--block-size", "512"],
+        "--eval-fraction 0.99 leaves no training data",
+    ),
     ([], "exactly one of --text-files FILES and --dataset-name NAME"),
     (["--dataset-name", "Salesforce/wikitext"], "--dataset-name 'Salesforce/wikitext' could not be loaded"),
-    (["--text-files", "{text}", "--tokenizer", "openai-community/gpt2"], "--tokenizer 'openai-community/gpt2': could not load"),
+    (
+        ["--text-files", "{text}", "--tokenizer", "openai-community/gpt2"],
+        "--tokenizer 'openai-community/gpt2': could not load",
+    ),
     (["--text-files", "{text}", "--tokenizer", "{tmp}/missing"], "no such file or folder"),
-    (["--text-files", "{text}", "--model-name-or-path", "openai-community/gpt2"], "--model-name-or-path 'openai-community/gpt2'"),
+    (
+        ["--text-files", "{text}", "--model-name-or-path", "openai-community/gpt2"],
+        "--model-name-or-path 'openai-community/gpt2'",
+    ),
     (["--text-files", "{text}", "--vocab-size", "100"], "--vocab-size 100 is invalid"),
-    (["--text-files", "{text}", "--target-accuracy", "0.5"], "--target-accuracy 0.5 needs a task whose primary metric is accuracy; CausalLMTask's is 'loss'"),
+    (
+        ["--text-files", "{text}", "--target-accuracy", "0.5"],
+        "--target-accuracy 0.5 needs a task whose primary metric is accuracy; CausalLMTask's is 'loss'",
+    ),
     (["--text-files", "{text}", "--data-on-device"], "--data-on-device needs a dataset with a device_loader() method"),
 ]
 
 
-@pytest.mark.parametrize("argv,message", BAD_INPUTS, ids=[m.split()[0] + "-" + str(i) for i, (_, m) in enumerate(BAD_INPUTS)])
+@pytest.mark.parametrize(
+    "argv,message", BAD_INPUTS, ids=[m.split()[0] + "-" + str(i) for i, (_, m) in enumerate(BAD_INPUTS)]
+)
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, text_file, capsys, argv, message):
     (tmp_path / "empty.txt").write_text("")
     os.mkfifo(tmp_path / "fifo")
@@ -285,10 +416,18 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, text_file, ca
 def test_deepspeed_is_refused_before_any_work(tmp_path, text_file, hf_root):
     pytest.importorskip("deepspeed")
     out = tmp_path / "ds"
-    result = launch(REPO / "recipes" / "causal_lm.py", [*SMALL, "--text-files", str(text_file), "--output-dir", str(out)],
-                    launcher="accelerate", config="deepspeed_zero2.yaml", HF_HOME=str(hf_root / "home"), HF_HUB_OFFLINE="1")
+    result = launch(
+        REPO / "recipes" / "causal_lm.py",
+        [*SMALL, "--text-files", str(text_file), "--output-dir", str(out)],
+        launcher="accelerate",
+        config="deepspeed_zero2.yaml",
+        HF_HOME=str(hf_root / "home"),
+        HF_HUB_OFFLINE="1",
+    )
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
-    assert result.returncode != 0 and len(errors) == 1 and "DeepSpeed keeps them in its partitions" in errors[0], result.stderr[-2000:]
+    assert result.returncode != 0 and len(errors) == 1 and "DeepSpeed keeps them in its partitions" in errors[0], (
+        result.stderr[-2000:]
+    )
     assert not out.exists() and "tokenizer:" not in result.stdout
 
 
@@ -322,10 +461,14 @@ def test_streamed_blocks_are_the_in_memory_blocks(text_file):
 
     texts = load_text(str(text_file))
     tokenizer = tokenizer_for_run(None, "--tokenizer", texts, text_file.parent / "tok", 300)
-    in_memory = torch.stack([row["input_ids"] for row in token_blocks(texts, tokenizer, block_size=32, num_proc=1).with_format("torch")])
+    in_memory = torch.stack(
+        [row["input_ids"] for row in token_blocks(texts, tokenizer, block_size=32, num_proc=1).with_format("torch")]
+    )
     stream = load_text(str(text_file), streaming=True)
     assert isinstance(stream, datasets.IterableDataset)
-    streamed = torch.stack([row["input_ids"] for row in streamed_blocks(stream, tokenizer, block_size=32, seed=0, shuffle_buffer=1)])
+    streamed = torch.stack(
+        [row["input_ids"] for row in streamed_blocks(stream, tokenizer, block_size=32, seed=0, shuffle_buffer=1)]
+    )
     assert torch.equal(streamed, in_memory)
 
 
@@ -334,8 +477,24 @@ def test_streamed_blocks_are_the_in_memory_blocks(text_file):
 def test_streaming_resumes_byte_identically_across_passes(tmp_path, workers):
     """60 lines, 10 held out for evaluation: a pass is a few steps, so the run crosses passes' ends."""
     text = write_text(tmp_path / "short.txt", lines=60, seed=1)
-    args = [*SMALL, "--num-workers", workers, "--text-files", str(text), "--streaming", "--eval-lines", "10", "--batch-size", "4",
-            "--grad-accum", "2", "--max-steps", "8", "--eval-every", "4"]
+    args = [
+        *SMALL,
+        "--num-workers",
+        workers,
+        "--text-files",
+        str(text),
+        "--streaming",
+        "--eval-lines",
+        "10",
+        "--batch-size",
+        "4",
+        "--grad-accum",
+        "2",
+        "--max-steps",
+        "8",
+        "--eval-every",
+        "4",
+    ]
     full, part = tmp_path / "full", tmp_path / "part"
     assert run(causal_lm.main, full, *args) == 0
     summary = read_summary(full)
@@ -352,17 +511,33 @@ def test_a_resume_refuses_text_that_changed_since_the_checkpoint(tmp_path, capsy
     held-out lines both changed), and text that shrank failed deep in the loader; the text's fingerprint is recorded
     in each checkpoint and compared."""
     text = write_text(tmp_path / "short.txt", lines=60, seed=1)
-    args = [*SMALL, "--text-files", str(text), "--streaming", "--eval-lines", "10", "--batch-size", "4", "--max-steps", "8"]
+    args = [
+        *SMALL,
+        "--text-files",
+        str(text),
+        "--streaming",
+        "--eval-lines",
+        "10",
+        "--batch-size",
+        "4",
+        "--max-steps",
+        "8",
+    ]
     part = tmp_path / "part"
     assert run(causal_lm.main, part, *args, "--stop-after-steps", "5") == EXIT_PREEMPTED
     original = text.read_text()
     lines = original.splitlines(keepends=True)
-    for changed in ("".join(reversed(lines)), "".join(lines[:20])):  # the same size; shorter than the checkpoint's place
+    for changed in (
+        "".join(reversed(lines)),
+        "".join(lines[:20]),
+    ):  # the same size; shorter than the checkpoint's place
         text.write_text(changed)
         capsys.readouterr()
         assert run(causal_lm.main, part, *args, "--resume", "auto") == 2
         err = capsys.readouterr().err.strip()
-        assert "was trained on data whose fingerprint is" in err and "its content changed since" in err and "\n" not in err, err
+        assert (
+            "was trained on data whose fingerprint is" in err and "its content changed since" in err and "\n" not in err
+        ), err
     text.write_text(original)
     assert run(causal_lm.main, part, *args, "--resume", "auto") == 0
 

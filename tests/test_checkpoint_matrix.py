@@ -18,10 +18,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import REPO, check, launch
 
 from acceltrain.checkpoint.files import COMPLETE_FILE, complete_checkpoints
 from acceltrain.preemption import EXIT_PREEMPTED
-from conftest import REPO, check, launch
 
 sys.path.insert(0, str(REPO / "tests" / "helpers"))
 from pretrained_folders import bert_folder  # noqa: E402
@@ -34,8 +34,23 @@ ENGINES = {  # how each engine is launched
     "deepspeed": {"processes": 1, "launcher": "accelerate", "config": "deepspeed_zero2.yaml"},
 }
 STEPS = 8
-RUN = ["--max-steps", str(STEPS), "--batch-size", "4", "--lr", "0.05", "--save-every-steps", "2", "--log-every", "1",
-       "--no-progress", "--num-workers", "0", "--report-to", "none"]
+RUN = [
+    "--max-steps",
+    str(STEPS),
+    "--batch-size",
+    "4",
+    "--lr",
+    "0.05",
+    "--save-every-steps",
+    "2",
+    "--log-every",
+    "1",
+    "--no-progress",
+    "--num-workers",
+    "0",
+    "--report-to",
+    "none",
+]
 STOPS = {  # the launch that stops, and the complete checkpoint it leaves to resume from
     "stop_after_steps": (["--stop-after-steps", "4"], "step_00000004"),
     "sigterm": (["--sigterm-at", "3"], "step_00000003"),  # saved at the next step boundary, off the save schedule
@@ -52,7 +67,10 @@ DEFAULT = [
     ("deepspeed", "sync", "cnn", "sigterm"),
 ]
 REFUSED = {  # combinations that cannot work, and their one line
-    ("deepspeed", "async"): "--async-checkpoint works under DDP and FSDP; DeepSpeed writes its checkpoints itself: drop the flag",
+    (
+        "deepspeed",
+        "async",
+    ): "--async-checkpoint works under DDP and FSDP; DeepSpeed writes its checkpoints itself: drop the flag",
     ("deepspeed", "lora"): "LoRA (--lora-r) is not supported under DeepSpeed here",
 }
 
@@ -72,8 +90,15 @@ def base(tmp_path_factory) -> Path:
 
 
 def _matrix(engine: str, model: str, base: Path, out: Path, *extra: str):
-    args = [*RUN, "--kind", model, "--output-dir", str(out), *(["--base", str(base), "--lora-r", "4"] if model == "lora" else []),
-            *extra]
+    args = [
+        *RUN,
+        "--kind",
+        model,
+        "--output-dir",
+        str(out),
+        *(["--base", str(base), "--lora-r", "4"] if model == "lora" else []),
+        *extra,
+    ]
     return launch(MATRIX_RECIPE, args, timeout=600, **ENGINES[engine])
 
 
@@ -100,7 +125,9 @@ def _weights(out: Path) -> bytes:
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(("engine", "writer", "model", "stop"), list(_cases()))
-def test_every_stop_resumes_to_the_bytes_of_the_uninterrupted_run(engine, writer, model, stop, base, reference, tmp_path):
+def test_every_stop_resumes_to_the_bytes_of_the_uninterrupted_run(
+    engine, writer, model, stop, base, reference, tmp_path
+):
     out = tmp_path / "run"
     flags = ["--async-checkpoint"] if writer == "async" else []
     stop_flags, resumes_from = STOPS[stop]
@@ -114,7 +141,9 @@ def test_every_stop_resumes_to_the_bytes_of_the_uninterrupted_run(engine, writer
         assert "stopped at step" in stopped.stdout + stopped.stderr
     assert complete_checkpoints(out)[-1].name == resumes_from
     check(_matrix(engine, model, base, out, *flags, "--resume", "auto"))
-    assert _weights(out) == _weights(reference(engine, model)), f"{engine} {writer} {model} {stop}: not the uninterrupted bytes"
+    assert _weights(out) == _weights(reference(engine, model)), (
+        f"{engine} {writer} {model} {stop}: not the uninterrupted bytes"
+    )
 
 
 @pytest.mark.slow
@@ -125,4 +154,3 @@ def test_what_cannot_work_is_refused_in_one_line(engine, writer, model, base, tm
     expected = REFUSED[engine, writer] if writer == "async" else REFUSED[engine, model]
     assert result.returncode != 0 and expected in result.stderr, result.stderr[-2000:]
     assert not (tmp_path / "run").exists(), "nothing is left behind"
-

@@ -10,13 +10,24 @@ import json
 from pathlib import Path
 
 import pytest
-
-from acceltrain.checkpoint.files import complete_checkpoints
-
-from acceltrain.preemption import EXIT_PREEMPTED
 from conftest import run_tiny_in_process
 
-RUN = ["--num-train", "16", "--batch-size", "4", "--epochs", "2", "--no-progress", "--num-workers", "0", "--report-to", "none"]
+from acceltrain.checkpoint.files import complete_checkpoints
+from acceltrain.preemption import EXIT_PREEMPTED
+
+RUN = [
+    "--num-train",
+    "16",
+    "--batch-size",
+    "4",
+    "--epochs",
+    "2",
+    "--no-progress",
+    "--num-workers",
+    "0",
+    "--report-to",
+    "none",
+]
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +59,10 @@ def write_state(folder: Path, text: str) -> None:
     state_file = folder / "trainer_state.json"
     state_file.write_text(text)
     manifest = json.loads((folder / "COMPLETE").read_text())
-    manifest["trainer_state.json"] = {"bytes": state_file.stat().st_size, "sha256": hashlib.sha256(state_file.read_bytes()).hexdigest()}
+    manifest["trainer_state.json"] = {
+        "bytes": state_file.stat().st_size,
+        "sha256": hashlib.sha256(state_file.read_bytes()).hexdigest(),
+    }
     (folder / "COMPLETE").write_text(json.dumps(manifest))
 
 
@@ -61,16 +75,28 @@ STATES = [
     ({"train_seconds": -1.0}, "train_seconds is -1.0; it must be a finite number >= 0"),
     ({"hooks": "EMA"}, "hooks is 'EMA'; it must be a list of hook names"),
     ({"scheduler": []}, "scheduler is []; it must be a JSON object"),
-    ({"best_checkpoint": 3}, "best_checkpoint is 3; it must be a string or null"),  # a field of checkpoints before RunState
+    (
+        {"best_checkpoint": 3},
+        "best_checkpoint is 3; it must be a string or null",
+    ),  # a field of checkpoints before RunState
     ({"batches_in_epoch": 0}, "has both batch_in_epoch and batches_in_epoch, its older name: keep one"),
     ({"surprise": 1}, "has unknown fields: 'surprise'"),
     ({"step": "x" * 10_000}, "step is 'xxxxxxxx"),
     # round 4 (issue 31, items 4, 6-8): the fields must agree with each other and the config be whole
-    ({"step": 100}, "contradicts itself: step 100 does not follow from epoch 0 and batch_in_epoch 2 (4 optimizer steps per epoch make step 2)"),
+    (
+        {"step": 100},
+        "contradicts itself: step 100 does not follow from epoch 0 and batch_in_epoch 2 (4 optimizer steps per epoch make step 2)",
+    ),
     ({"step": 10**30}, "contradicts itself: step 1000000000000000000000000000000 does not follow"),
-    ({"batch_in_epoch": 10**6}, "contradicts itself: batch_in_epoch 1000000 is not an optimizer-step boundary inside an epoch of 4 batches"),
+    (
+        {"batch_in_epoch": 10**6},
+        "contradicts itself: batch_in_epoch 1000000 is not an optimizer-step boundary inside an epoch of 4 batches",
+    ),
     ({"epoch": 10**6}, "contradicts itself: step 2 does not follow from epoch 1000000"),
-    ({"samples_seen": 7}, "contradicts itself: samples_seen 7 does not follow from its position in the data (8 samples)"),
+    (
+        {"samples_seen": 7},
+        "contradicts itself: samples_seen 7 does not follow from its position in the data (8 samples)",
+    ),
     ({"config": {}}, "config lacks seed, batch_size, grad_accum, epochs, max_steps: it must hold the resolved config"),
     ({"scheduler": {"zzz": 1}}, "scheduler is ['zzz']; it must have the keys"),
     ({"scheduler": {"last_epoch": "x"}}, "scheduler is ['last_epoch']; it must have the keys"),
@@ -98,9 +124,18 @@ MANIFESTS = [
 
 SCHEDULERS = [
     (lambda scheduler: {**scheduler, "last_epoch": "x"}, "scheduler.last_epoch is 'x'; it must be a finite integer"),
-    (lambda scheduler: {**scheduler, "last_epoch": 3}, "scheduler.last_epoch is 3; it must be in [0, 2], the steps taken"),
-    (lambda scheduler: {**scheduler, "base_lrs": [float("nan")]}, "scheduler.base_lrs[0] is nan; it must be a finite number"),
-    (lambda scheduler: {**scheduler, "lr_lambdas": [{"total_steps": 1}]}, "scheduler.lr_lambdas[0] is {'total_steps': 1}; it must be None"),
+    (
+        lambda scheduler: {**scheduler, "last_epoch": 3},
+        "scheduler.last_epoch is 3; it must be in [0, 2], the steps taken",
+    ),
+    (
+        lambda scheduler: {**scheduler, "base_lrs": [float("nan")]},
+        "scheduler.base_lrs[0] is nan; it must be a finite number",
+    ),
+    (
+        lambda scheduler: {**scheduler, "lr_lambdas": [{"total_steps": 1}]},
+        "scheduler.lr_lambdas[0] is {'total_steps': 1}; it must be None",
+    ),
 ]
 
 
@@ -146,18 +181,34 @@ def test_a_stream_checkpoint_past_the_runs_last_step_is_refused(tmp_path, capsys
     """Before: a stream checkpoint edited to step 100 of a 12-step run finished at once as "done: 100 steps",
     publishing the step-4 weights. Its fields agree with each other; the run's own length refuses it."""
     out = tmp_path / "run"
-    stream = ["--stream", "torch", "--batch-size", "8", "--max-steps", "12", "--no-progress", "--num-workers", "0", "--report-to", "none"]
+    stream = [
+        "--stream",
+        "torch",
+        "--batch-size",
+        "8",
+        "--max-steps",
+        "12",
+        "--no-progress",
+        "--num-workers",
+        "0",
+        "--report-to",
+        "none",
+    ]
     assert run_tiny_in_process(out, *stream, "--stop-after-steps", "4") == EXIT_PREEMPTED
     folder = complete_checkpoints(out)[-1]
     rewrite_state(folder, step=100, samples_seen=800)
     assert run_tiny_in_process(out, *stream, "--resume", "auto") == 2
     err = capsys.readouterr().err.strip()
-    assert err.endswith("is at step 100, past the 12 optimizer steps of this run: resume with the --max-steps or --epochs it was "
-                        "written with, or start a new --output-dir"), err
+    assert err.endswith(
+        "is at step 100, past the 12 optimizer steps of this run: resume with the --max-steps or --epochs it was "
+        "written with, or start a new --output-dir"
+    ), err
     assert not (out / "summary.json").exists()
 
 
-@pytest.mark.parametrize(("tamper", "message"), MANIFESTS, ids=["list", "no-bytes", "not-a-dict", "string-bytes", "outside"])
+@pytest.mark.parametrize(
+    ("tamper", "message"), MANIFESTS, ids=["list", "no-bytes", "not-a-dict", "string-bytes", "outside"]
+)
 def test_a_malformed_manifest_is_one_line(checkpoint, capsys, tamper, message):
     out, folder = checkpoint
     marker = folder / "COMPLETE"
@@ -174,11 +225,15 @@ def test_a_trainer_state_that_is_not_an_object_is_one_line(checkpoint, capsys):
     assert "is malformed: a JSON list, not an object" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize(("error", "free_space"), [
-    (OSError(errno.ENOSPC, "No space left on device"), True),
-    (OSError(errno.EACCES, "Permission denied"), False),
-    (RuntimeError("Some tensors share memory, this will lead to duplicate memory on disk"), False),
-], ids=["ENOSPC", "EACCES", "shared-tensors"])
+@pytest.mark.parametrize(
+    ("error", "free_space"),
+    [
+        (OSError(errno.ENOSPC, "No space left on device"), True),
+        (OSError(errno.EACCES, "Permission denied"), False),
+        (RuntimeError("Some tensors share memory, this will lead to duplicate memory on disk"), False),
+    ],
+    ids=["ENOSPC", "EACCES", "shared-tensors"],
+)
 def test_a_failed_save_blames_free_space_only_for_a_full_disk(tmp_path, monkeypatch, capsys, error, free_space):
     from acceltrain.checkpoint import writers
 

@@ -13,16 +13,32 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import REPO, TINY_RECIPE, check, launch, read_events, read_summary, run_tiny_in_process, subprocess_env
 
 from acceltrain.checkpoint.files import complete_checkpoints, verify_checkpoint
-
 from acceltrain.preemption import EXIT_PREEMPTED
-from conftest import REPO, TINY_RECIPE, check, launch, read_events, read_summary, subprocess_env, run_tiny_in_process
-
 
 # 40 samples, batch 4, accumulate 3: 10 batches an epoch in windows of 3, 3, 3 and 1: 4 steps an epoch.
-RUN = ["--num-train", "40", "--batch-size", "4", "--grad-accum", "3", "--epochs", "3", "--lr", "0.05",
-       "--warmup-steps", "2", "--batchnorm", "--no-progress", "--log-every", "1", "--eval-every", "3"]
+RUN = [
+    "--num-train",
+    "40",
+    "--batch-size",
+    "4",
+    "--grad-accum",
+    "3",
+    "--epochs",
+    "3",
+    "--lr",
+    "0.05",
+    "--warmup-steps",
+    "2",
+    "--batchnorm",
+    "--no-progress",
+    "--log-every",
+    "1",
+    "--eval-every",
+    "3",
+]
 
 
 def run_tiny(output_dir: Path, *args: str) -> int:
@@ -75,16 +91,26 @@ def test_two_processes_resume_byte_identical(tmp_path):
     args = [*RUN, "--num-workers", "1", "--batch-size", "2", "--sync-bn", "--ema-decay", "0.9"]
     full, part = tmp_path / "full", tmp_path / "part"
     check(launch(TINY_RECIPE, [*args, "--output-dir", str(full)], processes=2, launcher="accelerate"))
-    stopped = launch(TINY_RECIPE, [*args, "--output-dir", str(part), "--stop-after-steps", "5"], processes=2, launcher="accelerate")
+    stopped = launch(
+        TINY_RECIPE, [*args, "--output-dir", str(part), "--stop-after-steps", "5"], processes=2, launcher="accelerate"
+    )
     assert stopped.returncode != 0 and "stopped at step 5" in stopped.stdout
-    check(launch(TINY_RECIPE, [*args, "--output-dir", str(part), "--resume", "auto"], processes=2, launcher="accelerate"))
+    check(
+        launch(TINY_RECIPE, [*args, "--output-dir", str(part), "--resume", "auto"], processes=2, launcher="accelerate")
+    )
     assert weights(part) == weights(full)
     assert (part / "rank1.safetensors").read_bytes() == (full / "rank1.safetensors").read_bytes()
 
 
 def _start(args: list[str]) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, str(TINY_RECIPE), *args], cwd=REPO, env=subprocess_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, str(TINY_RECIPE), *args],
+        cwd=REPO,
+        env=subprocess_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _wait_for(predicate, timeout: float = 120) -> None:
@@ -94,8 +120,24 @@ def _wait_for(predicate, timeout: float = 120) -> None:
         time.sleep(0.02)
 
 
-LONG = ["--num-train", "8192", "--batch-size", "16", "--grad-accum", "2", "--epochs", "1", "--lr", "0.05",
-        "--no-progress", "--log-every", "1", "--num-workers", "0", "--batchnorm"]
+LONG = [
+    "--num-train",
+    "8192",
+    "--batch-size",
+    "16",
+    "--grad-accum",
+    "2",
+    "--epochs",
+    "1",
+    "--lr",
+    "0.05",
+    "--no-progress",
+    "--log-every",
+    "1",
+    "--num-workers",
+    "0",
+    "--batchnorm",
+]
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +154,9 @@ def test_sigterm_checkpoints_exits_75_and_resume_is_identical(tmp_path, long_uni
     # an unpredictable step, often inside an accumulation window; counted, not timed: on any machine well
     # before the last of 256 (a fixed sleep could outlast a fast machine's whole run)
     logged = random.randint(1, 20)
-    _wait_for(lambda: (out / "metrics.jsonl").exists() and len((out / "metrics.jsonl").read_text().splitlines()) >= logged)
+    _wait_for(
+        lambda: (out / "metrics.jsonl").exists() and len((out / "metrics.jsonl").read_text().splitlines()) >= logged
+    )
     process.send_signal(signal.SIGTERM)
     time.sleep(0.05)
     process.send_signal(signal.SIGTERM)  # a second signal while stopping/saving changes nothing
@@ -147,7 +191,9 @@ def two_checkpoints(tmp_path):
     return out, older, newer
 
 
-@pytest.mark.parametrize("damage,message", [("truncate", "is truncated"), ("flip", "is corrupted"), ("marker", "is incomplete")])
+@pytest.mark.parametrize(
+    "damage,message", [("truncate", "is truncated"), ("flip", "is corrupted"), ("marker", "is incomplete")]
+)
 def test_damaged_checkpoint_named_explicitly_is_a_one_line_error(two_checkpoints, capsys, damage, message):
     out, _, newer = two_checkpoints
     target = newer / "model.safetensors"
@@ -178,14 +224,21 @@ def test_resume_with_a_different_global_batch_is_refused(two_checkpoints, capsys
     out, _, _ = two_checkpoints
     assert run_tiny(out, "--num-workers", "0", "--resume", "auto", "--batch-size", "2") == 2
     err = capsys.readouterr().err  # fewer samples per optimizer step: refused, naming the accumulation that fits
-    assert "this run has 1 processes x batch 2 x grad_accum 3 = 6 samples per optimizer step: resume with 12 samples " \
-           "per optimizer step (here: --grad-accum 6)" in err
+    assert (
+        "this run has 1 processes x batch 2 x grad_accum 3 = 6 samples per optimizer step: resume with 12 samples "
+        "per optimizer step (here: --grad-accum 6)" in err
+    )
 
 
 @pytest.mark.slow
 def test_rotation_keeps_the_newest_and_the_best(tmp_path):
     out = tmp_path / "run"
-    assert run_tiny(out, "--num-workers", "0", "--save-every-steps", "1", "--keep-last", "2", "--keep-best", "--eval-every", "1") == 0
+    assert (
+        run_tiny(
+            out, "--num-workers", "0", "--save-every-steps", "1", "--keep-last", "2", "--keep-best", "--eval-every", "1"
+        )
+        == 0
+    )
     kept = [p.name for p in complete_checkpoints(out)]
     events = [e for e in read_events(out) if "eval_accuracy" in e]
     best_step = max(events, key=lambda e: (e["eval_accuracy"], -e["step"]))["step"]
@@ -215,6 +268,8 @@ def test_rotation_orders_by_step_not_by_name_or_save_count(tmp_path):
         (folder / "COMPLETE").write_text("{}")
     (tmp_path / "checkpoints" / "step_00000011").mkdir()  # incomplete: not a checkpoint, left alone
     (tmp_path / "checkpoints" / ".tmp-step_00001001").mkdir()  # an interrupted save: removed
-    rotate_checkpoints(tmp_path, keep_last=2, best="step_00000009", verified={f"step_{s:08d}" for s in (9, 10, 100, 1000)})
+    rotate_checkpoints(
+        tmp_path, keep_last=2, best="step_00000009", verified={f"step_{s:08d}" for s in (9, 10, 100, 1000)}
+    )
     left = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     assert left == ["step_00000009", "step_00000011", "step_00000100", "step_00001000"]

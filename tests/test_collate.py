@@ -10,11 +10,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import REPO, subprocess_env
 from torch import nn
 
 from acceltrain import ConfigError, TrainConfig, fit
 from acceltrain.text import TextClassificationTask
-from conftest import REPO, subprocess_env
 
 
 class Words(torch.utils.data.Dataset):
@@ -42,12 +42,23 @@ class Bag(nn.Module):
 
 
 def config(tmp_path, **extra) -> TrainConfig:
-    return TrainConfig(output_dir=str(tmp_path / "run"), batch_size=8, max_steps=2, lr=0.1, num_workers=0, progress=False,
-                       report_to="none", **extra)
+    return TrainConfig(
+        output_dir=str(tmp_path / "run"),
+        batch_size=8,
+        max_steps=2,
+        lr=0.1,
+        num_workers=0,
+        progress=False,
+        report_to="none",
+        **extra,
+    )
 
 
 def stacked(samples):
-    return {"input_ids": torch.stack([s["input_ids"] for s in samples]), "labels": torch.tensor([s["labels"] for s in samples])}
+    return {
+        "input_ids": torch.stack([s["input_ids"] for s in samples]),
+        "labels": torch.tensor([s["labels"] for s in samples]),
+    }
 
 
 def as_list(samples):
@@ -67,16 +78,31 @@ def pair(samples):
     return {"input_ids": batch["input_ids"]}, batch["labels"]
 
 
-@pytest.mark.parametrize(("collate", "said"), [
-    (as_list, "returned a list of 2 items; TextClassificationTask takes a mapping of the model's inputs and 'labels'"),
-    (without_labels, "returned a mapping of input_ids; TextClassificationTask takes a mapping of the model's inputs and 'labels'"),
-    (string_labels, "returned labels as a list of 2 items: class labels must be an integer tensor"),
-])
+@pytest.mark.parametrize(
+    ("collate", "said"),
+    [
+        (
+            as_list,
+            "returned a list of 2 items; TextClassificationTask takes a mapping of the model's inputs and 'labels'",
+        ),
+        (
+            without_labels,
+            "returned a mapping of input_ids; TextClassificationTask takes a mapping of the model's inputs and 'labels'",
+        ),
+        (string_labels, "returned labels as a list of 2 items: class labels must be an integer tensor"),
+    ],
+)
 def test_a_batch_the_task_cannot_take_is_one_line_naming_the_collate_function(tmp_path, collate, said):
     model = Bag()
     with pytest.raises(ConfigError) as error:
-        fit(config(tmp_path), model, torch.optim.SGD(model.parameters(), lr=0.1), Words(), task=TextClassificationTask(["no", "yes"]),
-            collate_fn=collate)
+        fit(
+            config(tmp_path),
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            Words(),
+            task=TextClassificationTask(["no", "yes"]),
+            collate_fn=collate,
+        )
     assert str(error.value).startswith(f"the collate function {collate.__name__} ") and said in str(error.value)
     assert "\n" not in str(error.value) and not (tmp_path / "run").exists()
 
@@ -86,8 +112,14 @@ def test_an_inputs_labels_pair_trains_as_the_mapping_does(tmp_path):
     for collate in (stacked, pair):
         torch.manual_seed(0)
         model = Bag()
-        fit(config(tmp_path / collate.__name__), model, torch.optim.SGD(model.parameters(), lr=0.1), Words(),
-            task=TextClassificationTask(["no", "yes"]), collate_fn=collate)
+        fit(
+            config(tmp_path / collate.__name__),
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            Words(),
+            task=TextClassificationTask(["no", "yes"]),
+            collate_fn=collate,
+        )
         results.append(model.head.weight.detach().clone())
     torch.testing.assert_close(results[0], results[1], rtol=0, atol=0)
 
@@ -113,10 +145,32 @@ run_recipe(main, TrainConfig, sys.argv[1:])
 def test_a_collate_function_that_returns_none_is_one_line_not_an_endless_loop(tmp_path):
     """Before: None was the loop's own end-of-epoch value, so every epoch ended at its first batch and the next began,
     forever, ignoring SIGTERM."""
-    result = subprocess.run([sys.executable, "-c", NONE_COLLATE, "--output-dir", str(tmp_path / "run"), "--max-steps", "2",
-                             "--batch-size", "8", "--num-workers", "0", "--report-to", "none", "--no-progress"],
-                            cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            NONE_COLLATE,
+            "--output-dir",
+            str(tmp_path / "run"),
+            "--max-steps",
+            "2",
+            "--batch-size",
+            "8",
+            "--num-workers",
+            "0",
+            "--report-to",
+            "none",
+            "--no-progress",
+        ],
+        cwd=REPO,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 2, result.stderr[-2000:]
-    assert result.stderr.strip() == ("error: the collate function main.<locals>.forgot_to_return returned None (a missing "
-                                     "return?): it must return a batch ClassificationTask takes")
+    assert result.stderr.strip() == (
+        "error: the collate function main.<locals>.forgot_to_return returned None (a missing "
+        "return?): it must return a batch ClassificationTask takes"
+    )
     assert not (tmp_path / "run").exists()

@@ -5,12 +5,13 @@ from __future__ import annotations
 import sys
 
 import pytest
-
-from acceltrain import ConfigError, TrainConfig, parse_config, run_recipe
 from conftest import RECIPE, check, launch
 
+from acceltrain import ConfigError, TrainConfig, parse_config, run_recipe
+
 sys.path.insert(0, str(RECIPE.parent))
-from resnet_cifar import CifarConfig, main as cifar_main  # noqa: E402
+from resnet_cifar import CifarConfig  # noqa: E402
+from resnet_cifar import main as cifar_main
 
 
 def test_defaults_preset_and_flags_take_precedence_in_that_order(tmp_path):
@@ -31,7 +32,10 @@ BAD_INPUTS = [
     (["--lr", "-0.1"], "--lr -0.1 is invalid: must be a number > 0"),
     (["--batch-size", "ten"], "--batch-size 'ten' is invalid: must be an integer"),
     (["--model", "resnet9000"], "--model 'resnet9000' is invalid: choose one of resnet18, resnet34, resnet50"),
-    (["--dataset", "mnist"], "--dataset 'mnist' is invalid: must be one of cifar10, imagefolder, synthetic, or a Hub dataset as namespace/name"),
+    (
+        ["--dataset", "mnist"],
+        "--dataset 'mnist' is invalid: must be one of cifar10, imagefolder, synthetic, or a Hub dataset as namespace/name",
+    ),
     (["--mixed-precision", "fp8"], "--mixed-precision 'fp8' is invalid"),
     (["--target-accuracy", "94"], "--target-accuracy 94.0 is invalid: must be a fraction in (0, 1]"),
     (["--bogus-flag", "1"], "unrecognized arguments: --bogus-flag"),
@@ -40,7 +44,10 @@ BAD_INPUTS = [
     (["--epochs", "inf"], "--epochs 'inf' is invalid: must be a finite number"),
     (["--lr", "nan"], "--lr 'nan' is invalid: must be a finite number"),
     (["--seed", "-1"], "--seed -1 is invalid: must be an integer in [0, 4294967295]"),
-    (["--seed", "100000000000000000000"], "--seed 100000000000000000000 is invalid: must be an integer in [0, 4294967295]"),
+    (
+        ["--seed", "100000000000000000000"],
+        "--seed 100000000000000000000 is invalid: must be an integer in [0, 4294967295]",
+    ),
     (["--max-step", "5"], "unrecognized arguments: --max-step (did you mean --max-steps?)"),
     (["--lookahead-decay", "1"], "--lookahead-decay 1.0 is invalid: must be a number in (0, 1)"),
     (["--lookahead-every", "0"], "--lookahead-every 0 is invalid: must be an integer >= 1"),
@@ -57,8 +64,15 @@ def test_bad_flags_are_one_line_errors(argv, message):
     assert "\n" not in str(err.value)
 
 
-@pytest.mark.parametrize("err,line", [(OSError(28, "No space left on device"), "No space left on device"), (ValueError(""), "ValueError"),
-                                      (RuntimeError("first\nsecond"), "first"), (KeyError("x" * 500), "'" + "x" * 299)])
+@pytest.mark.parametrize(
+    "err,line",
+    [
+        (OSError(28, "No space left on device"), "No space left on device"),
+        (ValueError(""), "ValueError"),
+        (RuntimeError("first\nsecond"), "first"),
+        (KeyError("x" * 500), "'" + "x" * 299),
+    ],
+)
 def test_an_exception_quoted_in_a_message_is_one_short_line(err, line):
     """An empty message used to raise IndexError inside the error path (the W&B key check, --hub-model-id)."""
     from acceltrain.config import first_line
@@ -78,7 +92,10 @@ def test_an_exception_quoted_in_a_message_is_one_short_line(err, line):
         ("output_dir: [x, y]\n", "--output-dir ['x', 'y'] is invalid: must be one string, not a list"),
         ("seed: 1e20\n", "--seed '1e20' is invalid: must be an integer"),
         ("batch_size: 32\nbatch_size: 64\n", "duplicate key 'batch_size'"),
-        ("bach_size: 32\nlearning_rate: 0.1\n", "unknown keys 'bach_size' (did you mean 'batch_size'?), 'learning_rate'"),
+        (
+            "bach_size: 32\nlearning_rate: 0.1\n",
+            "unknown keys 'bach_size' (did you mean 'batch_size'?), 'learning_rate'",
+        ),
     ],
 )
 def test_bad_presets_are_one_line_errors(tmp_path, text, message):
@@ -122,7 +139,9 @@ def test_imagefolder_without_test_split_is_rejected(tmp_path, capsys, image_fold
     import shutil
 
     shutil.rmtree(image_folder / "test")
-    assert "has no test/ folder" in _run_bad(["--dataset", "imagefolder", "--data-dir", str(image_folder)], tmp_path, capsys)
+    assert "has no test/ folder" in _run_bad(
+        ["--dataset", "imagefolder", "--data-dir", str(image_folder)], tmp_path, capsys
+    )
 
 
 def test_fp16_on_cpu_is_rejected(tmp_path, capsys):
@@ -174,7 +193,16 @@ def test_bad_input_from_the_command_line_exits_2_with_one_line(tmp_path):
 
 def test_help_lists_every_flag():
     result = check(launch(RECIPE, ["--help"]))
-    for flag in ("--batch-size", "--grad-accum", "--lr-schedule", "--target-accuracy", "--sync-bn", "--report-to", "--data-dir", "--model"):
+    for flag in (
+        "--batch-size",
+        "--grad-accum",
+        "--lr-schedule",
+        "--target-accuracy",
+        "--sync-bn",
+        "--report-to",
+        "--data-dir",
+        "--model",
+    ):
         assert flag in result.stdout
 
 
@@ -203,8 +231,23 @@ def test_an_output_dir_below_a_file_is_one_line(tmp_path, capsys):
     """Before: a NotADirectoryError traceback."""
     (tmp_path / "file").write_text("not a folder")
     with pytest.raises(SystemExit) as exit_info:
-        run_recipe(cifar_main, CifarConfig, ["--dataset", "synthetic", "--model", "resnet_tiny", "--max-steps", "1", "--no-progress",
-                                             "--report-to", "none", "--output-dir", str(tmp_path / "file" / "run")])
+        run_recipe(
+            cifar_main,
+            CifarConfig,
+            [
+                "--dataset",
+                "synthetic",
+                "--model",
+                "resnet_tiny",
+                "--max-steps",
+                "1",
+                "--no-progress",
+                "--report-to",
+                "none",
+                "--output-dir",
+                str(tmp_path / "file" / "run"),
+            ],
+        )
     err = capsys.readouterr().err.strip()
     assert exit_info.value.code == 2 and "cannot be written: Not a directory" in err and "\n" not in err, err
 
@@ -217,7 +260,9 @@ def test_help_states_each_default_once_and_unset_ones_as_unset():
     assert helps["num_workers"].endswith("(default: the CPUs per process less one, at most 8)")
     assert helps["mixed_precision"].endswith("default: what the accelerate config says")
     assert helps["max_steps"].endswith("(default: unset)") and helps["batch_size"].endswith("(default: 128)")
-    assert helps["cpu"].endswith("(default: off)") and helps["progress"].endswith("(default: only when stderr is a terminal, so a log file gets no bar updates)")
+    assert helps["cpu"].endswith("(default: off)") and helps["progress"].endswith(
+        "(default: only when stderr is a terminal, so a log file gets no bar updates)"
+    )
     assert all(text.count("default:") == 1 and "None" not in text for dest, text in helps.items() if dest != "help")
 
 

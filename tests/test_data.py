@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 import torch
 from accelerate.data_loader import BatchSamplerShard
 from torch.utils.data import BatchSampler
@@ -121,7 +120,26 @@ def test_the_process_exits_at_once_when_the_run_outlives_fit_with_persistent_wor
         "        kept.append(run)\n"
         "run_recipe(lambda cfg: tiny_recipe.main(cfg, hooks=[KeepRun()]), tiny_recipe.TinyConfig)\n"
     )
-    done = subprocess.run([sys.executable, str(script), "--batch-size", "8", "--max-steps", "3", "--num-workers", "1",
-                           "--no-progress", "--report-to", "none", "--output-dir", str(tmp_path / "out")],
-                          cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(script),
+            "--batch-size",
+            "8",
+            "--max-steps",
+            "3",
+            "--num-workers",
+            "1",
+            "--no-progress",
+            "--report-to",
+            "none",
+            "--output-dir",
+            str(tmp_path / "out"),
+        ],
+        cwd=REPO,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr[-2000:]

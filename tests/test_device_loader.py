@@ -9,17 +9,22 @@ import os
 import pytest
 import torch
 from accelerate import Accelerator
-from PIL import Image
 from accelerate.data_loader import BatchSamplerShard
+from PIL import Image
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from acceltrain import ConfigError
-from acceltrain.vision import device_loader
 from acceltrain.data import train_loader
-from acceltrain.vision import CropFlip, ImageClassification, image_datasets, synthetic_images
+from acceltrain.vision import (
+    CropFlip,
+    DeviceImageLoader,
+    ImageClassification,
+    device_loader,
+    image_datasets,
+    synthetic_images,
+)
 from acceltrain.vision.images import decode_image_file
-from acceltrain.vision import DeviceImageLoader
 
 BATCH = 8
 
@@ -28,7 +33,9 @@ def identified_dataset(count: int = 75, seed: int = 1) -> ImageClassification:
     """Synthetic images whose label is their own index, so every yielded label names its sample.
     75 samples at batch 8: 9 global batches, so with 2 processes the 9th is dropped, as Accelerate does."""
     (images, _), _ = synthetic_images(count, 1, seed=0)
-    return ImageClassification(images, torch.arange(count), [str(i) for i in range(count)], augment=CropFlip(), seed=seed)
+    return ImageClassification(
+        images, torch.arange(count), [str(i) for i in range(count)], augment=CropFlip(), seed=seed
+    )
 
 
 def device_batches(dataset, *, epoch, processes=1, rank=0, skip=0, seed=5, **options):
@@ -68,7 +75,9 @@ def test_same_tensors_as_a_dataloader_prepared_by_accelerate_including_skip_firs
     dataset = identified_dataset()
     accelerator = Accelerator(cpu=True)
     prepared = accelerator.prepare(train_loader(dataset, batch_size=BATCH, seed=5, num_workers=0, pin_memory=False))
-    ours = DeviceImageLoader.from_dataset(dataset, batch_size=BATCH, seed=5, device=accelerator.device, process_index=0, num_processes=1)
+    ours = DeviceImageLoader.from_dataset(
+        dataset, batch_size=BATCH, seed=5, device=accelerator.device, process_index=0, num_processes=1
+    )
     assert len(ours) == len(prepared) == 9
     for epoch, skip in ((0, 0), (1, 4)):
         prepared.set_epoch(epoch)
@@ -80,16 +89,30 @@ def test_same_tensors_as_a_dataloader_prepared_by_accelerate_including_skip_firs
 
 def test_each_sample_once_per_epoch_across_processes_and_incomplete_batches_dropped():
     dataset = identified_dataset(75)
-    seen = [int(label) for rank in (0, 1) for _, labels in device_batches(dataset, epoch=2, processes=2, rank=rank) for label in labels]
+    seen = [
+        int(label)
+        for rank in (0, 1)
+        for _, labels in device_batches(dataset, epoch=2, processes=2, rank=rank)
+        for label in labels
+    ]
     assert len(seen) == len(set(seen)) == 64  # 9 global batches of 8: the 9th has no partner batch, so dropped
-    assert len(DeviceImageLoader.from_dataset(dataset, batch_size=BATCH, seed=0, device="cpu", process_index=1, num_processes=2)) == 4
+    assert (
+        len(
+            DeviceImageLoader.from_dataset(
+                dataset, batch_size=BATCH, seed=0, device="cpu", process_index=1, num_processes=2
+            )
+        )
+        == 4
+    )
 
 
 def test_consecutive_global_batches_go_to_consecutive_ranks():
     """One optimizer micro-step covers consecutive samples of the global order: 2 ranks at b = 1 rank at 2b."""
     dataset = identified_dataset(64)
     rank_batches = [device_batches(dataset, epoch=0, processes=2, rank=rank) for rank in (0, 1)]
-    one_process = DeviceImageLoader.from_dataset(dataset, batch_size=2 * BATCH, seed=5, device="cpu", process_index=0, num_processes=1)
+    one_process = DeviceImageLoader.from_dataset(
+        dataset, batch_size=2 * BATCH, seed=5, device="cpu", process_index=0, num_processes=1
+    )
     for step, (_, labels) in enumerate(one_process):
         assert torch.equal(labels, torch.cat([rank_batches[0][step][1], rank_batches[1][step][1]]))
 
@@ -105,7 +128,9 @@ def test_epochs_differ_and_the_seed_decides():
     order = epoch_of(epoch=1, seed=5)[1]
     assert not torch.equal(order, epoch_of(epoch=2, seed=5)[1]) and not torch.equal(order, epoch_of(epoch=1, seed=6)[1])
     # a full pass moves to the next epoch, as Accelerate's DataLoaderShard does
-    loader = DeviceImageLoader.from_dataset(dataset, batch_size=BATCH, seed=5, device="cpu", process_index=0, num_processes=1)
+    loader = DeviceImageLoader.from_dataset(
+        dataset, batch_size=BATCH, seed=5, device="cpu", process_index=0, num_processes=1
+    )
     first, second = [torch.cat([labels for _, labels in loader]) for _ in range(2)]
     assert torch.equal(second, order) and not torch.equal(first, second)
 
@@ -121,8 +146,12 @@ def test_gradient_accumulation_syncs_at_the_end_of_each_epoch_like_a_prepared_da
     """10 batches, accumulation 3: syncs after batches 3, 6, 9 and 10 (the epoch's end), for both loaders."""
     dataset = identified_dataset(80)
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=3)
-    model, prepared = accelerator.prepare(nn.Linear(1, 1), train_loader(dataset, batch_size=BATCH, seed=5, num_workers=0, pin_memory=False))
-    ours = DeviceImageLoader.from_dataset(dataset, batch_size=BATCH, seed=5, device=accelerator.device, process_index=0, num_processes=1)
+    model, prepared = accelerator.prepare(
+        nn.Linear(1, 1), train_loader(dataset, batch_size=BATCH, seed=5, num_workers=0, pin_memory=False)
+    )
+    ours = DeviceImageLoader.from_dataset(
+        dataset, batch_size=BATCH, seed=5, device=accelerator.device, process_index=0, num_processes=1
+    )
 
     def sync_pattern(batches) -> list[bool]:
         pattern = []
@@ -161,7 +190,9 @@ def test_image_folder_is_decoded_once_cached_reused_and_invalidated(image_folder
     cache_dir = tmp_path / "cache"
 
     def build() -> DeviceImageLoader:
-        return DeviceImageLoader.from_dataset(train, batch_size=4, seed=0, device="cpu", process_index=0, num_processes=1, cache_dir=cache_dir)
+        return DeviceImageLoader.from_dataset(
+            train, batch_size=4, seed=0, device="cpu", process_index=0, num_processes=1, cache_dir=cache_dir
+        )
 
     first = build()
     (cache_file,) = cache_dir.glob("*.safetensors")
@@ -179,7 +210,9 @@ def test_image_folder_is_decoded_once_cached_reused_and_invalidated(image_folder
     os.utime(changed, ns=(written + 10**9, written + 10**9))
     rebuilt = build()
     assert cache_file.stat().st_mtime_ns != written and list(cache_dir.glob("*.safetensors")) == [cache_file]
-    assert torch.equal(rebuilt.images[5], decode_image_file(changed, 32)) and not torch.equal(rebuilt.images[5], first.images[5])
+    assert torch.equal(rebuilt.images[5], decode_image_file(changed, 32)) and not torch.equal(
+        rebuilt.images[5], first.images[5]
+    )
 
 
 def _must_not_decode(path, image_size):
@@ -191,8 +224,17 @@ def test_a_dataset_without_a_device_loader_is_refused_in_one_line(tmp_path):
     from acceltrain import TrainConfig, fit
 
     model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 8 * 8, 2))
-    cfg = TrainConfig(data_on_device=True, batch_size=2, max_steps=1, report_to="none", output_dir=str(tmp_path / "run"))
-    with pytest.raises(ConfigError, match="--data-on-device needs a dataset with a device_loader\\(\\) method") as error:
-        fit(cfg, model, torch.optim.SGD(model.parameters(), lr=0.1), TensorDataset(torch.zeros(4, 3, 8, 8), torch.zeros(4, dtype=torch.long)))
+    cfg = TrainConfig(
+        data_on_device=True, batch_size=2, max_steps=1, report_to="none", output_dir=str(tmp_path / "run")
+    )
+    with pytest.raises(
+        ConfigError, match="--data-on-device needs a dataset with a device_loader\\(\\) method"
+    ) as error:
+        fit(
+            cfg,
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            TensorDataset(torch.zeros(4, 3, 8, 8), torch.zeros(4, dtype=torch.long)),
+        )
     assert "\n" not in str(error.value) and "TensorDataset has none" in str(error.value)
     assert not (tmp_path / "run").exists()

@@ -23,12 +23,22 @@ def test_the_docs_site_builds_strictly_offline_in_seconds(tmp_path):
     started = time.perf_counter()
     result = subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(site), "-f", str(REPO / "mkdocs.yml")],
-        cwd=tmp_path, env=subprocess_env(NO_MKDOCS_2_WARNING="1"), capture_output=True, text=True, timeout=180,
+        cwd=tmp_path,
+        env=subprocess_env(NO_MKDOCS_2_WARNING="1"),
+        capture_output=True,
+        text=True,
+        timeout=180,
     )
     seconds = time.perf_counter() - started
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert seconds < 60, f"the docs build took {seconds:.1f} s"
-    for page in ("index.html", "bad-input/index.html", "hooks/index.html", "changelog/index.html", "api/training/index.html"):
+    for page in (
+        "index.html",
+        "bad-input/index.html",
+        "hooks/index.html",
+        "changelog/index.html",
+        "api/training/index.html",
+    ):
         assert (site / page).is_file(), page
     assert (site / "curves.png").is_file() and (site / "time_to_accuracy.png").is_file()
     api = (site / "api" / "training" / "index.html").read_text()
@@ -84,7 +94,9 @@ def test_the_readme_examples_and_commands_are_on_the_docs_pages_too():
     intro = readme.split("\n## ")[0].split("\n", 1)[1].strip()
     quick_start = readme.split("## Quick start\n")[1].split("\n## ")[0].strip()
     index = (DOCS / "index.md").read_text()
-    assert intro in index and quick_start in index, "docs/index.md shows README's introduction and Quick start as they are"
+    assert intro in index and quick_start in index, (
+        "docs/index.md shows README's introduction and Quick start as they are"
+    )
 
 
 def test_the_docs_list_the_builtin_hooks_in_running_order():
@@ -92,8 +104,16 @@ def test_the_docs_list_the_builtin_hooks_in_running_order():
     from acceltrain.config import TrainConfig
     from acceltrain.hooks import builtin_hooks
 
-    cfg = TrainConfig(profile_steps="1:2", memory_report=True, target_metric=0.9, early_stopping_patience=2, time_budget_minutes=5.0,
-                      save_every_steps=10, plots=True, push_to_hub=True)
+    cfg = TrainConfig(
+        profile_steps="1:2",
+        memory_report=True,
+        target_metric=0.9,
+        early_stopping_patience=2,
+        time_budget_minutes=5.0,
+        save_every_steps=10,
+        plots=True,
+        push_to_hub=True,
+    )
     cfg.validate()
     running = [type(hook).__name__ for hook in builtin_hooks(cfg, evaluates=True, trackers=["wandb"], run_config={})]
     text = (DOCS / "hooks.md").read_text()

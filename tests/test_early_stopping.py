@@ -8,14 +8,26 @@ import re
 from types import SimpleNamespace
 
 import pytest
+from conftest import read_summary, run_tiny_in_process
 
 from acceltrain import ClassificationTask, ConfigError, TrainConfig, parse_config
 from acceltrain.checkpointing import EXIT_PREEMPTED
 from acceltrain.hooks import EarlyStopping, Evaluation
-from conftest import read_summary, run_tiny_in_process
 
-QUIET = ["--num-train", "64", "--batch-size", "8", "--lr", "0.05", "--no-progress", "--num-workers", "0", "--report-to",
-         "none", "--no-plots"]
+QUIET = [
+    "--num-train",
+    "64",
+    "--batch-size",
+    "8",
+    "--lr",
+    "0.05",
+    "--no-progress",
+    "--num-workers",
+    "0",
+    "--report-to",
+    "none",
+    "--no-plots",
+]
 
 
 class Plateau(ClassificationTask):
@@ -29,12 +41,17 @@ def run(output_dir, *args: str) -> int:
     return run_tiny_in_process(output_dir, *QUIET, *args, task=Plateau())
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--early-stopping-patience", "0"], "--early-stopping-patience 0 is invalid: must be an integer >= 1"),
-    (["--early-stopping-threshold", "0.01"], "--early-stopping-threshold needs --early-stopping-patience"),
-    (["--early-stopping-patience", "2", "--early-stopping-threshold", "-1"],
-     "--early-stopping-threshold -1.0 is invalid: must be a number >= 0"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--early-stopping-patience", "0"], "--early-stopping-patience 0 is invalid: must be an integer >= 1"),
+        (["--early-stopping-threshold", "0.01"], "--early-stopping-threshold needs --early-stopping-patience"),
+        (
+            ["--early-stopping-patience", "2", "--early-stopping-threshold", "-1"],
+            "--early-stopping-threshold -1.0 is invalid: must be a number >= 0",
+        ),
+    ],
+)
 def test_bad_flags_are_one_line(argv, message):
     with pytest.raises(ConfigError, match=f"^{re.escape(message)}"):
         parse_config(TrainConfig, argv)
@@ -49,12 +66,19 @@ def fake_run(higher_is_better: bool):
     return SimpleNamespace(task=task, request_stop=lambda reason, finish: stops.append((reason, finish))), stops
 
 
-@pytest.mark.parametrize("higher_is_better,values,stopped_at", [
-    (False, [1.0, 0.9, 0.95, 0.9, 0.5], 3),  # lower is better: 0.95 and 0.9 do not improve on 0.9; 0.5 comes too late
-    (False, [1.0, 0.9, 0.95, 0.85, 0.86, 0.87, 0.5], 5),  # 0.85 improves by more than 0.01: the count starts again
-    (True, [0.5, 0.6, 0.605, 0.6, 0.9], 3),  # higher is better: +0.005 is not more than the threshold
-    (True, [float("nan"), 0.1, 0.1, 0.1], 3),  # NaN is never the best
-])
+@pytest.mark.parametrize(
+    "higher_is_better,values,stopped_at",
+    [
+        (
+            False,
+            [1.0, 0.9, 0.95, 0.9, 0.5],
+            3,
+        ),  # lower is better: 0.95 and 0.9 do not improve on 0.9; 0.5 comes too late
+        (False, [1.0, 0.9, 0.95, 0.85, 0.86, 0.87, 0.5], 5),  # 0.85 improves by more than 0.01: the count starts again
+        (True, [0.5, 0.6, 0.605, 0.6, 0.9], 3),  # higher is better: +0.005 is not more than the threshold
+        (True, [float("nan"), 0.1, 0.1, 0.1], 3),  # NaN is never the best
+    ],
+)
 def test_the_count_follows_the_tasks_direction_and_the_threshold(higher_is_better, values, stopped_at):
     run, stops = fake_run(higher_is_better)
     hook = EarlyStopping(patience=2, threshold=0.01, evaluation=Evaluation(1))
@@ -88,9 +112,11 @@ def test_patience_that_can_never_stop_the_run_is_one_line_and_writes_nothing(tmp
     out = tmp_path / "run"
     assert run(out, "--max-steps", "4", "--eval-every", "2", "--early-stopping-patience", "2") == 2
     err = capsys.readouterr().err.strip()
-    assert err == ("error: --early-stopping-patience 2 can never stop this run: it evaluates 2 times (every 2 steps), "
-                   "and stopping takes 2 evaluations after the best one: evaluate more often (--eval-every N) or lower "
-                   "the patience"), err
+    assert err == (
+        "error: --early-stopping-patience 2 can never stop this run: it evaluates 2 times (every 2 steps), "
+        "and stopping takes 2 evaluations after the best one: evaluate more often (--eval-every N) or lower "
+        "the patience"
+    ), err
     assert not out.exists()
 
 
@@ -101,8 +127,9 @@ def test_patience_without_an_eval_set_is_one_line_and_writes_nothing(tmp_path):
 
     model = torch.nn.Linear(4, 2)
     rows = [(torch.randn(4), torch.tensor(index % 2)) for index in range(16)]
-    cfg = TrainConfig(output_dir=str(tmp_path / "run"), early_stopping_patience=2, report_to="none", num_workers=0,
-                      batch_size=4)
+    cfg = TrainConfig(
+        output_dir=str(tmp_path / "run"), early_stopping_patience=2, report_to="none", num_workers=0, batch_size=4
+    )
     with pytest.raises(ConfigError, match=r"^--early-stopping-patience 2 counts evaluations, and this run has no eval"):
         fit(cfg, model, build_optimizer(model, cfg), rows)
     assert not (tmp_path / "run").exists()

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import REPO, TINY_RECIPE, check, launch, read_events, read_summary, run_tiny_in_process, subprocess_env
 from torch.utils.data import TensorDataset
 
 from acceltrain import ConfigError, TrainConfig, fit
@@ -19,19 +20,35 @@ from acceltrain.config import parse_config, run_changes
 from acceltrain.eval_subset import eval_subset, eval_subset_indices
 from acceltrain.hooks import Console, Evaluation
 from acceltrain.vision import ImageClassification, image_datasets
-from acceltrain.vision.images import decode_image_file
 from acceltrain.vision.device_loader import decoded_images
-from conftest import REPO, TINY_RECIPE, check, launch, read_events, read_summary, run_tiny_in_process, subprocess_env
+from acceltrain.vision.images import decode_image_file
 
-TINY = ["--num-train", "32", "--num-eval", "37", "--batch-size", "8", "--epochs", "2", "--log-every", "1",
-        "--num-workers", "0", "--report-to", "none", "--no-plots"]
+TINY = [
+    "--num-train",
+    "32",
+    "--num-eval",
+    "37",
+    "--batch-size",
+    "8",
+    "--epochs",
+    "2",
+    "--log-every",
+    "1",
+    "--num-workers",
+    "0",
+    "--report-to",
+    "none",
+    "--no-plots",
+]
 
 
 # --------------------------------------------------------------------------- --eval-samples
 
 
 def test_eval_subset_is_stratified_by_label_seeded_and_sorted():
-    labels = torch.tensor([0] * 600 + [1] * 300 + [2] * 100)[torch.randperm(1000, generator=torch.Generator().manual_seed(3))]
+    labels = torch.tensor([0] * 600 + [1] * 300 + [2] * 100)[
+        torch.randperm(1000, generator=torch.Generator().manual_seed(3))
+    ]
     chosen = eval_subset_indices(100, seed=7, labels=labels)
     assert chosen == sorted(set(chosen)) and len(chosen) == 100
     assert torch.bincount(labels[chosen]).tolist() == [60, 30, 10]
@@ -63,8 +80,15 @@ def test_eval_samples_flag_is_validated_and_free_on_resume():
 def test_eval_samples_without_an_eval_set_is_refused_before_anything_is_written(tmp_path):
     model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 8 * 8, 2))
     cfg = TrainConfig(eval_samples=5, batch_size=2, max_steps=1, report_to="none", output_dir=str(tmp_path / "run"))
-    with pytest.raises(ConfigError, match=r"^--eval-samples 5 needs an eval set, and this recipe passes none to fit\(\)$"):
-        fit(cfg, model, torch.optim.SGD(model.parameters(), lr=0.1), TensorDataset(torch.zeros(4, 3, 8, 8), torch.zeros(4, dtype=torch.long)))
+    with pytest.raises(
+        ConfigError, match=r"^--eval-samples 5 needs an eval set, and this recipe passes none to fit\(\)$"
+    ):
+        fit(
+            cfg,
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            TensorDataset(torch.zeros(4, 3, 8, 8), torch.zeros(4, dtype=torch.long)),
+        )
     assert not (tmp_path / "run").exists()
 
 
@@ -80,11 +104,20 @@ def test_eval_samples_evaluates_that_many_and_records_it(tmp_path):
 def test_eval_samples_are_the_same_samples_on_two_processes(tmp_path):
     """2 processes at batch 4 train like 1 at batch 8 (no BatchNorm), so the same 20 samples give the same loss."""
     common = [*TINY, "--eval-samples", "20", "--lr", "0.01", "--no-progress"]
-    check(launch(TINY_RECIPE, [*common, "--batch-size", "4", "--output-dir", str(tmp_path / "ddp")], processes=2, launcher="accelerate"))
+    check(
+        launch(
+            TINY_RECIPE,
+            [*common, "--batch-size", "4", "--output-dir", str(tmp_path / "ddp")],
+            processes=2,
+            launcher="accelerate",
+        )
+    )
     check(launch(TINY_RECIPE, [*common, "--output-dir", str(tmp_path / "single")]))
     ddp, single = read_summary(tmp_path / "ddp"), read_summary(tmp_path / "single")
     assert ddp["num_processes"] == 2
-    assert [row["eval_samples"] for run in ("ddp", "single") for row in read_events(tmp_path / run) if "eval_samples" in row] == [20] * 4
+    assert [
+        row["eval_samples"] for run in ("ddp", "single") for row in read_events(tmp_path / run) if "eval_samples" in row
+    ] == [20] * 4
     assert ddp["eval_loss"] == pytest.approx(single["eval_loss"], rel=1e-4)
 
 
@@ -103,8 +136,13 @@ def test_evaluation_shows_a_bar_and_the_training_bar_counts_the_evaluations_left
 
 def test_the_training_clock_leaves_evaluations_out(capsys):
     """So the bar's rate and time left are the steps' own, and the evaluations to come are added apart."""
-    run = SimpleNamespace(accelerator=SimpleNamespace(is_main_process=True), cfg=SimpleNamespace(eval_every=2, grad_accum=1),
-                          batches_per_epoch=10, step=2, total_steps=6)
+    run = SimpleNamespace(
+        accelerator=SimpleNamespace(is_main_process=True),
+        cfg=SimpleNamespace(eval_every=2, grad_accum=1),
+        batches_per_epoch=10,
+        step=2,
+        total_steps=6,
+    )
     console = Console(progress=True, evaluation=Evaluation(2))
     console.on_fit_start(run)
     started = console.bar.start_t
@@ -114,7 +152,9 @@ def test_the_training_clock_leaves_evaluations_out(capsys):
     console.on_train_end(run)
 
 
-@pytest.mark.parametrize("eval_every, step, left", [(None, 0, 2), (None, 3, 1), (None, 6, 0), (4, 0, 3), (4, 8, 1), (4, 10, 0)])
+@pytest.mark.parametrize(
+    "eval_every, step, left", [(None, 0, 2), (None, 3, 1), (None, 6, 0), (4, 0, 3), (4, 8, 1), (4, 10, 0)]
+)
 def test_the_evaluation_component_counts_the_evaluations_left_on_its_schedule(eval_every, step, left):
     """12 batches per epoch in windows of 5: 3 steps per epoch; 10 steps with --eval-every 4: at 4, 8 and 10."""
     total = 6 if eval_every is None else 10
@@ -160,7 +200,9 @@ def test_an_unwritable_decode_cache_is_one_line_naming_the_way_out(image_folder,
 # --------------------------------------------------------------------------- datasets from the Hub
 
 
-def write_hub_layout(root: Path, *, splits=("train", "test"), label_columns=("label",), label_type: str = "ClassLabel") -> Path:
+def write_hub_layout(
+    root: Path, *, splits=("train", "test"), label_columns=("label",), label_type: str = "ClassLabel"
+) -> Path:
     """A dataset folder as a Hub dataset repo holds it: ``data/<split>-00000-of-00001.parquet``, written by
     ``datasets`` with its features (an Image column, ClassLabel labels) in the parquet metadata."""
     import numpy as np
@@ -170,8 +212,13 @@ def write_hub_layout(root: Path, *, splits=("train", "test"), label_columns=("la
     generator = np.random.default_rng(0)
     for split, count in zip(splits, (30, 9, 9)):
         labels = [index % 3 for index in range(count)]
-        pictures = [PILImage.fromarray((generator.integers(0, 60, (40, 36, 3)) + 80 * label).astype(np.uint8)) for label in labels]
-        dataset = Dataset.from_dict({"img": pictures, **{column: labels for column in label_columns}}).cast_column("img", Image())
+        pictures = [
+            PILImage.fromarray((generator.integers(0, 60, (40, 36, 3)) + 80 * label).astype(np.uint8))
+            for label in labels
+        ]
+        dataset = Dataset.from_dict({"img": pictures, **{column: labels for column in label_columns}}).cast_column(
+            "img", Image()
+        )
         for column in label_columns:
             feature = ClassLabel(names=["cat", "dog", "frog"]) if label_type == "ClassLabel" else Value("int64")
             dataset = dataset.cast_column(column, feature)
@@ -212,11 +259,23 @@ print(json.dumps({{"shape": list(train.images.shape), "dtype": str(train.images.
     "labels": train.labels.tolist(), "test": len(test), "same": torch.equal(again.images, train.images), "error": error,
     "sample": train[0][0].shape == (3, 32, 32)}}))
 """
-    result = check(subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=300,
-                                  env=subprocess_env(HF_DATASETS_OFFLINE="1", HF_HOME=str(tmp_path / "hf"), HF_DATASETS_CACHE="")))
+    result = check(
+        subprocess.run(
+            [sys.executable, "-c", script],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=subprocess_env(HF_DATASETS_OFFLINE="1", HF_HOME=str(tmp_path / "hf"), HF_DATASETS_CACHE=""),
+        )
+    )
     seen = json.loads(result.stdout.strip().splitlines()[-1])
     assert seen["shape"] == [30, 3, 32, 32] and seen["dtype"] == "torch.uint8" and seen["test"] == 9 and seen["sample"]
-    assert seen["classes"] == ["cat", "dog", "frog"] and seen["labels"] == [index % 3 for index in range(30)] and seen["same"]
+    assert (
+        seen["classes"] == ["cat", "dog", "frog"]
+        and seen["labels"] == [index % 3 for index in range(30)]
+        and seen["same"]
+    )
     assert seen["error"].startswith("--dataset 'someone/not-cached-anywhere' cannot be loaded (")
     assert "HF_DATASETS_OFFLINE=1" in seen["error"] and "\n" not in seen["error"]
     assert list((tmp_path / "hf" / "datasets").rglob("cache-*.arrow")), "the decoded pixels are kept in the HF cache"
@@ -234,7 +293,9 @@ def test_hub_images_are_resized_like_image_files(tmp_path, hf_cache):
 
 def test_a_hub_dataset_without_an_eval_split_lists_its_splits(tmp_path, hf_cache):
     folder = write_hub_layout(tmp_path / "data", splits=("train",))
-    with pytest.raises(ConfigError, match=r"^--dataset '.*' has no test or validation split to evaluate on \(it has train\)$"):
+    with pytest.raises(
+        ConfigError, match=r"^--dataset '.*' has no test or validation split to evaluate on \(it has train\)$"
+    ):
         image_datasets(str(folder), None, seed=0)
 
 
@@ -244,11 +305,15 @@ def test_a_validation_split_is_evaluated_on_when_there_is_no_test_split(tmp_path
     assert len(evaluated) == 9
 
 
-@pytest.mark.parametrize("label_columns, label_type, found", [(("label",), "int", "no ClassLabel label"),
-                                                             (("fine", "coarse"), "ClassLabel", "2 ClassLabel label")])
+@pytest.mark.parametrize(
+    "label_columns, label_type, found",
+    [(("label",), "int", "no ClassLabel label"), (("fine", "coarse"), "ClassLabel", "2 ClassLabel label")],
+)
 def test_a_hub_dataset_needs_one_image_and_one_classlabel_column(tmp_path, hf_cache, label_columns, label_type, found):
     folder = write_hub_layout(tmp_path / "data", label_columns=label_columns, label_type=label_type)
-    expected = rf"^--dataset '.*' has {found} columns, and acceltrain needs exactly one: its columns are img \(Image\), "
+    expected = (
+        rf"^--dataset '.*' has {found} columns, and acceltrain needs exactly one: its columns are img \(Image\), "
+    )
     with pytest.raises(ConfigError, match=expected):
         image_datasets(str(folder), None, seed=0)
 

@@ -16,12 +16,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import REPO, read_summary, subprocess_env
+from test_causal_lm import offline_on_one_thread
 
 from acceltrain import ConfigError, parse_config
 from acceltrain.checkpointing import EXIT_PREEMPTED
 from acceltrain.config import run_changes
-from conftest import REPO, read_summary, subprocess_env
-from test_causal_lm import offline_on_one_thread
 
 sys.path.insert(0, str(REPO / "recipes"))
 sys.path.insert(0, str(REPO / "tests" / "helpers"))

@@ -15,19 +15,37 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import REPO, TINY_RECIPE, check, launch, read_summary, subprocess_env
 from safetensors.torch import load_file
 
 from acceltrain.checkpoint.files import complete_checkpoints, verify_checkpoint
-
 from acceltrain.checkpoint.state import CheckpointError
 from acceltrain.cli import main
-from conftest import REPO, TINY_RECIPE, check, launch, read_summary, subprocess_env
 
 pytestmark = pytest.mark.multiprocess
 
 # 2 processes x batch 4 x 2 micro-batches = 16 samples per optimizer step; clipped, so the gradient norm must be global
-TINY = ["--num-train", "96", "--grad-accum", "2", "--max-steps", "6", "--max-grad-norm", "0.5", "--lr", "0.05", "--no-progress",
-        "--num-workers", "0", "--report-to", "none", "--log-every", "1", "--save-every-steps", "3"]
+TINY = [
+    "--num-train",
+    "96",
+    "--grad-accum",
+    "2",
+    "--max-steps",
+    "6",
+    "--max-grad-norm",
+    "0.5",
+    "--lr",
+    "0.05",
+    "--no-progress",
+    "--num-workers",
+    "0",
+    "--report-to",
+    "none",
+    "--log-every",
+    "1",
+    "--save-every-steps",
+    "3",
+]
 FSDP = {"launcher": "accelerate", "config": "fsdp_cpu.yaml"}
 
 
@@ -51,7 +69,14 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("fsdp")
     out = {name: root / name for name in ("fsdp", "ddp", "single")}
     check(fsdp([*TINY, "--batch-size", "4", "--output-dir", str(out["fsdp"])]))
-    check(launch(TINY_RECIPE, [*TINY, "--batch-size", "4", "--output-dir", str(out["ddp"])], processes=2, launcher="accelerate"))
+    check(
+        launch(
+            TINY_RECIPE,
+            [*TINY, "--batch-size", "4", "--output-dir", str(out["ddp"])],
+            processes=2,
+            launcher="accelerate",
+        )
+    )
     check(launch(TINY_RECIPE, [*TINY, "--batch-size", "8", "--output-dir", str(out["single"])]))
     return out
 
@@ -61,7 +86,9 @@ def test_fsdp_on_cpu_processes_shards_for_real_and_trains_as_ddp_and_one_process
     summary = read_summary(runs["fsdp"])
     assert (summary["distributed_type"], summary["num_processes"]) == ("FSDP", 2)
     runtime = summary["runtime"]
-    assert runtime["parameters_per_process"] < 0.6 * runtime["parameters"], "each process holds about half of each tensor"
+    assert runtime["parameters_per_process"] < 0.6 * runtime["parameters"], (
+        "each process holds about half of each tensor"
+    )
     assert read_summary(runs["ddp"])["runtime"]["parameters_per_process"] == runtime["parameters"]
     assert_close(runs["fsdp"], runs["ddp"])
     assert_close(runs["fsdp"], runs["single"])
@@ -108,8 +135,13 @@ def rewrite_manifest(checkpoint: Path) -> None:
     import hashlib
 
     files = sorted(p for p in checkpoint.rglob("*") if p.is_file() and p.name != "COMPLETE")
-    manifest = {str(p.relative_to(checkpoint)): {"bytes": p.stat().st_size, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
-                for p in files}
+    manifest = {
+        str(p.relative_to(checkpoint)): {
+            "bytes": p.stat().st_size,
+            "sha256": hashlib.sha256(p.read_bytes()).hexdigest(),
+        }
+        for p in files
+    }
     (checkpoint / "COMPLETE").write_text(json.dumps(manifest))
 
 
@@ -126,7 +158,9 @@ def test_shard_files_swapped_between_processes_are_refused_though_the_manifest_a
     (shards / "swap").rename(shards / "__1_0.distcp")
     rewrite_manifest(copy)
     verify_checkpoint(copy)  # the manifest agrees: it cannot tell
-    with pytest.raises(CheckpointError, match=r"__[01]_0\.distcp' does not hold what its DCP metadata says at \d+ \(model\."):
+    with pytest.raises(
+        CheckpointError, match=r"__[01]_0\.distcp' does not hold what its DCP metadata says at \d+ \(model\."
+    ):
         check_loadable_without_code(copy, digests_required=True)
     (copy / "shard_digests.json").unlink()
     rewrite_manifest(copy)
@@ -142,9 +176,14 @@ def test_batchnorm_trains_as_under_ddp_and_runs_under_bf16(tmp_path):
     args = [*TINY, "--batch-size", "4", "--batchnorm"]
     check(fsdp([*args, "--output-dir", str(tmp_path / "fsdp")]))
     check(launch(TINY_RECIPE, [*args, "--output-dir", str(tmp_path / "ddp")], processes=2, launcher="accelerate"))
-    assert (tmp_path / "fsdp" / "model.safetensors").read_bytes() == (tmp_path / "ddp" / "model.safetensors").read_bytes()
+    assert (tmp_path / "fsdp" / "model.safetensors").read_bytes() == (
+        tmp_path / "ddp" / "model.safetensors"
+    ).read_bytes()
     result = check(fsdp([*args, "--mixed-precision", "bf16", "--output-dir", str(tmp_path / "bf16")]))
-    assert "FSDP keeps the 1 normalisation layers with running statistics in fp32 under bf16" in result.stdout + result.stderr
+    assert (
+        "FSDP keeps the 1 normalisation layers with running statistics in fp32 under bf16"
+        in result.stdout + result.stderr
+    )
     trained = weights(tmp_path / "bf16")
     assert trained["1.weight"].dtype == torch.float32 and not torch.equal(trained["1.weight"], torch.ones(8))
 
@@ -154,7 +193,10 @@ def test_what_fsdp_cannot_resume_or_run_is_one_line(tmp_path, runs):
     ddp = tmp_path / "ddp"
     continue_from(complete_checkpoints(runs["ddp"])[0], ddp)
     result = fsdp([*TINY, "--batch-size", "4", "--output-dir", str(ddp), "--resume", "auto"])
-    assert result.returncode != 0 and "holds DDP or single-process model and optimizer state and this run is FSDP" in result.stderr
+    assert (
+        result.returncode != 0
+        and "holds DDP or single-process model and optimizer state and this run is FSDP" in result.stderr
+    )
     from types import SimpleNamespace
 
     from accelerate.utils import DistributedType
@@ -163,29 +205,56 @@ def test_what_fsdp_cannot_resume_or_run_is_one_line(tmp_path, runs):
     from acceltrain.checkpoint.files import verify_checkpoint
 
     sharded = complete_checkpoints(runs["fsdp"])[0]
-    under_deepspeed = SimpleNamespace(accelerator=SimpleNamespace(distributed_type=DistributedType.DEEPSPEED), engine="DeepSpeed")
-    with pytest.raises(CheckpointError, match="holds FSDP model and optimizer state and this run is DEEPSPEED: resume it under FSDP"):
+    under_deepspeed = SimpleNamespace(
+        accelerator=SimpleNamespace(distributed_type=DistributedType.DEEPSPEED), engine="DeepSpeed"
+    )
+    with pytest.raises(
+        CheckpointError, match="holds FSDP model and optimizer state and this run is DEEPSPEED: resume it under FSDP"
+    ):
         Checkpointer._check_engine(under_deepspeed, sharded, verify_checkpoint(sharded)[0])
     # another model with the same settings (a base folder replaced): a BatchNorm added, the config change allowed
     other = tmp_path / "other-model"
     continue_from(sharded, other)
-    result = fsdp([*TINY, "--batch-size", "4", "--batchnorm", "--allow-config-change", "--output-dir", str(other),
-                   "--resume", "auto"])
-    assert result.returncode != 0 and "holds another model than this run's: 5 tensors differ (e.g. 1.bias: absent in the " \
-        "checkpoint, [8] here)" in result.stderr, result.stderr[-2000:]
+    result = fsdp(
+        [
+            *TINY,
+            "--batch-size",
+            "4",
+            "--batchnorm",
+            "--allow-config-change",
+            "--output-dir",
+            str(other),
+            "--resume",
+            "auto",
+        ]
+    )
+    assert (
+        result.returncode != 0
+        and "holds another model than this run's: 5 tensors differ (e.g. 1.bias: absent in the checkpoint, [8] here)"
+        in result.stderr
+    ), result.stderr[-2000:]
     assert "CheckpointException" not in result.stderr
     result = fsdp([*TINY, "--batch-size", "4", "--output-dir", str(tmp_path / "ema"), "--ema-decay", "0.9"])
-    assert result.returncode != 0 and "EMA needs every process to hold the full weights: FSDP and DeepSpeed ZeRO-3 shard them" in result.stderr
+    assert (
+        result.returncode != 0
+        and "EMA needs every process to hold the full weights: FSDP and DeepSpeed ZeRO-3 shard them" in result.stderr
+    )
 
 
 def test_merge_writes_the_weights_of_any_checkpoint_and_refuses_to_overwrite(tmp_path, runs, capsys):
     for name in ("fsdp", "ddp"):  # the last checkpoint is the last step: the run's exported weights
         merged = tmp_path / name
         assert main(["merge", str(complete_checkpoints(runs[name])[-1]), str(merged)]) == 0
-        assert all(weights(merged)[k].equal(v) for k, v in weights(runs[name]).items()) and weights(merged).keys() == weights(runs[name]).keys()
+        assert (
+            all(weights(merged)[k].equal(v) for k, v in weights(runs[name]).items())
+            and weights(merged).keys() == weights(runs[name]).keys()
+        )
     capsys.readouterr()
     assert main(["merge", str(complete_checkpoints(runs["fsdp"])[-1]), str(tmp_path / "fsdp")]) == 2
-    assert capsys.readouterr().err.strip() == f"error: OUT {str(tmp_path / 'fsdp')!r} exists and is not an empty folder: choose a new one"
+    assert (
+        capsys.readouterr().err.strip()
+        == f"error: OUT {str(tmp_path / 'fsdp')!r} exists and is not an empty folder: choose a new one"
+    )
 
 
 def test_fsdp1_on_cpu_is_one_line(monkeypatch):
@@ -195,7 +264,9 @@ def test_fsdp1_on_cpu_is_one_line(monkeypatch):
     from acceltrain import ConfigError
     from acceltrain.sharding import build_accelerator
 
-    monkeypatch.setattr(accelerate, "PartialState", lambda: type("State", (), {"distributed_type": DistributedType.MULTI_CPU})())
+    monkeypatch.setattr(
+        accelerate, "PartialState", lambda: type("State", (), {"distributed_type": DistributedType.MULTI_CPU})()
+    )
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
     monkeypatch.setenv("FSDP_VERSION", "1")
     with pytest.raises(ConfigError, match="fsdp_version 1 on CPU processes: FSDP1 needs GPUs; use fsdp_version: 2"):
@@ -219,10 +290,26 @@ def test_the_language_model_shards_per_block_and_keeps_its_token_normalised_loss
 
     text_file, env = text
     sharded, single = tmp_path / "fsdp", tmp_path / "single"
-    result = check(launch(UNEVEN_RECIPE, [*EXACT, "--text-files", str(text_file), "--batch-size", "4", "--output-dir", str(sharded)],
-                          processes=2, **FSDP, **env))
-    assert "FSDP shards each GPT2Block (the model's transformer blocks) and the root module" in result.stdout + result.stderr
-    check(launch(UNEVEN_RECIPE, [*EXACT, "--text-files", str(text_file), "--batch-size", "8", "--output-dir", str(single)], **env))
+    result = check(
+        launch(
+            UNEVEN_RECIPE,
+            [*EXACT, "--text-files", str(text_file), "--batch-size", "4", "--output-dir", str(sharded)],
+            processes=2,
+            **FSDP,
+            **env,
+        )
+    )
+    assert (
+        "FSDP shards each GPT2Block (the model's transformer blocks) and the root module"
+        in result.stdout + result.stderr
+    )
+    check(
+        launch(
+            UNEVEN_RECIPE,
+            [*EXACT, "--text-files", str(text_file), "--batch-size", "8", "--output-dir", str(single)],
+            **env,
+        )
+    )
     assert_close(sharded, single, rtol=1e-4)
 
 
@@ -232,21 +319,54 @@ def test_bf16_and_activation_checkpointing_run_sharded_and_the_weights_load_with
 
     text_file, env = text
     out = tmp_path / "run"
-    check(launch(REPO / "recipes" / "causal_lm.py", [*SMALL, "--text-files", str(text_file), "--batch-size", "4", "--max-steps", "3",
-                                                     "--mixed-precision", "bf16", "--activation-checkpointing", "--output-dir", str(out),
-                                                     "--save-every-steps", "3"],
-                 processes=2, **FSDP, **env))
+    check(
+        launch(
+            REPO / "recipes" / "causal_lm.py",
+            [
+                *SMALL,
+                "--text-files",
+                str(text_file),
+                "--batch-size",
+                "4",
+                "--max-steps",
+                "3",
+                "--mixed-precision",
+                "bf16",
+                "--activation-checkpointing",
+                "--output-dir",
+                str(out),
+                "--save-every-steps",
+                "3",
+            ],
+            processes=2,
+            **FSDP,
+            **env,
+        )
+    )
     assert read_summary(out)["mixed_precision"] == "bf16"
     merged = tmp_path / "merged"  # the last checkpoint's shards merged: the same weights, loadable the same way
     assert main(["merge", str(complete_checkpoints(out)[-1]), str(merged)]) == 0
     assert weights(merged).keys() == weights(out).keys()
     assert all(weights(merged)[k].equal(v) for k, v in weights(out).items())
-    probe = ("import sys, json; from transformers import AutoModelForCausalLM; from safetensors.torch import load_file\n"
-             "model, info = AutoModelForCausalLM.from_pretrained(sys.argv[1], output_loading_info=True)\n"
-             "saved = load_file(sys.argv[1] + '/model.safetensors')\n"
-             "print(json.dumps({'missing': sorted(info['missing_keys']), 'unexpected': sorted(info['unexpected_keys']), 'class': type(model).__name__,\n"
-             "                  'same': all(model.state_dict()[k].equal(v) for k, v in saved.items())}))")
+    probe = (
+        "import sys, json; from transformers import AutoModelForCausalLM; from safetensors.torch import load_file\n"
+        "model, info = AutoModelForCausalLM.from_pretrained(sys.argv[1], output_loading_info=True)\n"
+        "saved = load_file(sys.argv[1] + '/model.safetensors')\n"
+        "print(json.dumps({'missing': sorted(info['missing_keys']), 'unexpected': sorted(info['unexpected_keys']), 'class': type(model).__name__,\n"
+        "                  'same': all(model.state_dict()[k].equal(v) for k, v in saved.items())}))"
+    )
     for folder in (out, merged):
-        loaded = json.loads(check(subprocess.run([sys.executable, "-c", probe, str(folder)], env=subprocess_env(**env), capture_output=True,
-                                                 text=True, timeout=300)).stdout.strip().splitlines()[-1])
+        loaded = json.loads(
+            check(
+                subprocess.run(
+                    [sys.executable, "-c", probe, str(folder)],
+                    env=subprocess_env(**env),
+                    capture_output=True,
+                    text=True,
+                    timeout=300,
+                )
+            )
+            .stdout.strip()
+            .splitlines()[-1]
+        )
         assert loaded == {"missing": [], "unexpected": [], "class": "GPT2LMHeadModel", "same": True}

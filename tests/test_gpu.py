@@ -4,7 +4,6 @@ device, FSDP's sharded checkpoints."""
 from __future__ import annotations
 
 import pytest
-
 from conftest import RECIPE, check, launch, read_summary
 
 pytestmark = pytest.mark.gpu
@@ -13,8 +12,24 @@ pytestmark = pytest.mark.gpu
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_recipe_trains_in_mixed_precision_on_gpu(tmp_path, precision):
     out = tmp_path / precision
-    check(launch(RECIPE, ["--dataset", "synthetic", "--model", "resnet_tiny", "--max-steps", "20",
-                          "--mixed-precision", precision, "--output-dir", str(out), "--no-progress"]))
+    check(
+        launch(
+            RECIPE,
+            [
+                "--dataset",
+                "synthetic",
+                "--model",
+                "resnet_tiny",
+                "--max-steps",
+                "20",
+                "--mixed-precision",
+                precision,
+                "--output-dir",
+                str(out),
+                "--no-progress",
+            ],
+        )
+    )
     summary = read_summary(out)
     assert summary["mixed_precision"] == precision and summary["runtime"]["device"].startswith("cuda")
     assert summary["peak_allocated_mb"] > 0
@@ -34,8 +49,23 @@ def test_ema_and_fp16_resume_byte_identically_on_gpu(tmp_path):
     """A stateful hook's device tensors (the EMA on CUDA) and the fp16 grad scaler go through a checkpoint exactly."""
     from conftest import TINY_RECIPE
 
-    common = ["--num-train", "256", "--batch-size", "16", "--epochs", "2", "--ema-decay", "0.9", "--mixed-precision", "fp16",
-              "--no-progress", "--num-workers", "0", "--report-to", "none"]
+    common = [
+        "--num-train",
+        "256",
+        "--batch-size",
+        "16",
+        "--epochs",
+        "2",
+        "--ema-decay",
+        "0.9",
+        "--mixed-precision",
+        "fp16",
+        "--no-progress",
+        "--num-workers",
+        "0",
+        "--report-to",
+        "none",
+    ]
     full, part = tmp_path / "full", tmp_path / "part"
     check(launch(TINY_RECIPE, [*common, "--output-dir", str(full)]))
     stopped = launch(TINY_RECIPE, [*common, "--output-dir", str(part), "--stop-after-steps", "10"])
@@ -49,15 +79,31 @@ def test_fsdp_sharded_checkpoints_resume_and_a_planted_pickle_in_their_metadata_
     """FSDP's load path: torch.distributed.checkpoint folders, whose ``.metadata`` DCP reads with plain pickle."""
     import shutil
 
-    from acceltrain.checkpoint.files import complete_checkpoints
     from conftest import REPO
     from test_no_code_on_resume import plant
 
+    from acceltrain.checkpoint.files import complete_checkpoints
+
     config = tmp_path / "fsdp_sharded.yaml"
-    config.write_text((REPO / "accelerate_configs" / "fsdp.yaml").read_text().replace("FULL_STATE_DICT", "SHARDED_STATE_DICT"))
+    config.write_text(
+        (REPO / "accelerate_configs" / "fsdp.yaml").read_text().replace("FULL_STATE_DICT", "SHARDED_STATE_DICT")
+    )
     fsdp = {"launcher": "accelerate", "config": str(config)}
-    common = ["--dataset", "synthetic", "--model", "resnet_tiny", "--batch-size", "32", "--max-steps", "12", "--no-progress",
-              "--num-workers", "0", "--report-to", "none"]
+    common = [
+        "--dataset",
+        "synthetic",
+        "--model",
+        "resnet_tiny",
+        "--batch-size",
+        "32",
+        "--max-steps",
+        "12",
+        "--no-progress",
+        "--num-workers",
+        "0",
+        "--report-to",
+        "none",
+    ]
     part, planted, marker = tmp_path / "part", tmp_path / "planted", tmp_path / "payload-ran"
     stopped = launch(RECIPE, [*common, "--output-dir", str(part), "--stop-after-steps", "6"], **fsdp)
     assert stopped.returncode == 75, stopped.stderr[-2000:]

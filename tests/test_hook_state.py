@@ -12,15 +12,28 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import run_tiny_in_process
 from safetensors.torch import load_file, save_file
 
 from acceltrain import ConfigError, Hook
-from acceltrain.preemption import EXIT_PREEMPTED
 from acceltrain.hooks.base import Hooks
-from conftest import run_tiny_in_process
+from acceltrain.preemption import EXIT_PREEMPTED
 
-RUN = ["--num-train", "16", "--num-eval", "8", "--batch-size", "4", "--epochs", "1", "--no-progress",
-       "--num-workers", "0", "--report-to", "none"]
+RUN = [
+    "--num-train",
+    "16",
+    "--num-eval",
+    "8",
+    "--batch-size",
+    "4",
+    "--epochs",
+    "1",
+    "--no-progress",
+    "--num-workers",
+    "0",
+    "--report-to",
+    "none",
+]
 
 
 class Holds(Hook):
@@ -63,10 +76,19 @@ EXACT = {
     "dotted keys that collide": {"a.b": t0, "a": {"b": t1}},
     "int keys and tuples": {0: "zero", 1: [1, (2, (3,)), ()], "s": ("x",)},
     "keys of every JSON scalar, tuples of them": {(1, "a"): 1, None: 2, 2.5: 3, True: 4, "1": 5},
-    "user dicts that look like the markers": {"u": {"__tensor__": "x"}, "v": {"__tuple__": [1]}, "w": {"__items__": []}},
+    "user dicts that look like the markers": {
+        "u": {"__tensor__": "x"},
+        "v": {"__tuple__": [1]},
+        "w": {"__items__": []},
+    },
     "non-finite floats": {"nan": math.nan, "inf": math.inf, "-inf": -math.inf, "-0": -0.0, "big": 2**70},
-    "tensor dtypes and shapes": {"bf16": torch.ones(2, dtype=torch.bfloat16), "bool": torch.tensor([True, False]),
-                                 "0-dim": torch.tensor(7), "empty": torch.empty(0, 3), "nan": torch.tensor([math.nan])},
+    "tensor dtypes and shapes": {
+        "bf16": torch.ones(2, dtype=torch.bfloat16),
+        "bool": torch.tensor([True, False]),
+        "0-dim": torch.tensor(7),
+        "empty": torch.empty(0, 3),
+        "nan": torch.tensor([math.nan]),
+    },
     "a non-contiguous tensor": {"t": torch.arange(6.0).reshape(2, 3).t()},
     "empty containers": {"d": {}, "l": [], "t": ()},
 }
@@ -95,7 +117,9 @@ def test_an_ordered_dict_comes_back_as_a_dict_in_order(tmp_path):
 def test_a_checkpoint_written_by_the_previous_format_still_loads(tmp_path):
     """The format before this change: tensors keyed by dotted path, tuples as lists, str keys only."""
     (tmp_path / "hooks").mkdir()
-    (tmp_path / "hooks" / "holder.json").write_text(json.dumps({"avg": {"w": {"__tensor__": "avg.w"}}, "n": 3, "h": [1, 2]}))
+    (tmp_path / "hooks" / "holder.json").write_text(
+        json.dumps({"avg": {"w": {"__tensor__": "avg.w"}}, "n": 3, "h": [1, 2]})
+    )
     save_file({"avg.w": torch.ones(2)}, str(tmp_path / "hooks" / "holder.safetensors"))
     fresh = Holds(None)
     Hooks([fresh]).load_states(tmp_path, ["holder"])
@@ -128,7 +152,10 @@ REFUSED = {
     "a meta tensor": ({"m": torch.empty(2, device="meta")}, r"\['m'\] is on the meta device"),
     "a sparse tensor": ({"w": torch.eye(2).to_sparse()}, r"\['w'\] is a sparse tensor \(torch.sparse_coo\)"),
     "views of one tensor": ({"a": view_base[:2], "b": view_base[2:]}, r"\['b'\] shares memory with \['a'\]"),
-    "an unsupported dtype": ({"q": torch.zeros(1, dtype=torch.int8).view(torch.quint8)}, r"\['q'\] has dtype torch.quint8"),
+    "an unsupported dtype": (
+        {"q": torch.zeros(1, dtype=torch.int8).view(torch.quint8)},
+        r"\['q'\] has dtype torch.quint8",
+    ),
 }
 
 
@@ -165,8 +192,20 @@ def test_a_state_that_turns_bad_during_training_is_refused_at_the_save(tmp_path)
     assert not (tmp_path / "hooks").exists()
 
 
-BAD_NAMES = ["../../../../escape", "a/b", "a\\b", "..", ".", ".hidden", "x\0y", "line\nbreak", "a" * 101, "sp ace",
-             "é", 5]
+BAD_NAMES = [
+    "../../../../escape",
+    "a/b",
+    "a\\b",
+    "..",
+    ".",
+    ".hidden",
+    "x\0y",
+    "line\nbreak",
+    "a" * 101,
+    "sp ace",
+    "é",
+    5,
+]
 
 
 @pytest.mark.parametrize("name", BAD_NAMES)
@@ -204,8 +243,14 @@ class Tricky(Hook):
     def on_fit_start(self, run):
         if self.state is None:
             weight = next(run.model.parameters()).detach().clone()
-            self.state = {"a.b": weight, "a": {"b": weight * 2}, 0: ("x", 1), "u": {"__tensor__": "x"},
-                          "same": [weight, weight], "nan": math.nan}
+            self.state = {
+                "a.b": weight,
+                "a": {"b": weight * 2},
+                0: ("x", 1),
+                "u": {"__tensor__": "x"},
+                "same": [weight, weight],
+                "nan": math.nan,
+            }
 
     def on_step_end(self, run):
         self.state["a.b"].add_(1)
@@ -248,6 +293,9 @@ def test_unsaveable_state_stops_the_run_before_step_1_in_one_line(tmp_path, caps
 
 def test_a_hook_name_with_dots_and_slashes_writes_nothing_outside_the_checkpoint(tmp_path, capsys):
     out = tmp_path / "a" / "b" / "run"
-    assert run_tiny_in_process(out, *RUN, "--stop-after-steps", "1", hooks=[Holds({"x": 1}, name="../../../../escape")]) == 2
+    assert (
+        run_tiny_in_process(out, *RUN, "--stop-after-steps", "1", hooks=[Holds({"x": 1}, name="../../../../escape")])
+        == 2
+    )
     assert "is not usable as a file name" in capsys.readouterr().err
     assert not list(tmp_path.rglob("escape*")) and not out.exists()

@@ -12,19 +12,38 @@ from types import SimpleNamespace
 import pytest
 import torch
 from accelerate.utils import DistributedType
+from conftest import EventRecorder, read_events, read_summary, run_tiny_in_process
 from safetensors.torch import load_file
 
 from acceltrain import EMA, ClassificationTask, ConfigError, Hook, Lookahead
 from acceltrain.checkpoint.files import complete_checkpoints
 from acceltrain.preemption import EXIT_PREEMPTED
-from conftest import EventRecorder, read_events, read_summary, run_tiny_in_process
 
 sys.path.insert(0, str(Path(__file__).parent / "helpers"))
 import tiny_recipe  # noqa: E402
 
 # 40 samples, batch 4, accumulate 3: windows of 3, 3, 3 and 1 batches, 4 optimizer steps an epoch.
-RUN = ["--num-train", "40", "--batch-size", "4", "--grad-accum", "3", "--epochs", "3", "--lr", "0.05",
-       "--no-progress", "--log-every", "2", "--eval-every", "3", "--num-workers", "0", "--report-to", "none"]
+RUN = [
+    "--num-train",
+    "40",
+    "--batch-size",
+    "4",
+    "--grad-accum",
+    "3",
+    "--epochs",
+    "3",
+    "--lr",
+    "0.05",
+    "--no-progress",
+    "--log-every",
+    "2",
+    "--eval-every",
+    "3",
+    "--num-workers",
+    "0",
+    "--report-to",
+    "none",
+]
 
 
 def run_tiny(output_dir: Path, *args: str, hooks=(), task=None) -> int:
@@ -39,12 +58,29 @@ def test_hooks_are_called_in_the_documented_order(tmp_path):
     recorder = Recorder()
     assert run_tiny(tmp_path / "run", "--max-steps", "6", "--save-every-steps", "4", hooks=[recorder]) == 0
     assert recorder.events == [
-        ("fit_start", 0), ("epoch_start", 0),
-        ("step_end", 1), ("step_end", 2), ("log", 2, True),
-        ("step_end", 3), ("eval_start", 3), ("eval_end", 3), ("log", 3, False),
-        ("step_end", 4), ("log", 4, True), ("save", "step_00000004"), ("log", 4, False), ("epoch_start", 1),  # checkpoint_seconds
-        ("step_end", 5), ("step_end", 6), ("log", 6, True), ("eval_start", 6), ("eval_end", 6), ("log", 6, False),
-        ("train_end", 6), ("save", "step_00000006"), ("fit_end", 6),
+        ("fit_start", 0),
+        ("epoch_start", 0),
+        ("step_end", 1),
+        ("step_end", 2),
+        ("log", 2, True),
+        ("step_end", 3),
+        ("eval_start", 3),
+        ("eval_end", 3),
+        ("log", 3, False),
+        ("step_end", 4),
+        ("log", 4, True),
+        ("save", "step_00000004"),
+        ("log", 4, False),
+        ("epoch_start", 1),  # checkpoint_seconds
+        ("step_end", 5),
+        ("step_end", 6),
+        ("log", 6, True),
+        ("eval_start", 6),
+        ("eval_end", 6),
+        ("log", 6, False),
+        ("train_end", 6),
+        ("save", "step_00000006"),
+        ("fit_end", 6),
     ]
 
 
@@ -144,7 +180,10 @@ def test_resuming_with_another_set_of_stateful_hooks_is_a_one_line_error(tmp_pat
     assert run_tiny(out, "--stop-after-steps", "2", hooks=[Stateful()]) == EXIT_PREEMPTED
     assert run_tiny(out, "--resume", "auto") == 2
     err = capsys.readouterr().err.strip()
-    assert "holds the state of hooks [stateful-toy] that this run does not have: resume with the same hooks" in err and "\n" not in err
+    assert (
+        "holds the state of hooks [stateful-toy] that this run does not have: resume with the same hooks" in err
+        and "\n" not in err
+    )
 
 
 def test_two_stateful_hooks_with_one_name_are_refused(tmp_path, capsys):
@@ -177,7 +216,9 @@ def test_ema_is_evaluated_exported_and_resumed_exactly(tmp_path):
 
 @pytest.mark.parametrize("distributed_type,stage", [(DistributedType.FSDP, None), (DistributedType.DEEPSPEED, 3)])
 def test_ema_refuses_sharded_weights_with_one_line(distributed_type, stage):
-    accelerator = SimpleNamespace(distributed_type=distributed_type, state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(zero_stage=stage)))
+    accelerator = SimpleNamespace(
+        distributed_type=distributed_type, state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(zero_stage=stage))
+    )
     with pytest.raises(ConfigError, match="EMA needs every process to hold the full weights"):
         EMA().on_fit_start(SimpleNamespace(accelerator=accelerator))
 
@@ -190,8 +231,15 @@ def test_ema_refuses_a_decay_outside_zero_one(decay):
 
 def _fake_run(model, *, step, total_steps, time_fraction=0.0, distributed_type=DistributedType.NO):
     accelerator = SimpleNamespace(distributed_type=distributed_type, unwrap_model=lambda m: m)
-    return SimpleNamespace(accelerator=accelerator, model=model, step=step, total_steps=total_steps, stop=None, last_eval_step=None,
-                           schedule_progress=SimpleNamespace(time_fraction=time_fraction))
+    return SimpleNamespace(
+        accelerator=accelerator,
+        model=model,
+        step=step,
+        total_steps=total_steps,
+        stop=None,
+        last_eval_step=None,
+        schedule_progress=SimpleNamespace(time_fraction=time_fraction),
+    )
 
 
 def test_lookahead_moves_the_average_by_the_ramped_decay_and_sets_the_weights_to_it():
@@ -246,7 +294,9 @@ def test_lookahead_changes_training_and_resumes_exactly(tmp_path):
     assert run_tiny(plain) == 0
     assert run_tiny(full, hooks=[Lookahead(decay=0.8, every=2)]) == 0
     assert (full / "model.safetensors").read_bytes() != (plain / "model.safetensors").read_bytes()
-    assert run_tiny(part, "--stop-after-steps", "4", hooks=[Lookahead(decay=0.8, every=2)]) == EXIT_PREEMPTED  # an update step
+    assert (
+        run_tiny(part, "--stop-after-steps", "4", hooks=[Lookahead(decay=0.8, every=2)]) == EXIT_PREEMPTED
+    )  # an update step
     assert run_tiny(part, "--resume", "auto", hooks=[Lookahead(decay=0.8, every=2)]) == 0
     assert (part / "model.safetensors").read_bytes() == (full / "model.safetensors").read_bytes()
     assert (part / "rank0.safetensors").read_bytes() == (full / "rank0.safetensors").read_bytes()
@@ -271,7 +321,10 @@ class OnlyLossAndValues:
 def test_a_task_without_primary_metric_fails_before_training_with_one_line(tmp_path, capsys):
     assert run_tiny(tmp_path / "run", task=OnlyLossAndValues()) == 2
     err = capsys.readouterr().err.strip()
-    assert err == "error: task OnlyLossAndValues has no 'primary_metric': a task needs train_loss, eval_values, primary_metric, higher_is_better (see acceltrain.Task)"
+    assert (
+        err
+        == "error: task OnlyLossAndValues has no 'primary_metric': a task needs train_loss, eval_values, primary_metric, higher_is_better (see acceltrain.Task)"
+    )
     assert not (tmp_path / "run").exists()
 
 
@@ -282,7 +335,18 @@ class LowerLossIsTheGoal(ClassificationTask):
 
 def test_target_metric_reads_the_tasks_primary_metric(tmp_path):
     """Before: --target-accuracy read eval_accuracy whatever the task's primary metric, so this never stopped."""
-    summary_args = ["--num-train", "512", "--batch-size", "32", "--max-steps", "200", "--lr", "0.5", "--eval-every", "4"]
+    summary_args = [
+        "--num-train",
+        "512",
+        "--batch-size",
+        "32",
+        "--max-steps",
+        "200",
+        "--lr",
+        "0.5",
+        "--eval-every",
+        "4",
+    ]
     assert run_tiny(tmp_path / "run", *summary_args, "--target-metric", "1.5", task=LowerLossIsTheGoal()) == 0
     summary = read_summary(tmp_path / "run")
     assert summary["eval_loss"] <= 1.5 and summary["steps"] < 200
@@ -292,7 +356,10 @@ def test_target_metric_reads_the_tasks_primary_metric(tmp_path):
 def test_target_accuracy_on_a_task_without_accuracy_is_a_one_line_error(tmp_path, capsys):
     assert run_tiny(tmp_path / "run", "--target-accuracy", "0.5", task=LowerLossIsTheGoal()) == 2
     err = capsys.readouterr().err.strip()
-    assert "--target-accuracy 0.5 needs a task whose primary metric is accuracy; LowerLossIsTheGoal's is 'loss': use --target-metric" in err
+    assert (
+        "--target-accuracy 0.5 needs a task whose primary metric is accuracy; LowerLossIsTheGoal's is 'loss': use --target-metric"
+        in err
+    )
 
 
 def test_the_final_checkpoint_records_the_position_inside_the_epoch(tmp_path):
@@ -340,7 +407,9 @@ class SlowFitEnd(Hook):
 
     def __init__(self, monkeypatch):
         self.later = 0.0
-        monkeypatch.setattr("acceltrain.metrics.time", SimpleNamespace(perf_counter=lambda: time.perf_counter() + self.later))
+        monkeypatch.setattr(
+            "acceltrain.metrics.time", SimpleNamespace(perf_counter=lambda: time.perf_counter() + self.later)
+        )
 
     def on_fit_end(self, run, summary):
         self.later += 1000.0
@@ -349,8 +418,24 @@ class SlowFitEnd(Hook):
 def test_throughput_never_counts_time_after_training(tmp_path, monkeypatch):
     """Before: after an early finish with a final checkpoint, the save's pause resumed the throughput timer,
     so the work after training (here a hook's 1000 s in on_fit_end) was counted as training time."""
-    args = ["--num-train", "512", "--batch-size", "32", "--max-steps", "200", "--lr", "0.5", "--eval-every", "4",
-            "--target-accuracy", "0.5", "--save-every-steps", "100", "--timing-warmup-steps", "1"]
+    args = [
+        "--num-train",
+        "512",
+        "--batch-size",
+        "32",
+        "--max-steps",
+        "200",
+        "--lr",
+        "0.5",
+        "--eval-every",
+        "4",
+        "--target-accuracy",
+        "0.5",
+        "--save-every-steps",
+        "100",
+        "--timing-warmup-steps",
+        "1",
+    ]
     assert run_tiny(tmp_path / "run", *args, hooks=[SlowFitEnd(monkeypatch)]) == 0
     summary = read_summary(tmp_path / "run")
     assert summary["steps"] < 200

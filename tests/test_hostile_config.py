@@ -11,11 +11,11 @@ import sys
 import time
 
 import pytest
+from conftest import REPO, TINY_RECIPE, check, launch, run_tiny_in_process, subprocess_env
 
 from acceltrain import ConfigError, TrainConfig, parse_config
 from acceltrain.distributed import deepspeed_plugin
 from acceltrain.tracking import read_offline_run
-from conftest import REPO, TINY_RECIPE, check, launch, run_tiny_in_process, subprocess_env
 
 TINY = ["--batch-size", "8", "--no-progress", "--num-workers", "0"]
 
@@ -31,7 +31,9 @@ def one_line_error(capsys, code: int, out=None) -> str:
 
 def alias_bomb(levels: int = 7) -> str:
     """Nine ``x`` at the first level, each next level nine aliases of the one before: 9**levels values."""
-    anchors = ["&l0 [x, x, x, x, x, x, x, x, x]"] + [f"&l{n} [{', '.join([f'*l{n - 1}'] * 9)}]" for n in range(1, levels)]
+    anchors = ["&l0 [x, x, x, x, x, x, x, x, x]"] + [
+        f"&l{n} [{', '.join([f'*l{n - 1}'] * 9)}]" for n in range(1, levels)
+    ]
     return "[" + ", ".join(anchors) + "]"
 
 
@@ -57,7 +59,7 @@ def test_a_preset_that_expands_is_one_short_line_in_seconds(tmp_path, capsys, te
 
 def test_a_value_echoed_in_an_error_is_cut_short():
     with pytest.raises(ConfigError) as err:
-        TrainConfig(batch_size=-10**200).validate()
+        TrainConfig(batch_size=-(10**200)).validate()
     assert len(str(err.value)) < 200 and "is invalid: must be an integer >= 1" in str(err.value)
 
 
@@ -119,8 +121,14 @@ def test_an_empty_wandb_mode_counts_as_unset(tmp_path):
     """Without credentials: offline, as when WANDB_MODE is not set at all (wandb alone refuses '')."""
     out = tmp_path / "out"
     env = {**subprocess_env(HOME=str(tmp_path), NETRC=str(tmp_path / "no-netrc")), "WANDB_MODE": ""}
-    result = subprocess.run([sys.executable, str(TINY_RECIPE), *TINY, "--max-steps", "2", "--output-dir", str(out)],
-                            cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, str(TINY_RECIPE), *TINY, "--max-steps", "2", "--output-dir", str(out)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     check(result)
     assert "no W&B API key found" in result.stdout and len(list((out / "wandb").glob("offline-run-*"))) == 1
 
@@ -128,8 +136,14 @@ def test_an_empty_wandb_mode_counts_as_unset(tmp_path):
 @pytest.mark.slow
 def test_wandb_dir_is_where_the_offline_run_goes(tmp_path):
     out, wandb_dir = tmp_path / "out", tmp_path / "scratch" / "wandb-runs"
-    check(launch(TINY_RECIPE, [*TINY, "--max-steps", "2", "--log-every", "1", "--output-dir", str(out)],
-                 WANDB_MODE="offline", WANDB_DIR=str(wandb_dir)))
+    check(
+        launch(
+            TINY_RECIPE,
+            [*TINY, "--max-steps", "2", "--log-every", "1", "--output-dir", str(out)],
+            WANDB_MODE="offline",
+            WANDB_DIR=str(wandb_dir),
+        )
+    )
     (run_dir,) = (wandb_dir / "wandb").glob("offline-run-*")
     assert [row["_step"] for row in read_offline_run(run_dir)["history"] if "loss" in row] == [1, 2]
     assert not (out / "wandb").exists()
@@ -161,10 +175,16 @@ def write_deepspeed_json(tmp_path, config) -> str:
     [
         ([ZERO2], "must be a JSON object of setting: value, not a list"),
         ({**ZERO2, "zero_optimization": {"stage": 7}}, "zero_optimization.stage 7 is invalid: must be 0, 1, 2 or 3"),
-        ({**ZERO2, "zero_optimization": {"stage": "two"}}, "zero_optimization.stage 'two' is invalid: must be 0, 1, 2 or 3"),
+        (
+            {**ZERO2, "zero_optimization": {"stage": "two"}},
+            "zero_optimization.stage 'two' is invalid: must be 0, 1, 2 or 3",
+        ),
         ({**ZERO2, "zero_optimization": [2]}, "zero_optimization [2] is invalid: must be a JSON object"),
         ({**ZERO2, "bf16": True}, "bf16 True is invalid: must be a JSON object"),
-        ({**ZERO2, "train_micro_batch_size_per_gpu": "big"}, "sets train_micro_batch_size_per_gpu='big' but --batch-size gives 128"),
+        (
+            {**ZERO2, "train_micro_batch_size_per_gpu": "big"},
+            "sets train_micro_batch_size_per_gpu='big' but --batch-size gives 128",
+        ),
     ],
     ids=["list", "stage-7", "stage-two", "zero-list", "bf16-bool", "batch-word"],
 )
@@ -174,13 +194,20 @@ def test_a_broken_deepspeed_json_is_one_line_naming_file_key_and_allowed(tmp_pat
     monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", path)
     with pytest.raises(ConfigError) as err:
         deepspeed_plugin(TrainConfig())
-    assert str(err.value).startswith(f"DeepSpeed config {path!r}") and message in str(err.value) and "\n" not in str(err.value)
+    assert (
+        str(err.value).startswith(f"DeepSpeed config {path!r}")
+        and message in str(err.value)
+        and "\n" not in str(err.value)
+    )
 
 
 def test_a_deepspeed_stage_of_auto_is_left_to_accelerate(tmp_path, monkeypatch):
     pytest.importorskip("deepspeed")
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
-    monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", write_deepspeed_json(tmp_path, {**ZERO2, "zero_optimization": {"stage": "auto"}}))
+    monkeypatch.setenv(
+        "ACCELERATE_DEEPSPEED_CONFIG_FILE",
+        write_deepspeed_json(tmp_path, {**ZERO2, "zero_optimization": {"stage": "auto"}}),
+    )
     assert deepspeed_plugin(TrainConfig()).zero_stage == 2
 
 
@@ -191,10 +218,18 @@ def test_a_bad_zero_stage_under_accelerate_launch_is_the_launchers_root_cause(tm
     pytest.importorskip("deepspeed")
     path = write_deepspeed_json(tmp_path, {**ZERO2, "zero_optimization": {"stage": 7}})
     launcher_config = tmp_path / "deepspeed.yaml"
-    launcher_config.write_text((REPO / "accelerate_configs" / "deepspeed_zero2.yaml").read_text()
-                               .replace("accelerate_configs/deepspeed/zero2.json", path))
-    result = launch(TINY_RECIPE, [*TINY, "--report-to", "none", "--output-dir", str(tmp_path / "out")],
-                    launcher="accelerate", config=str(launcher_config), timeout=120)
+    launcher_config.write_text(
+        (REPO / "accelerate_configs" / "deepspeed_zero2.yaml")
+        .read_text()
+        .replace("accelerate_configs/deepspeed/zero2.json", path)
+    )
+    result = launch(
+        TINY_RECIPE,
+        [*TINY, "--report-to", "none", "--output-dir", str(tmp_path / "out")],
+        launcher="accelerate",
+        config=str(launcher_config),
+        timeout=120,
+    )
     line = f"error: DeepSpeed config {path!r}: zero_optimization.stage 7 is invalid: must be 0, 1, 2 or 3"
     before, root_cause = result.stderr.split("Root Cause")
     assert result.returncode == 1 and line in before and line in root_cause, result.stderr[-3000:]
@@ -223,8 +258,12 @@ def test_a_finished_run_writes_no_error_file(tmp_path, monkeypatch):
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_under_torchrun_a_stop_to_be_resumed_is_the_launchers_root_cause(tmp_path):
-    result = launch(TINY_RECIPE, [*TINY, "--max-steps", "5", "--stop-after-steps", "2", "--output-dir", str(tmp_path / "out")],
-                    launcher="torchrun", timeout=120)
+    result = launch(
+        TINY_RECIPE,
+        [*TINY, "--max-steps", "5", "--stop-after-steps", "2", "--output-dir", str(tmp_path / "out")],
+        launcher="torchrun",
+        timeout=120,
+    )
     root_cause = result.stderr.split("Root Cause")[-1]
     assert result.returncode == 1 and "exitcode  : 75" in root_cause, result.stderr[-3000:]
     assert "stopped at step 2 to be resumed (stop_after_steps); continue with --resume auto" in root_cause

@@ -12,22 +12,44 @@ import sys
 import time
 
 import pytest
+from conftest import REPO, TINY_RECIPE, _free_port, check, launch, read_summary, run_tiny_in_process, subprocess_env
 
 from acceltrain import ConfigError, Hook, Options, TrainConfig, option, parse_config
 from acceltrain.preemption import EXIT_PREEMPTED
-from conftest import REPO, TINY_RECIPE, _free_port, check, launch, read_summary, run_tiny_in_process, subprocess_env
 
 # 96 samples a pass on the first process, 88 on the second: at batch 8 on 2 processes with 2 loader workers each,
 # 6 and 4 batches a pass (each worker drops its own partial batch)
-UNEVEN = ["--stream", "torch", "--batch-size", "8", "--max-steps", "14", "--lr", "0.05", "--no-progress", "--num-workers", "2",
-          "--report-to", "none", "--log-every", "1"]
+UNEVEN = [
+    "--stream",
+    "torch",
+    "--batch-size",
+    "8",
+    "--max-steps",
+    "14",
+    "--lr",
+    "0.05",
+    "--no-progress",
+    "--num-workers",
+    "2",
+    "--report-to",
+    "none",
+    "--log-every",
+    "1",
+]
 
 
 @pytest.fixture(scope="module")
 def uneven_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("uneven") / "run"
-    return out, check(launch(TINY_RECIPE, [*UNEVEN, "--stream-drop", "0,8", "--output-dir", str(out)], processes=2,
-                             launcher="torchrun", timeout=600))
+    return out, check(
+        launch(
+            TINY_RECIPE,
+            [*UNEVEN, "--stream-drop", "0,8", "--output-dir", str(out)],
+            processes=2,
+            launcher="torchrun",
+            timeout=600,
+        )
+    )
 
 
 @pytest.mark.slow
@@ -36,11 +58,17 @@ def test_uneven_streams_end_each_pass_together_as_the_shorter_one_does(tmp_path,
     """Before: fit() hung for good in a collective when one process's stream ended first."""
     out, result = uneven_run
     even = tmp_path / "even"
-    check(launch(TINY_RECIPE, [*UNEVEN, "--stream-drop", "8,8", "--output-dir", str(even)], processes=2, launcher="torchrun"))
+    check(
+        launch(
+            TINY_RECIPE, [*UNEVEN, "--stream-drop", "8,8", "--output-dir", str(even)], processes=2, launcher="torchrun"
+        )
+    )
     assert (out / "model.safetensors").read_bytes() == (even / "model.safetensors").read_bytes()
     assert read_summary(out)["epochs"] == read_summary(even)["epochs"] == 3.0
-    assert ("process 0: pass 0 of the training stream ended on another process after 4 batches; the rest of this process's "
-            "pass is left out") in result.stderr + result.stdout
+    assert (
+        "process 0: pass 0 of the training stream ended on another process after 4 batches; the rest of this process's "
+        "pass is left out"
+    ) in result.stderr + result.stdout
 
 
 @pytest.mark.slow
@@ -62,10 +90,34 @@ def test_workers_do_not_outlive_a_launcher_killed_outright(tmp_path):
     in a collective never ended."""
     psutil = pytest.importorskip("psutil")
     out = tmp_path / "run"
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
-               str(TINY_RECIPE), "--batch-size", "8", "--max-steps", "100000", "--sleep-per-step", "0.2", "--num-workers", "0", "--no-progress",
-               "--report-to", "none", "--log-every", "1", "--output-dir", str(out)]
-    launcher = subprocess.Popen(command, cwd=REPO, env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(_free_port()),
+        str(TINY_RECIPE),
+        "--batch-size",
+        "8",
+        "--max-steps",
+        "100000",
+        "--sleep-per-step",
+        "0.2",
+        "--num-workers",
+        "0",
+        "--no-progress",
+        "--report-to",
+        "none",
+        "--log-every",
+        "1",
+        "--output-dir",
+        str(out),
+    ]
+    launcher = subprocess.Popen(
+        command, cwd=REPO, env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     try:
         deadline = time.monotonic() + 300  # a hang guard: training starts in seconds
         while not ((out / "metrics.jsonl").is_file() and '"loss"' in (out / "metrics.jsonl").read_text()):
@@ -86,13 +138,28 @@ def test_a_stream_that_shrank_before_the_resume_is_one_line(tmp_path, capsys):
     """Before: "resumed at step 2", then RuntimeError: generator raised StopIteration. (This stream has no
     fingerprint; the causal-LM recipe's text has one, and a shrunk text is refused before loading.)"""
     out = tmp_path / "run"
-    args = ["--stream", "torch", "--batch-size", "8", "--grad-accum", "5", "--max-steps", "12", "--no-progress", "--num-workers", "0",
-            "--report-to", "none"]
+    args = [
+        "--stream",
+        "torch",
+        "--batch-size",
+        "8",
+        "--grad-accum",
+        "5",
+        "--max-steps",
+        "12",
+        "--no-progress",
+        "--num-workers",
+        "0",
+        "--report-to",
+        "none",
+    ]
     assert run_tiny_in_process(out, *args, "--stop-after-steps", "2") == EXIT_PREEMPTED
     assert run_tiny_in_process(out, *args, "--resume", "auto", "--num-train", "48", "--allow-config-change") == 2
     err = capsys.readouterr().err.strip()
-    assert err == ("error: the training stream ended before the checkpoint's place in it (batch 10 of pass 0 on each process): "
-                   "it holds less data than when the checkpoint was written; restore it, or start a new --output-dir"), err
+    assert err == (
+        "error: the training stream ended before the checkpoint's place in it (batch 10 of pass 0 on each process): "
+        "it holds less data than when the checkpoint was written; restore it, or start a new --output-dir"
+    ), err
 
 
 class SetsTheLearningRate(Hook):
@@ -102,9 +169,22 @@ class SetsTheLearningRate(Hook):
 
 def test_a_hook_cannot_change_the_runs_config(tmp_path):
     """Before: run.cfg.lr = 5.0 trained on with 0.1 while train_config.yaml and the checkpoint recorded 5.0."""
-    with pytest.raises(dataclasses.FrozenInstanceError, match="cannot set 'lr': the run's config is read-only once training starts"):
-        run_tiny_in_process(tmp_path / "run", "--batch-size", "8", "--max-steps", "2", "--no-progress", "--num-workers", "0", "--report-to", "none",
-                            hooks=[SetsTheLearningRate()])
+    with pytest.raises(
+        dataclasses.FrozenInstanceError, match="cannot set 'lr': the run's config is read-only once training starts"
+    ):
+        run_tiny_in_process(
+            tmp_path / "run",
+            "--batch-size",
+            "8",
+            "--max-steps",
+            "2",
+            "--no-progress",
+            "--num-workers",
+            "0",
+            "--report-to",
+            "none",
+            hooks=[SetsTheLearningRate()],
+        )
     cfg = TrainConfig()
     cfg.lr = 0.5  # before fit(), a config is the user's to change
     assert dataclasses.replace(cfg.read_only(), lr=0.2).lr == 0.2
@@ -129,7 +209,9 @@ def test_an_option_group_that_redeclares_another_groups_flag_is_refused():
         ClashingConfig().validate()
     from acceltrain.recipes.causal_lm import CausalLMConfig
 
-    assert parse_config(CausalLMConfig, ["--text-files", "x"]).batch_size == 16, "a recipe may change its own bases' defaults"
+    assert parse_config(CausalLMConfig, ["--text-files", "x"]).batch_size == 16, (
+        "a recipe may change its own bases' defaults"
+    )
 
 
 def test_muon_under_deepspeed_is_refused_before_the_process_group_starts(monkeypatch):
@@ -143,5 +225,7 @@ def test_muon_under_deepspeed_is_refused_before_the_process_group_starts(monkeyp
 
     monkeypatch.setattr(accelerate, "PartialState", started)
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
-    with pytest.raises(ConfigError, match="--optimizer muon needs every weight matrix whole on each process, and DeepSpeed"):
+    with pytest.raises(
+        ConfigError, match="--optimizer muon needs every weight matrix whole on each process, and DeepSpeed"
+    ):
         init_process_state(TrainConfig(optimizer="muon"))

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import RECIPE, read_summary, reset_accelerate_state
 from huggingface_hub import HfApi
 
 import acceltrain.hooks.hub
@@ -21,16 +22,29 @@ from acceltrain import ConfigError, Hook, TrainConfig, parse_config, run_recipe
 from acceltrain.config import run_changes
 from acceltrain.hub import load_model
 from acceltrain.model_card import NOT_REPRODUCED
-from conftest import RECIPE, read_summary, reset_accelerate_state
 
 sys.path.insert(0, str(RECIPE.parent))
 import causal_lm  # noqa: E402
-from resnet_cifar import CifarConfig, main as cifar_main  # noqa: E402
+from resnet_cifar import CifarConfig  # noqa: E402
+from resnet_cifar import main as cifar_main
 
 TOKEN = "hf_acceltraintesttoken0123456789abcdef"
 REAL_CREATE_REPO = HfApi.create_repo  # before any test replaces it
-TINY_CIFAR = ["--dataset", "synthetic", "--model", "resnet_tiny", "--batch-size", "16", "--max-steps", "2", "--report-to", "none",
-              "--no-progress", "--num-workers", "0"]
+TINY_CIFAR = [
+    "--dataset",
+    "synthetic",
+    "--model",
+    "resnet_tiny",
+    "--batch-size",
+    "16",
+    "--max-steps",
+    "2",
+    "--report-to",
+    "none",
+    "--no-progress",
+    "--num-workers",
+    "0",
+]
 
 
 class Recorder(Hook):
@@ -88,9 +102,13 @@ def test_a_resnet_run_folder_loads_with_one_call_and_describes_itself(tmp_path, 
 
     card = (out / "README.md").read_text()
     summary = read_summary(out)
-    assert card.startswith("---\n") and "library_name: acceltrain" in card and "pipeline_tag: image-classification" in card
+    assert (
+        card.startswith("---\n") and "library_name: acceltrain" in card and "pipeline_tag: image-classification" in card
+    )
     assert "acceltrain.vision.build_model(name='resnet_tiny', num_classes=10, stem='cifar')" in card  # model
-    assert "| dataset | synthetic |" in card and "training samples: 2048" in card and "evaluation samples: 512" in card  # data
+    assert (
+        "| dataset | synthetic |" in card and "training samples: 2048" in card and "evaluation samples: 512" in card
+    )  # data
     assert "| lr | 0.1 |" in card and "| batch_size | 16 |" in card and "| ema_decay | 0.9 |" in card  # settings
     assert f"| eval_accuracy | {summary['eval_accuracy']:.6g} |" in card and "| steps | 2 |" in card  # final metrics
     assert f"| device | {summary['runtime']['device_name']} |" in card and "| processes | 1 |" in card  # hardware
@@ -98,12 +116,19 @@ def test_a_resnet_run_folder_loads_with_one_call_and_describes_itself(tmp_path, 
     assert 'load_model("' in card
 
 
-@pytest.mark.parametrize("argv0,module,command", [
-    ("recipes/resnet_cifar.py", None, ["python", "recipes/resnet_cifar.py"]),
-    ("/venv/lib/acceltrain/recipes/resnet_cifar.py", "acceltrain.recipes.resnet_cifar", ["python", "-m", "acceltrain.recipes.resnet_cifar"]),
-    (f"{sysconfig.get_path('scripts')}/acceltrain-resnet-cifar", None, ["acceltrain-resnet-cifar"]),
-    ("myrecipe", None, ["python", "myrecipe"]),  # a script without .py, or a folder with __main__.py
-])
+@pytest.mark.parametrize(
+    "argv0,module,command",
+    [
+        ("recipes/resnet_cifar.py", None, ["python", "recipes/resnet_cifar.py"]),
+        (
+            "/venv/lib/acceltrain/recipes/resnet_cifar.py",
+            "acceltrain.recipes.resnet_cifar",
+            ["python", "-m", "acceltrain.recipes.resnet_cifar"],
+        ),
+        (f"{sysconfig.get_path('scripts')}/acceltrain-resnet-cifar", None, ["acceltrain-resnet-cifar"]),
+        ("myrecipe", None, ["python", "myrecipe"]),  # a script without .py, or a folder with __main__.py
+    ],
+)
 def test_the_card_s_command_is_the_one_the_user_typed(monkeypatch, argv0, module, command):
     """Under -m or a console script the card used to say ``python /full/path/...``, which runs nothing useful."""
     import types
@@ -209,18 +234,40 @@ def hub_stand_in(monkeypatch):
     server.shutdown()
 
 
-def test_push_to_hub_creates_the_repo_before_training_and_uploads_the_folder(tmp_path, hub_hooks, monkeypatch, hub_stand_in, capsys):
+def test_push_to_hub_creates_the_repo_before_training_and_uploads_the_folder(
+    tmp_path, hub_hooks, monkeypatch, hub_stand_in, capsys
+):
     events, _ = hub_hooks
-    monkeypatch.setattr(acceltrain.hooks.hub, "prepare_repo", _recording(acceltrain.hooks.hub.prepare_repo, events, "repo ready"))
+    monkeypatch.setattr(
+        acceltrain.hooks.hub, "prepare_repo", _recording(acceltrain.hooks.hub.prepare_repo, events, "repo ready")
+    )
     out = tmp_path / "run"
-    assert run_cifar(out, "--push-to-hub", "--hub-model-id", "someone/tiny-cifar", "--hub-private", "--save-every-steps", "1",
-                     monkeypatch=monkeypatch) == 0
+    assert (
+        run_cifar(
+            out,
+            "--push-to-hub",
+            "--hub-model-id",
+            "someone/tiny-cifar",
+            "--hub-private",
+            "--save-every-steps",
+            "1",
+            monkeypatch=monkeypatch,
+        )
+        == 0
+    )
     assert events[0] == "repo ready" and events.count("step") == 2, "checked and created before the first step"
     (create, upload) = hub_stand_in
     assert create == ("create_repo", "someone/tiny-cifar", True, True)
     _, repo_id, uploaded, message = upload
     assert repo_id == "someone/tiny-cifar" and message.startswith("acceltrain run run: 2 steps, eval_accuracy ")
-    assert {"README.md", "config.json", "model.safetensors", "summary.json", "train_config.yaml", "metrics.jsonl"} <= set(uploaded)
+    assert {
+        "README.md",
+        "config.json",
+        "model.safetensors",
+        "summary.json",
+        "train_config.yaml",
+        "metrics.jsonl",
+    } <= set(uploaded)
     assert not [name for name in uploaded if "/" in name or name == ".lock"], "no checkpoints, no lock"
     summary = read_summary(out)
     assert summary["hub_commit"] == "https://hub.example/someone/tiny-cifar/commit/abc"
@@ -240,7 +287,9 @@ def _recording(function, events: list, name: str):
     return recorded
 
 
-def test_a_failed_upload_keeps_the_finished_run_and_says_how_to_upload_later(tmp_path, hub_hooks, monkeypatch, hub_stand_in, capsys):
+def test_a_failed_upload_keeps_the_finished_run_and_says_how_to_upload_later(
+    tmp_path, hub_hooks, monkeypatch, hub_stand_in, capsys
+):
     def broken_upload(self, **kwargs):
         raise OSError("connection reset by peer")
 
@@ -313,9 +362,12 @@ IMPOSSIBLE_PUSHES = [
 ]
 
 
-@pytest.mark.parametrize(("make_impossible", "message"), IMPOSSIBLE_PUSHES, ids=[p[0].__name__ for p in IMPOSSIBLE_PUSHES])
-def test_push_that_cannot_work_is_one_line_before_training(tmp_path, hub_hooks, monkeypatch, hub_stand_in, capsys,
-                                                           make_impossible, message):
+@pytest.mark.parametrize(
+    ("make_impossible", "message"), IMPOSSIBLE_PUSHES, ids=[p[0].__name__ for p in IMPOSSIBLE_PUSHES]
+)
+def test_push_that_cannot_work_is_one_line_before_training(
+    tmp_path, hub_hooks, monkeypatch, hub_stand_in, capsys, make_impossible, message
+):
     events, _ = hub_hooks
     make_impossible(monkeypatch)
     out = tmp_path / "run"
@@ -323,11 +375,15 @@ def test_push_that_cannot_work_is_one_line_before_training(tmp_path, hub_hooks, 
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and message in err and "\n" not in err, err
     assert "upload it later with `hf upload REPO RUN_DIR --exclude '*/*'`" in err
-    assert "step" not in events and not out.exists(), "refused before training, nothing left behind (no .lock, no metrics.jsonl)"
+    assert "step" not in events and not out.exists(), (
+        "refused before training, nothing left behind (no .lock, no metrics.jsonl)"
+    )
     assert TOKEN not in err
 
 
-def test_a_push_refused_in_an_existing_folder_leaves_it_as_it_was(tmp_path, hub_hooks, monkeypatch, hub_stand_in, capsys):
+def test_a_push_refused_in_an_existing_folder_leaves_it_as_it_was(
+    tmp_path, hub_hooks, monkeypatch, hub_stand_in, capsys
+):
     offline_hub(monkeypatch)
     out = tmp_path / "run"
     out.mkdir()
@@ -346,7 +402,6 @@ def test_an_invalid_repo_id_is_one_line(tmp_path, hub_hooks, monkeypatch, hub_st
     assert run_cifar(tmp_path / "run", "--push-to-hub", "--hub-model-id", "a/b/c", monkeypatch=monkeypatch) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: --hub-model-id 'a/b/c' is invalid: ") and "\n" not in err, err
-
 
 
 # --------------------------------------------------------------------------- folders of any Transformers model (issue 33 item 4)
@@ -374,11 +429,34 @@ def fit_classifier(output_dir: Path, model, hooks=()) -> dict:
 
     tokenizer = AutoTokenizer.from_pretrained(model.name_or_path)
     examples = [{**tokenizer(text), "labels": label} for text, label in [("good film", 1), ("bad plot", 0)] * 8]
-    cfg = parse_config(TrainConfig, ["--output-dir", str(output_dir), "--max-steps", "2", "--batch-size", "4", "--report-to", "none",
-                                     "--no-progress", "--num-workers", "0", "--no-plots"])
+    cfg = parse_config(
+        TrainConfig,
+        [
+            "--output-dir",
+            str(output_dir),
+            "--max-steps",
+            "2",
+            "--batch-size",
+            "4",
+            "--report-to",
+            "none",
+            "--no-progress",
+            "--num-workers",
+            "0",
+            "--no-plots",
+        ],
+    )
     reset_accelerate_state()
-    return fit(cfg, model, build_optimizer(model, cfg), examples, examples, task=TextClassificationTask(["neg", "pos"]), hooks=hooks,
-               collate_fn=classification_batches(tokenizer))
+    return fit(
+        cfg,
+        model,
+        build_optimizer(model, cfg),
+        examples,
+        examples,
+        task=TextClassificationTask(["neg", "pos"]),
+        hooks=hooks,
+        collate_fn=classification_batches(tokenizer),
+    )
 
 
 def test_the_card_names_the_auto_class_of_the_model_s_head():
@@ -425,7 +503,8 @@ def test_a_model_whose_weights_would_load_as_random_is_refused_before_training(t
     assert str(caught.value) == (
         "the BertForSequenceClassification's weights would not load into the model its own config.json builds, so from_pretrained "
         "would leave them random: missing 'classifier.bias', 'classifier.weight'; unexpected 'classifier.1.bias', "
-        "'classifier.1.weight'; keep its modules as its config builds them")
+        "'classifier.1.weight'; keep its modules as its config builds them"
+    )
     assert not out.exists(), "refused before training, nothing written"
 
 
@@ -442,10 +521,17 @@ def test_weights_that_would_load_as_random_are_kept_without_a_config_at_save_tim
     from transformers import AutoModelForSequenceClassification
 
     out = tmp_path / "run"
-    with pytest.raises(ConfigError, match=r"missing 'bert.embeddings.LayerNorm.bias', .*; unexpected 'backbone.bert.*the trained "
-                                          r"weights are kept in .*model.safetensors, without a config.json$"):
-        fit_classifier(out, AutoModelForSequenceClassification.from_pretrained(bert, num_labels=2), hooks=[RenamedExport()])
-    assert "backbone.classifier.weight" in load_file(str(out / "model.safetensors")) and not (out / "config.json").exists()
+    with pytest.raises(
+        ConfigError,
+        match=r"missing 'bert.embeddings.LayerNorm.bias', .*; unexpected 'backbone.bert.*the trained "
+        r"weights are kept in .*model.safetensors, without a config.json$",
+    ):
+        fit_classifier(
+            out, AutoModelForSequenceClassification.from_pretrained(bert, num_labels=2), hooks=[RenamedExport()]
+        )
+    assert (
+        "backbone.classifier.weight" in load_file(str(out / "model.safetensors")) and not (out / "config.json").exists()
+    )
 
 
 def test_a_module_that_merely_carries_a_transformers_config_is_saved_as_a_module_of_its_own(tmp_path, bert):
@@ -474,6 +560,8 @@ def test_the_card_names_the_model_s_own_class_under_fsdp2():
 
     from acceltrain.hub import model_head, own_class
 
-    sharded_class = type("FSDPGPT2LMHeadModel", (GPT2LMHeadModel,), {"__module__": "torch.distributed.fsdp._fully_shard._fsdp_init"})
+    sharded_class = type(
+        "FSDPGPT2LMHeadModel", (GPT2LMHeadModel,), {"__module__": "torch.distributed.fsdp._fully_shard._fsdp_init"}
+    )
     model = sharded_class(GPT2Config(vocab_size=8, n_positions=4, n_embd=4, n_layer=1, n_head=1))
     assert own_class(model) is GPT2LMHeadModel and model_head(model) == ("AutoModelForCausalLM", "text-generation")

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import pytest
-
 import json
 import re
 import subprocess
 import sys
 
+import pytest
 from conftest import REPO, subprocess_env
 
 PARSER_CALL = re.compile(r"\b(ArgumentParser|_OneLineParser|add_parser)\(")
@@ -53,8 +52,12 @@ def test_every_parser_refuses_abbreviated_flags():
     --num-workers 0 (argparse's prefix matching), while the recipes refuse ``--max-step``: every parser in
     acceltrain/ and benchmarks/ is built here and must refuse an abbreviation; a new file with a parser fails this
     test until it is listed below."""
-    with_parsers = {path.relative_to(REPO).as_posix() for folder in ("acceltrain", "benchmarks")
-                    for path in (REPO / folder).rglob("*.py") if PARSER_CALL.search(path.read_text())}
+    with_parsers = {
+        path.relative_to(REPO).as_posix()
+        for folder in ("acceltrain", "benchmarks")
+        for path in (REPO / folder).rglob("*.py")
+        if PARSER_CALL.search(path.read_text())
+    }
     peers = str(REPO / "benchmarks" / "peers.py")
     entries = [
         ["acceltrain.cli", ["--help"], None],
@@ -62,11 +65,20 @@ def test_every_parser_refuses_abbreviated_flags():
         ["acceltrain.cli", ["ray", "--help"], None],
         ["acceltrain.cli", ["merge", "--help"], None],
         ["acceltrain.recipes.resnet_cifar", ["--help"], None],
-        *([str(REPO / path), ["--help"], ["--round", "3"] if str(REPO / path) == peers else None]
-          for path in sorted(with_parsers) if path.startswith("benchmarks/")),  # a script without a parser would run
+        *(
+            [str(REPO / path), ["--help"], ["--round", "3"] if str(REPO / path) == peers else None]
+            for path in sorted(with_parsers)
+            if path.startswith("benchmarks/")
+        ),  # a script without a parser would run
     ]
-    result = subprocess.run([sys.executable, "-c", RECORD_PARSERS, str(REPO), json.dumps(entries)], cwd=REPO,
-                            env=subprocess_env(), capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        [sys.executable, "-c", RECORD_PARSERS, str(REPO), json.dumps(entries)],
+        cwd=REPO,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
     built = {file for file, _, _ in report["parsers"]}
@@ -79,6 +91,8 @@ def test_acceltrain_ray_refuses_an_abbreviated_flag_in_one_line(capsys):
     from acceltrain.cli import main
 
     assert main(["ray", "--num-w", "0", "recipes/resnet_cifar.py"]) == 2
-    assert capsys.readouterr().err.strip() == ("error: unrecognized arguments: --num-w (did you mean --num-workers?) "
-                                               "(acceltrain ray's flags go before the recipe, the recipe's after it: "
-                                               "acceltrain ray --help)")
+    assert capsys.readouterr().err.strip() == (
+        "error: unrecognized arguments: --num-w (did you mean --num-workers?) "
+        "(acceltrain ray's flags go before the recipe, the recipe's after it: "
+        "acceltrain ray --help)"
+    )

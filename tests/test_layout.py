@@ -50,7 +50,7 @@ def test_no_module_imports_one_that_imports_it_back():
             if target.startswith(node + "."):  # a package importing its own submodules (lazy __getattr__ maps)
                 continue
             if state.get(target) == "open":
-                cycles.append(" -> ".join([*stack[stack.index(target):], target]))
+                cycles.append(" -> ".join([*stack[stack.index(target) :], target]))
             elif target not in state:
                 visit(target, [*stack, target])
         state[node] = "done"
@@ -62,8 +62,11 @@ def test_no_module_imports_one_that_imports_it_back():
 
 
 def test_modules_and_the_core_loop_stay_short():
-    long = [f"{path.relative_to(REPO)}: {n}" for path in PACKAGE.rglob("*.py")
-            if (n := len(path.read_text().splitlines())) > LIMITS["module"]]
+    long = [
+        f"{path.relative_to(REPO)}: {n}"
+        for path in PACKAGE.rglob("*.py")
+        if (n := len(path.read_text().splitlines())) > LIMITS["module"]
+    ]
     assert not long, long
     assert len((PACKAGE / "loop.py").read_text().splitlines()) <= LIMITS["loop.py"]
     for file, name in ((PACKAGE / "run.py", "Run"), (PACKAGE / "loop.py", "fit")):

@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import REPO, reset_accelerate_state, subprocess_env
 from safetensors.torch import load_file, save_file
+from test_causal_lm import SMALL, offline_on_one_thread, write_text
+from test_hub import run_cifar
 
 import acceltrain.hub
 from acceltrain import ConfigError, load_model
-from conftest import REPO, reset_accelerate_state, subprocess_env
-from test_causal_lm import SMALL, offline_on_one_thread, write_text
-from test_hub import run_cifar
 
 IMAGE_BUILDER = "acceltrain.vision.build_model"
 RUN_FILES = ("config.json", "generation_config.json", "model.safetensors")
@@ -93,8 +93,13 @@ def test_image_and_language_model_folders_load_in_a_fresh_process(image_run, lm_
         "    assert all(torch.equal(tensor, saved[name]) for name, tensor in model.state_dict().items()), folder\n"
         "    print(type(model).__name__, model.training)\n"
     )
-    result = subprocess.run([sys.executable, "-c", code, str(image_run), str(lm_run)], env=subprocess_env(HF_HUB_OFFLINE="1"),
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", code, str(image_run), str(lm_run)],
+        env=subprocess_env(HF_HUB_OFFLINE="1"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.split("\n")[:2] == ["TinyResNet False", "GPT2LMHeadModel False"]
 
@@ -104,7 +109,8 @@ def test_every_module_with_a_loadable_builder_is_imported_by_load_model():
     package = Path(acceltrain.hub.__file__).parent
     defining = {
         ".".join(path.relative_to(package.parent).with_suffix("").parts)
-        for path in package.rglob("*.py") if "\n@loadable(" in path.read_text()
+        for path in package.rglob("*.py")
+        if "\n@loadable(" in path.read_text()
     }
     assert defining and defining <= set(acceltrain.hub.LOADABLE_MODULES)
 
@@ -123,11 +129,15 @@ def reshape_first(tensors: dict) -> None:
 
 
 @pytest.mark.parametrize("run", ["image_run", "lm_run"])
-@pytest.mark.parametrize(("edit", "message"), [
-    (drop_first, "model.safetensors does not match config.json: missing "),
-    (add_extra, "model.safetensors does not match config.json: unexpected 'extra.weight'"),
-    (reshape_first, "model.safetensors does not match config.json: of another shape "),
-], ids=["missing", "unexpected", "shape"])
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (drop_first, "model.safetensors does not match config.json: missing "),
+        (add_extra, "model.safetensors does not match config.json: unexpected 'extra.weight'"),
+        (reshape_first, "model.safetensors does not match config.json: of another shape "),
+    ],
+    ids=["missing", "unexpected", "shape"],
+)
 def test_weights_that_do_not_match_the_config_are_one_line(tmp_path, request, run, edit, message):
     """A language model used to load with random weights (Transformers only warns) and exit 0."""
     source = request.getfixturevalue(run)
@@ -140,8 +150,11 @@ def test_weights_that_do_not_match_the_config_are_one_line(tmp_path, request, ru
 def test_an_acceltrain_config_with_a_model_type_is_malformed(tmp_path, image_run):
     """It used to load as a random GPT-2: a stray model_type took the folder for a Transformers one."""
     folder = copy_run(image_run, tmp_path / "edited", config=lambda settings: settings.update(model_type="gpt2"))
-    refused(folder, "config.json names both an acceltrain builder ('acceltrain.vision.build_model') and a Transformers "
-                    "model_type ('gpt2'): a run writes one or the other")
+    refused(
+        folder,
+        "config.json names both an acceltrain builder ('acceltrain.vision.build_model') and a Transformers "
+        "model_type ('gpt2'): a run writes one or the other",
+    )
 
 
 def replace(settings: dict, new: dict) -> None:
@@ -153,21 +166,43 @@ MALFORMED = [
     ([1, 2], "config.json is a JSON list, not an object"),
     ({"builder": {"a": 1}, "kwargs": {}}, "config.json names builder {'a': 1}; known: acceltrain.vision.build_model"),
     ({"builder": IMAGE_BUILDER}, "config.json 'kwargs' must be a JSON object of the builder's arguments, not missing"),
-    ({"builder": IMAGE_BUILDER, "kwargs": [1]}, "config.json 'kwargs' must be a JSON object of the builder's arguments, not a list"),
-    ({"builder": IMAGE_BUILDER, "kwargs": {"name": "resnet_tiny", "colour": "red"}}, "unexpected keyword argument 'colour'"),
+    (
+        {"builder": IMAGE_BUILDER, "kwargs": [1]},
+        "config.json 'kwargs' must be a JSON object of the builder's arguments, not a list",
+    ),
+    (
+        {"builder": IMAGE_BUILDER, "kwargs": {"name": "resnet_tiny", "colour": "red"}},
+        "unexpected keyword argument 'colour'",
+    ),
     ({"builder": IMAGE_BUILDER, "kwargs": {}}, "missing 1 required positional argument: 'name'"),
     ({"builder": IMAGE_BUILDER, "kwargs": {"name": "nope"}}, "--model 'nope' is invalid"),
-    ({"builder": IMAGE_BUILDER, "kwargs": {"name": "resnet_tiny", "num_classes": "ten"}}, "does not build a model: TypeError"),
+    (
+        {"builder": IMAGE_BUILDER, "kwargs": {"name": "resnet_tiny", "num_classes": "ten"}},
+        "does not build a model: TypeError",
+    ),
     ({"library_name": "acceltrain"}, "config.json names neither an acceltrain builder nor a Transformers model_type"),
     ({"model_type": "nope"}, "config.json does not build a model: ValueError"),
     ({"model_type": ["gpt2"]}, "config.json does not build a model: "),
 ]
 
 
-@pytest.mark.parametrize(("config", "message"), MALFORMED, ids=[
-    "list", "builder-dict", "no-kwargs", "kwargs-list", "unknown-kwarg", "missing-kwarg", "bad-name", "bad-type", "neither",
-    "unknown-model-type", "model-type-list",
-])
+@pytest.mark.parametrize(
+    ("config", "message"),
+    MALFORMED,
+    ids=[
+        "list",
+        "builder-dict",
+        "no-kwargs",
+        "kwargs-list",
+        "unknown-kwarg",
+        "missing-kwarg",
+        "bad-name",
+        "bad-type",
+        "neither",
+        "unknown-model-type",
+        "model-type-list",
+    ],
+)
 def test_a_malformed_config_json_is_one_line(tmp_path, image_run, config, message):
     """These used to be raw AttributeError / TypeError / KeyError tracebacks."""
     folder = copy_run(image_run, tmp_path / "edited")
@@ -178,12 +213,16 @@ def test_a_malformed_config_json_is_one_line(tmp_path, image_run, config, messag
 
 def test_a_language_model_too_big_for_memory_is_refused_before_building(tmp_path, lm_run):
     """n_layer and n_embd of 100000 used to allocate for minutes (1.2e16 parameters)."""
-    folder = copy_run(lm_run, tmp_path / "edited", config=lambda settings: settings.update(n_layer=100_000, n_embd=100_000))
+    folder = copy_run(
+        lm_run, tmp_path / "edited", config=lambda settings: settings.update(n_layer=100_000, n_embd=100_000)
+    )
     refused(folder, "config.json describes a model of more than ")
 
 
 def test_an_image_model_too_big_for_memory_is_refused_before_building(tmp_path, image_run):
-    folder = copy_run(image_run, tmp_path / "edited", config=lambda settings: settings["kwargs"].update(num_classes=10**12))
+    folder = copy_run(
+        image_run, tmp_path / "edited", config=lambda settings: settings["kwargs"].update(num_classes=10**12)
+    )
     refused(folder, "config.json describes a model of more than ")
 
 

@@ -8,12 +8,28 @@ import importlib.util
 import logging
 
 import pytest
-
-from acceltrain.logs import set_log_level
 from conftest import TINY_RECIPE, check, launch, read_summary, run_tiny_in_process
 
-TINY = ["--num-train", "32", "--num-eval", "16", "--batch-size", "8", "--epochs", "1", "--log-every", "2",
-        "--num-workers", "0", "--report-to", "none", "--no-plots", "--no-progress"]
+from acceltrain.logs import set_log_level
+
+TINY = [
+    "--num-train",
+    "32",
+    "--num-eval",
+    "16",
+    "--batch-size",
+    "8",
+    "--epochs",
+    "1",
+    "--log-every",
+    "2",
+    "--num-workers",
+    "0",
+    "--report-to",
+    "none",
+    "--no-plots",
+    "--no-progress",
+]
 INFO_LINES = ("config:", "step=", "done: ")
 
 
@@ -55,7 +71,9 @@ def test_a_handler_attached_to_the_acceltrain_logger_receives_the_records(tmp_pa
         toolkit.removeHandler(caplog.handler)
     done = [record for record in caplog.records if "done: 4 steps" in record.getMessage()]
     assert len(done) == 1 and done[0].name == "acceltrain.loop" and done[0].levelno == logging.INFO
-    assert any(record.name == "acceltrain.hooks.logging" and "step=4" in record.getMessage() for record in caplog.records)
+    assert any(
+        record.name == "acceltrain.hooks.logging" and "step=4" in record.getMessage() for record in caplog.records
+    )
     assert "done: 4 steps" in capsys.readouterr().out, "the console handler still prints"
 
 

@@ -10,18 +10,19 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import RECIPE, read_events, read_summary
 from safetensors.torch import load_file
 
 from acceltrain import run_recipe
-from acceltrain.vision import CropFlip, ImageClassification, synthetic_images
 from acceltrain.metrics import Throughput
 from acceltrain.optim import lr_multiplier
-from conftest import RECIPE, read_events, read_summary
+from acceltrain.vision import CropFlip, ImageClassification, synthetic_images
 
 sys.path.insert(0, str(Path(__file__).parent / "helpers"))
 sys.path.insert(0, str(RECIPE.parent))
 import tiny_recipe  # noqa: E402
-from resnet_cifar import CifarConfig, main as cifar_main  # noqa: E402
+from resnet_cifar import CifarConfig  # noqa: E402
+from resnet_cifar import main as cifar_main
 
 
 def run_tiny(output_dir: Path, *args: str) -> tuple[dict, dict, dict]:
@@ -56,8 +57,23 @@ def test_partial_last_window_applies_the_mean_gradient_of_its_samples(tmp_path):
     reference_model = tiny_recipe.build_net(batchnorm=False)
     initial = copy.deepcopy(reference_model.state_dict())
     summary, counts, weights = run_tiny(
-        tmp_path / "run", "--num-train", "40", "--batch-size", "4", "--grad-accum", "3", "--epochs", "1",
-        "--lr", "0.1", "--lr-schedule", "constant", "--momentum", "0.9", "--seed", "0",
+        tmp_path / "run",
+        "--num-train",
+        "40",
+        "--batch-size",
+        "4",
+        "--grad-accum",
+        "3",
+        "--epochs",
+        "1",
+        "--lr",
+        "0.1",
+        "--lr-schedule",
+        "constant",
+        "--momentum",
+        "0.9",
+        "--seed",
+        "0",
     )
     assert summary["steps"] == counts["steps"] == 4 and summary["samples_seen"] == 40
 
@@ -82,8 +98,21 @@ def test_partial_last_window_applies_the_mean_gradient_of_its_samples(tmp_path):
 @pytest.mark.parametrize("grad_accum", [1, 3])
 def test_one_optimizer_step_one_zero_grad_one_scheduler_step(tmp_path, grad_accum):
     summary, counts, _ = run_tiny(
-        tmp_path / "run", "--num-train", "40", "--batch-size", "4", "--grad-accum", str(grad_accum),
-        "--epochs", "2", "--lr", "0.1", "--warmup-steps", "2", "--lr-schedule", "cosine",
+        tmp_path / "run",
+        "--num-train",
+        "40",
+        "--batch-size",
+        "4",
+        "--grad-accum",
+        str(grad_accum),
+        "--epochs",
+        "2",
+        "--lr",
+        "0.1",
+        "--warmup-steps",
+        "2",
+        "--lr-schedule",
+        "cosine",
     )
     steps_per_epoch = -(-10 // grad_accum)
     total = 2 * steps_per_epoch
@@ -111,13 +140,40 @@ def test_evaluation_covers_every_sample_exactly_once(tmp_path):
 @pytest.mark.slow
 def test_recipe_on_synthetic_data_learns_and_writes_its_outputs(tmp_path):
     out = tmp_path / "run"
-    run_recipe(cifar_main, CifarConfig, [
-        "--dataset", "synthetic", "--model", "resnet_tiny", "--batch-size", "32", "--max-steps", "24",
-        "--lr", "0.05", "--log-every", "4", "--output-dir", str(out), "--no-progress",
-    ])
+    run_recipe(
+        cifar_main,
+        CifarConfig,
+        [
+            "--dataset",
+            "synthetic",
+            "--model",
+            "resnet_tiny",
+            "--batch-size",
+            "32",
+            "--max-steps",
+            "24",
+            "--lr",
+            "0.05",
+            "--log-every",
+            "4",
+            "--output-dir",
+            str(out),
+            "--no-progress",
+        ],
+    )
     summary = read_summary(out)
-    for key in ("steps", "samples_seen", "epochs", "train_loss", "eval_accuracy", "samples_per_second",
-                "wall_seconds", "num_processes", "mixed_precision", "config"):
+    for key in (
+        "steps",
+        "samples_seen",
+        "epochs",
+        "train_loss",
+        "eval_accuracy",
+        "samples_per_second",
+        "wall_seconds",
+        "num_processes",
+        "mixed_precision",
+        "config",
+    ):
         assert key in summary
     assert summary["steps"] == 24 and summary["samples_seen"] == 24 * 32 and summary["num_processes"] == 1
     assert summary["samples_per_second"] > 0 and summary["timed_steps"] == 24 - 5
@@ -133,10 +189,27 @@ def test_recipe_on_synthetic_data_learns_and_writes_its_outputs(tmp_path):
 @pytest.mark.slow
 def test_recipe_on_an_image_folder(tmp_path, image_folder):
     out = tmp_path / "run"
-    run_recipe(cifar_main, CifarConfig, [
-        "--dataset", "imagefolder", "--data-dir", str(image_folder), "--model", "resnet_tiny",
-        "--batch-size", "6", "--epochs", "2", "--output-dir", str(out), "--no-progress", "--num-workers", "1",
-    ])
+    run_recipe(
+        cifar_main,
+        CifarConfig,
+        [
+            "--dataset",
+            "imagefolder",
+            "--data-dir",
+            str(image_folder),
+            "--model",
+            "resnet_tiny",
+            "--batch-size",
+            "6",
+            "--epochs",
+            "2",
+            "--output-dir",
+            str(out),
+            "--no-progress",
+            "--num-workers",
+            "1",
+        ],
+    )
     summary = read_summary(out)
     assert summary["steps"] == 12 and summary["epochs"] == 2.0
     assert summary["eval_accuracy"] is not None
@@ -146,8 +219,19 @@ def test_recipe_on_an_image_folder(tmp_path, image_folder):
 
 def test_target_accuracy_stops_early_and_records_the_time(tmp_path):
     summary, _, _ = run_tiny(
-        tmp_path / "run", "--num-train", "512", "--batch-size", "32", "--max-steps", "200", "--lr", "0.5",
-        "--eval-every", "4", "--target-accuracy", "0.5",
+        tmp_path / "run",
+        "--num-train",
+        "512",
+        "--batch-size",
+        "32",
+        "--max-steps",
+        "200",
+        "--lr",
+        "0.5",
+        "--eval-every",
+        "4",
+        "--target-accuracy",
+        "0.5",
     )
     assert summary["eval_accuracy"] >= 0.5 and summary["steps"] < 200
     assert 0 < summary["time_to_target_seconds"] <= summary["wall_seconds"]

@@ -14,14 +14,14 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import REPO, check, launch, read_summary
 from safetensors.torch import load_file
+from test_causal_lm import offline_on_one_thread
 
 from acceltrain.checkpoint.files import complete_checkpoints, verify_checkpoint
 from acceltrain.checkpoint.state import CheckpointError
-from acceltrain.preemption import EXIT_PREEMPTED
 from acceltrain.cli import main
-from conftest import REPO, check, launch, read_summary
-from test_causal_lm import offline_on_one_thread
+from acceltrain.preemption import EXIT_PREEMPTED
 
 sys.path.insert(0, str(REPO / "recipes"))
 sys.path.insert(0, str(REPO / "tests" / "helpers"))
@@ -30,8 +30,22 @@ import text_classification  # noqa: E402
 from in_process import run_in_process  # noqa: E402
 from pretrained_folders import bert_folder, causal_lm_folder, instructions, reviews, write_rows  # noqa: E402
 
-QUIET = ["--num-workers", "0", "--num-proc", "1", "--no-progress", "--report-to", "none", "--no-plots",
-         "--log-every", "2", "--max-steps", "4", "--save-every-steps", "2"]
+QUIET = [
+    "--num-workers",
+    "0",
+    "--num-proc",
+    "1",
+    "--no-progress",
+    "--report-to",
+    "none",
+    "--no-plots",
+    "--log-every",
+    "2",
+    "--max-steps",
+    "4",
+    "--save-every-steps",
+    "2",
+]
 CLASSIFY = [*QUIET, "--batch-size", "8", "--lr", "5e-3", "--max-length", "48"]
 SFT = [*QUIET, "--batch-size", "4", "--lr", "1e-2", "--block-size", "64"]
 
@@ -41,8 +55,13 @@ def data(tmp_path_factory) -> SimpleNamespace:
     root = tmp_path_factory.mktemp("merge")
     with offline_on_one_thread(root / "hf"):
         bert, gpt2 = bert_folder(root / "bert"), causal_lm_folder(root / "gpt2")
-    return SimpleNamespace(root=root, bert=bert, gpt2=gpt2, train=write_rows(root / "train.csv", reviews(64)),
-                           sft=write_rows(root / "sft.jsonl", instructions(32)))
+    return SimpleNamespace(
+        root=root,
+        bert=bert,
+        gpt2=gpt2,
+        train=write_rows(root / "train.csv", reviews(64)),
+        sft=write_rows(root / "sft.jsonl", instructions(32)),
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -52,13 +71,31 @@ def offline(data):
 
 
 def classify(out: Path, data, *args: str) -> int:
-    return run_in_process(text_classification.main, text_classification.TextClassificationConfig, out, *CLASSIFY,
-                          "--model-name-or-path", str(data.bert), "--train-file", str(data.train), *args)
+    return run_in_process(
+        text_classification.main,
+        text_classification.TextClassificationConfig,
+        out,
+        *CLASSIFY,
+        "--model-name-or-path",
+        str(data.bert),
+        "--train-file",
+        str(data.train),
+        *args,
+    )
 
 
 def fine_tune(out: Path, data, *args: str) -> int:
-    return run_in_process(causal_lm.main, causal_lm.CausalLMConfig, out, *SFT, "--model-name-or-path", str(data.gpt2),
-                          "--train-file", str(data.sft), *args)
+    return run_in_process(
+        causal_lm.main,
+        causal_lm.CausalLMConfig,
+        out,
+        *SFT,
+        "--model-name-or-path",
+        str(data.gpt2),
+        "--train-file",
+        str(data.sft),
+        *args,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -66,8 +103,13 @@ def runs(data) -> SimpleNamespace:
     """A classifier trained in full, a --merge-lora classifier run and an SFT adapter run, finished; a classifier
     adapter run and a full SFT run, stopped at step 2 (their folders hold no config.json of their own)."""
     root = data.root / "runs"
-    made = SimpleNamespace(merged=root / "merged", adapter=root / "adapter", stopped_adapter=root / "stopped_adapter",
-                           stopped=root / "stopped", full=root / "full")
+    made = SimpleNamespace(
+        merged=root / "merged",
+        adapter=root / "adapter",
+        stopped_adapter=root / "stopped_adapter",
+        stopped=root / "stopped",
+        full=root / "full",
+    )
     with offline_on_one_thread(data.root / "hf"):
         assert classify(made.full, data, "--max-steps", "2") == 0
         assert classify(made.merged, data, "--lora-r", "4", "--merge-lora") == 0
@@ -139,8 +181,9 @@ def test_a_stopped_run_s_checkpoints_merge_with_the_config_its_run_wrote_beside_
 
 def test_a_stopped_resnet_run_s_checkpoint_loads_with_load_model(tmp_path, capsys, monkeypatch):
     """Item 5: acceltrain.load_model refused the merged folder of a stopped ResNet run (no config.json)."""
-    from acceltrain import load_model
     from test_hub import run_cifar
+
+    from acceltrain import load_model
 
     monkeypatch.setenv("WANDB_MODE", "disabled")
     assert run_cifar(tmp_path / "run", "--stop-after-steps", "1", monkeypatch=monkeypatch) == EXIT_PREEMPTED
@@ -159,13 +202,17 @@ def test_a_checkpoint_of_another_model_is_refused_and_out_left_as_it_was(tmp_pat
     (tmp_path / "empty").mkdir()
     assert main(["merge", str(bert), str(tmp_path / "empty")]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith(f"error: checkpoint {str(bert)!r} holds weights that would not load into the model of "
-                          f"{run.resolve() / 'checkpoints' / 'config.json'} (missing 'lm_head.weight'"), err
+    assert err.startswith(
+        f"error: checkpoint {str(bert)!r} holds weights that would not load into the model of "
+        f"{run.resolve() / 'checkpoints' / 'config.json'} (missing 'lm_head.weight'"
+    ), err
     assert err.endswith("a checkpoint of another model? Merge it in its own run folder") and "\n" not in err
     assert main(["merge", str(adapter), str(tmp_path / "new" / "out")]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith(f"error: checkpoint {str(adapter)!r} holds a LoRA adapter's weights (peft names) and no "
-                          "adapter_config.json beside its checkpoints or in its run folder describes its model"), err
+    assert err.startswith(
+        f"error: checkpoint {str(adapter)!r} holds a LoRA adapter's weights (peft names) and no "
+        "adapter_config.json beside its checkpoints or in its run folder describes its model"
+    ), err
     assert not any((tmp_path / "empty").iterdir()) and not (tmp_path / "new").exists(), "OUT left as it was"
 
 
@@ -178,8 +225,10 @@ def test_a_lora_checkpoint_whose_base_model_is_not_there_is_one_line(tmp_path, r
     checkpoint = complete_checkpoints(run)[-1]
     assert main(["merge", str(checkpoint), str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == (f"error: checkpoint {str(checkpoint)!r} holds a LoRA adapter for the base model "
-                   f"{str(tmp_path / 'gone')!r}: no such file or folder")
+    assert err == (
+        f"error: checkpoint {str(checkpoint)!r} holds a LoRA adapter for the base model "
+        f"{str(tmp_path / 'gone')!r}: no such file or folder"
+    )
     assert not (tmp_path / "out").exists()
 
 
@@ -203,8 +252,10 @@ def test_what_is_not_a_checkpoint_is_said_in_merge_s_words(tmp_path, runs, capsy
     for given, message in (
         (tmp_path / "nothing", f"CHECKPOINT {str(tmp_path / 'nothing')!r}: no such checkpoint folder"),
         (runs.merged, f"CHECKPOINT {str(runs.merged)!r} is a run folder, not a checkpoint: {newest}"),
-        (checkpoints, f"CHECKPOINT {str(checkpoints)!r} is the checkpoints folder of a run, not a checkpoint: "
-                      f"{newest}"),
+        (
+            checkpoints,
+            f"CHECKPOINT {str(checkpoints)!r} is the checkpoints folder of a run, not a checkpoint: {newest}",
+        ),
     ):
         assert main(["merge", str(given), str(tmp_path / "out")]) == 2
         assert capsys.readouterr().err.strip() == f"error: {message}"
@@ -222,10 +273,29 @@ def test_an_fsdp_lora_checkpoint_merges_into_its_base(tmp_path, data, capsys):
     out = tmp_path / "run"
     hf = data.root / "hf"
     env = {"HF_HUB_OFFLINE": "1", "HF_HOME": str(hf / "home"), "HF_DATASETS_CACHE": str(hf / "datasets")}
-    args = [*CLASSIFY, "--model-name-or-path", str(data.bert), "--train-file", str(data.train), "--lora-r", "4",
-            "--batch-size", "4", "--output-dir", str(out)]
-    check(launch(REPO / "recipes" / "text_classification.py", args, processes=2, launcher="accelerate",
-                 config="fsdp_cpu.yaml", **env))
+    args = [
+        *CLASSIFY,
+        "--model-name-or-path",
+        str(data.bert),
+        "--train-file",
+        str(data.train),
+        "--lora-r",
+        "4",
+        "--batch-size",
+        "4",
+        "--output-dir",
+        str(out),
+    ]
+    check(
+        launch(
+            REPO / "recipes" / "text_classification.py",
+            args,
+            processes=2,
+            launcher="accelerate",
+            config="fsdp_cpu.yaml",
+            **env,
+        )
+    )
     assert read_summary(out)["distributed_type"] == "FSDP"
     checkpoint = complete_checkpoints(out)[-1]
     assert (checkpoint / "pytorch_model_fsdp_0").is_dir()

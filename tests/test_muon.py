@@ -17,7 +17,9 @@ MUON = ["--optimizer", "muon", "--muon-lr", "0.05", "--muon-momentum", "0.6"]
 
 
 def small_net() -> nn.Module:
-    return nn.Sequential(nn.Embedding(5, 3), nn.Linear(3, 4), nn.LayerNorm(4), nn.Conv1d(4, 4, 3), nn.Flatten(), nn.Linear(8, 2))
+    return nn.Sequential(
+        nn.Embedding(5, 3), nn.Linear(3, 4), nn.LayerNorm(4), nn.Conv1d(4, 4, 3), nn.Flatten(), nn.Linear(8, 2)
+    )
 
 
 def test_muon_takes_the_hidden_matrices_and_sgd_everything_else():
@@ -28,7 +30,9 @@ def test_muon_takes_the_hidden_matrices_and_sgd_everything_else():
     assert sorted(names[id(p)] for p in optimizer.param_groups[0]["params"]) == ["1.weight", "3.weight"]
     assert optimizer.param_groups[0]["lr"] == 0.05 and optimizer.param_groups[0]["momentum"] == 0.6
     rest = sorted(names[id(p)] for group in optimizer.param_groups[1:] for p in group["params"])
-    assert rest == ["0.weight", "1.bias", "2.bias", "2.weight", "3.bias", "5.bias", "5.weight"], "embedding, head, vectors"
+    assert rest == ["0.weight", "1.bias", "2.bias", "2.weight", "3.bias", "5.bias", "5.weight"], (
+        "embedding, head, vectors"
+    )
     assert muon_parameters(model) == {id(model[1].weight), id(model[3].weight)}
 
 
@@ -38,7 +42,9 @@ def test_a_kernel_steps_as_torchs_muon_steps_its_matrix_even_after_it_moved(memo
     must land in the kernel the model uses, and equal torch's Muon on the flattened matrix."""
     conv = nn.Conv2d(3, 4, 2)
     reference = nn.Parameter(conv.weight.detach().clone().reshape(4, -1))
-    optimizer = MuonWithSGD([conv.weight], torch.optim.SGD([conv.bias], lr=0.1), lr=0.1, momentum=0.6, weight_decay=0.01)
+    optimizer = MuonWithSGD(
+        [conv.weight], torch.optim.SGD([conv.bias], lr=0.1), lr=0.1, momentum=0.6, weight_decay=0.01
+    )
     expected = torch.optim.Muon([reference], lr=0.1, momentum=0.6, weight_decay=0.01, nesterov=True)
     conv.to(memory_format=memory_format)
     for _ in range(3):
@@ -61,7 +67,9 @@ def test_state_dict_round_trips_and_the_schedule_reaches_both_optimizers():
     fresh = build_optimizer(small_net(), parse_config(TrainConfig, MUON))
     fresh.load_state_dict(state)
     assert fresh.param_groups[0]["lr"] == 0.025 and fresh.param_groups[1] is fresh.sgd.param_groups[0]
-    assert torch.equal(fresh.muon.state_dict()["state"][0]["momentum_buffer"], state["muon"]["state"][0]["momentum_buffer"])
+    assert torch.equal(
+        fresh.muon.state_dict()["state"][0]["momentum_buffer"], state["muon"]["state"][0]["momentum_buffer"]
+    )
     scheduler.step()
 
 
@@ -71,8 +79,27 @@ def test_a_model_without_hidden_matrices_is_one_line():
 
 
 def train(out, *extra: str) -> int:
-    args = ["--dataset", "synthetic", "--model", "resnet_tiny", "--batch-size", "16",
-            "--max-steps", "6", "--eval-every", "3", "--no-progress", "--report-to", "none", "--num-workers", "0", "--output-dir", str(out), *MUON, *extra]
+    args = [
+        "--dataset",
+        "synthetic",
+        "--model",
+        "resnet_tiny",
+        "--batch-size",
+        "16",
+        "--max-steps",
+        "6",
+        "--eval-every",
+        "3",
+        "--no-progress",
+        "--report-to",
+        "none",
+        "--num-workers",
+        "0",
+        "--output-dir",
+        str(out),
+        *MUON,
+        *extra,
+    ]
     try:
         run_recipe(cifar_main, CifarConfig, args)
     except SystemExit as exit_info:
@@ -85,11 +112,25 @@ def test_a_muon_run_resumes_byte_identical(tmp_path):
     assert train(tmp_path / "full") == 0
     assert train(tmp_path / "cut", "--stop-after-steps", "3") == 75
     assert train(tmp_path / "cut", "--resume", "auto") == 0
-    assert (tmp_path / "cut" / "model.safetensors").read_bytes() == (tmp_path / "full" / "model.safetensors").read_bytes()
+    assert (tmp_path / "cut" / "model.safetensors").read_bytes() == (
+        tmp_path / "full" / "model.safetensors"
+    ).read_bytes()
 
 
-SMALL = ["--dataset", "synthetic", "--model", "resnet_tiny", "--max-steps", "4", "--no-progress", "--report-to", "none",
-         "--num-workers", "0", *MUON]
+SMALL = [
+    "--dataset",
+    "synthetic",
+    "--model",
+    "resnet_tiny",
+    "--max-steps",
+    "4",
+    "--no-progress",
+    "--report-to",
+    "none",
+    "--num-workers",
+    "0",
+    *MUON,
+]
 
 
 @pytest.mark.slow
@@ -97,12 +138,18 @@ SMALL = ["--dataset", "synthetic", "--model", "resnet_tiny", "--max-steps", "4",
 def test_two_processes_at_batch_b_match_one_process_at_batch_2b(tmp_path):
     """DDP averages the gradients before Muon orthogonalises them: the same update as one big batch, up to
     the rounding of torch's Newton-Schulz iteration, which runs in bfloat16."""
+    from conftest import RECIPE, check, launch
     from safetensors.torch import load_file
 
-    from conftest import RECIPE, check, launch
-
     two_steps = [*SMALL, "--max-steps", "2"]  # later steps compound the bfloat16 rounding
-    check(launch(RECIPE, [*two_steps, "--batch-size", "8", "--sync-bn", "--output-dir", str(tmp_path / "ddp")], processes=2, launcher="accelerate"))
+    check(
+        launch(
+            RECIPE,
+            [*two_steps, "--batch-size", "8", "--sync-bn", "--output-dir", str(tmp_path / "ddp")],
+            processes=2,
+            launcher="accelerate",
+        )
+    )
     check(launch(RECIPE, [*two_steps, "--batch-size", "16", "--output-dir", str(tmp_path / "single")]))
     ddp, single = (load_file(str(tmp_path / name / "model.safetensors")) for name in ("ddp", "single"))
     for key in single:
@@ -114,6 +161,11 @@ def test_muon_under_deepspeed_is_one_line_before_training(tmp_path):
     pytest.importorskip("deepspeed")
     from conftest import RECIPE, launch
 
-    result = launch(RECIPE, [*SMALL, "--output-dir", str(tmp_path / "out")], launcher="accelerate", config="deepspeed_zero2.yaml")
-    assert result.returncode != 0 and "error: --optimizer muon needs every weight matrix whole on each process, and DeepSpeed" in result.stderr
+    result = launch(
+        RECIPE, [*SMALL, "--output-dir", str(tmp_path / "out")], launcher="accelerate", config="deepspeed_zero2.yaml"
+    )
+    assert (
+        result.returncode != 0
+        and "error: --optimizer muon needs every weight matrix whole on each process, and DeepSpeed" in result.stderr
+    )
     assert not (tmp_path / "out").exists()

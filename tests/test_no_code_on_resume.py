@@ -10,16 +10,24 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from acceltrain.checkpoint.files import complete_checkpoints
-
-from acceltrain.checkpoint.files import _sha256
-
-from acceltrain.preemption import EXIT_PREEMPTED
 from conftest import RECIPE, check, launch, run_tiny_in_process
 
+from acceltrain.checkpoint.files import _sha256, complete_checkpoints
+from acceltrain.preemption import EXIT_PREEMPTED
 
-RUN = ["--num-train", "40", "--batch-size", "4", "--epochs", "2", "--no-progress", "--num-workers", "0", "--report-to", "none"]
+RUN = [
+    "--num-train",
+    "40",
+    "--batch-size",
+    "4",
+    "--epochs",
+    "2",
+    "--no-progress",
+    "--num-workers",
+    "0",
+    "--report-to",
+    "none",
+]
 
 
 class Payload:
@@ -51,7 +59,9 @@ def run_tiny(output_dir: Path, *args: str) -> int:
     return run_tiny_in_process(output_dir, *RUN, *args)
 
 
-@pytest.mark.parametrize("relative", ["model.safetensors", "optimizer.bin", "scaler.pt", "random_states_0.pkl", "hooks/EMA.safetensors"])
+@pytest.mark.parametrize(
+    "relative", ["model.safetensors", "optimizer.bin", "scaler.pt", "random_states_0.pkl", "hooks/EMA.safetensors"]
+)
 def test_a_planted_pickle_in_a_checkpoint_is_refused_and_never_runs(tmp_path, capsys, relative):
     out, marker = tmp_path / "run", tmp_path / "payload-ran"
     assert run_tiny(out, "--stop-after-steps", "3", "--ema-decay", "0.9") == EXIT_PREEMPTED
@@ -67,20 +77,51 @@ def test_a_planted_pickle_in_a_checkpoint_is_refused_and_never_runs(tmp_path, ca
 @pytest.mark.slow
 def test_deepspeed_checkpoint_files_with_a_planted_pickle_are_refused_and_never_run(tmp_path):
     pytest.importorskip("deepspeed")
-    args = ["--dataset", "synthetic", "--model", "resnet_tiny", "--batch-size", "16", "--max-steps", "4", "--no-progress",
-            "--num-workers", "0", "--report-to", "none"]
+    args = [
+        "--dataset",
+        "synthetic",
+        "--model",
+        "resnet_tiny",
+        "--batch-size",
+        "16",
+        "--max-steps",
+        "4",
+        "--no-progress",
+        "--num-workers",
+        "0",
+        "--report-to",
+        "none",
+    ]
     out, marker = tmp_path / "run", tmp_path / "payload-ran"
-    stopped = launch(RECIPE, [*args, "--output-dir", str(out), "--stop-after-steps", "2"], launcher="accelerate", config="deepspeed_zero2.yaml")
+    stopped = launch(
+        RECIPE,
+        [*args, "--output-dir", str(out), "--stop-after-steps", "2"],
+        launcher="accelerate",
+        config="deepspeed_zero2.yaml",
+    )
     assert "stopped at step 2" in stopped.stdout, stopped.stderr[-2000:]
     (checkpoint,) = complete_checkpoints(out)
-    pristine = {name: (checkpoint / name).read_bytes() for name in ("COMPLETE", "pytorch_model/mp_rank_00_model_states.pt",
-                                                                    "pytorch_model/zero_pp_rank_0_mp_rank_00_optim_states.pt")}
+    pristine = {
+        name: (checkpoint / name).read_bytes()
+        for name in (
+            "COMPLETE",
+            "pytorch_model/mp_rank_00_model_states.pt",
+            "pytorch_model/zero_pp_rank_0_mp_rank_00_optim_states.pt",
+        )
+    }
     for relative in list(pristine)[1:]:
         for name, data in pristine.items():
             (checkpoint / name).write_bytes(data)
         plant(checkpoint, relative, marker)
-        result = launch(RECIPE, [*args, "--output-dir", str(out), "--resume", "auto"], launcher="accelerate", config="deepspeed_zero2.yaml")
-        assert result.returncode != 0 and "cannot be loaded without running code" in result.stderr, result.stderr[-2000:]
+        result = launch(
+            RECIPE,
+            [*args, "--output-dir", str(out), "--resume", "auto"],
+            launcher="accelerate",
+            config="deepspeed_zero2.yaml",
+        )
+        assert result.returncode != 0 and "cannot be loaded without running code" in result.stderr, result.stderr[
+            -2000:
+        ]
         assert not marker.exists(), f"{relative}: the checkpoint ran code"
     for name, data in pristine.items():
         (checkpoint / name).write_bytes(data)
@@ -89,7 +130,14 @@ def test_deepspeed_checkpoint_files_with_a_planted_pickle_are_refused_and_never_
         f"error: checkpoint {str(checkpoint)!r} holds DeepSpeed model and optimizer state and this run is NO: resume it under "
         "DeepSpeed, as it was written (its weights alone: DeepSpeed's zero_to_fp32.py in that folder), or start a new --output-dir"
     ), without.stderr[-2000:]
-    check(launch(RECIPE, [*args, "--output-dir", str(out), "--resume", "auto"], launcher="accelerate", config="deepspeed_zero2.yaml"))
+    check(
+        launch(
+            RECIPE,
+            [*args, "--output-dir", str(out), "--resume", "auto"],
+            launcher="accelerate",
+            config="deepspeed_zero2.yaml",
+        )
+    )
 
 
 def test_deepspeeds_own_load_runs_without_code_too():
@@ -130,7 +178,6 @@ def test_an_allowed_enum_pickled_by_name_loads_and_other_attributes_do_not():
     import enum
 
     from acceltrain.checkpoint.safe_load import allowed_enums, check_loadable_without_code
-
     from acceltrain.checkpoint.state import CheckpointError
 
     Stage = next(iter(allowed_enums()), None)
@@ -148,7 +195,10 @@ def _sharded(folder: Path, extra=None) -> Path:
     ``__0_0.distcp``), here on one process without a process group."""
     import torch.distributed.checkpoint as dcp
 
-    state = {"model": {"weight": torch.randn(4, 3), "step": torch.tensor(7)}, "param_groups": [{"lr": 0.1, "nesterov": True}]}
+    state = {
+        "model": {"weight": torch.randn(4, 3), "step": torch.tensor(7)},
+        "param_groups": [{"lr": 0.1, "nesterov": True}],
+    }
     if extra is not None:
         state["extra"] = extra
     dcp.save(state, storage_writer=dcp.FileSystemWriter(str(folder / "pytorch_model_fsdp_0")), no_dist=True)
@@ -161,14 +211,15 @@ def test_fsdp_sharded_checkpoints_load_and_a_planted_pickle_in_their_metadata_or
     import pickle
 
     from acceltrain.checkpoint.safe_load import check_loadable_without_code
-
     from acceltrain.checkpoint.state import CheckpointError
 
     check_loadable_without_code(_sharded(tmp_path / "clean"))
     marker = tmp_path / "payload-ran"
     planted = _sharded(tmp_path / "metadata")
     (planted / "pytorch_model_fsdp_0" / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
-    with pytest.raises(CheckpointError, match=r"\.metadata' cannot be loaded without running code .*posix.mkdir is not allowed"):
+    with pytest.raises(
+        CheckpointError, match=r"\.metadata' cannot be loaded without running code .*posix.mkdir is not allowed"
+    ):
         check_loadable_without_code(planted)
     with pytest.raises(CheckpointError, match=r"__0_0\.distcp' cannot be loaded without running code"):
         check_loadable_without_code(_sharded(tmp_path / "item", extra=Payload(marker)))
@@ -186,7 +237,10 @@ def test_dcp_metadata_with_enum_members_pickled_by_name_loads_and_other_attribut
     member = next(iter(_MEM_FORMAT_ENCODING))
     (tmp_path / "enum").write_bytes(pickle.dumps(ByName(_MEM_FORMAT_ENCODING, member.name)))
     assert _load_dcp_metadata(tmp_path / "enum") is member
-    for owner, name in ((type(Path()), "unlink"), (_MEM_FORMAT_ENCODING, "__class__")):  # PosixPath is allowed, its methods are not
+    for owner, name in (
+        (type(Path()), "unlink"),
+        (_MEM_FORMAT_ENCODING, "__class__"),
+    ):  # PosixPath is allowed, its methods are not
         (tmp_path / "other").write_bytes(pickle.dumps(ByName(owner, name)))
         with pytest.raises(pickle.UnpicklingError, match="is not an allowed enum member"):
             _load_dcp_metadata(tmp_path / "other")
@@ -200,10 +254,8 @@ def test_dcp_metadata_cannot_rewrite_an_allowed_class_nor_hide_in_a_fallback_fil
     import shutil
 
     from acceltrain.checkpoint.safe_load import check_loadable_without_code
-
-    from acceltrain.checkpoint.state import CheckpointError
-
     from acceltrain.checkpoint.safe_load import load_dcp_metadata as _load_dcp_metadata
+    from acceltrain.checkpoint.state import CheckpointError
 
     (tmp_path / "build").write_bytes(b"cpathlib\nPosixPath\n}X\x06\x00\x00\x00parentX\x06\x00\x00\x00hackedsb.")
     with pytest.raises(pickle.UnpicklingError, match="BUILD on a type is not allowed"):

@@ -13,17 +13,38 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import REPO, TINY_RECIPE, check, launch, read_events, read_summary, run_tiny_in_process, subprocess_env
 from safetensors.torch import load_file
 
 from acceltrain import Hook
 from acceltrain.checkpoint.files import complete_checkpoints, verify_checkpoint
 from acceltrain.preemption import EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_PREEMPTED
-from conftest import REPO, TINY_RECIPE, check, launch, read_events, read_summary, subprocess_env, run_tiny_in_process
-
 
 # 40 samples, batch 4, accumulate 3: 4 optimizer steps an epoch, 12 in all.
-RUN = ["--num-train", "40", "--batch-size", "4", "--grad-accum", "3", "--epochs", "3", "--lr", "0.05", "--warmup-steps", "2",
-       "--batchnorm", "--no-progress", "--log-every", "5", "--eval-every", "3", "--num-workers", "0", "--report-to", "none"]
+RUN = [
+    "--num-train",
+    "40",
+    "--batch-size",
+    "4",
+    "--grad-accum",
+    "3",
+    "--epochs",
+    "3",
+    "--lr",
+    "0.05",
+    "--warmup-steps",
+    "2",
+    "--batchnorm",
+    "--no-progress",
+    "--log-every",
+    "5",
+    "--eval-every",
+    "3",
+    "--num-workers",
+    "0",
+    "--report-to",
+    "none",
+]
 
 
 def run_tiny(output_dir: Path | None, *args: str, hooks=()) -> int:
@@ -72,8 +93,24 @@ def test_a_time_sliced_job_ends_when_its_last_slice_reaches_max_steps(tmp_path, 
 
 # ---------------------------------------------------------------- 2, 3. signals to the whole group, Ctrl-C
 
-LONG = ["--num-train", "8192", "--batch-size", "16", "--grad-accum", "2", "--epochs", "1", "--lr", "0.05",
-        "--no-progress", "--log-every", "1", "--batchnorm", "--report-to", "none"]
+LONG = [
+    "--num-train",
+    "8192",
+    "--batch-size",
+    "16",
+    "--grad-accum",
+    "2",
+    "--epochs",
+    "1",
+    "--lr",
+    "0.05",
+    "--no-progress",
+    "--log-every",
+    "1",
+    "--batchnorm",
+    "--report-to",
+    "none",
+]
 
 
 @pytest.fixture(scope="module")
@@ -84,8 +121,15 @@ def long_full(tmp_path_factory):
 
 
 def _start_in_own_group(args: list[str]) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, str(TINY_RECIPE), *args], cwd=REPO, env=subprocess_env(), start_new_session=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, str(TINY_RECIPE), *args],
+        cwd=REPO,
+        env=subprocess_env(),
+        start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _wait_for_steps(out: Path, steps: int = 3, timeout: float = 120) -> None:
@@ -150,7 +194,10 @@ def test_rotation_never_deletes_the_newest_verified_checkpoint_for_a_broken_newe
     out = tmp_path / "run"
     assert run_tiny(out, "--save-every-steps", "2", "--stop-after-steps", "8") == EXIT_PREEMPTED
     _flip_last_byte(out / "checkpoints" / "step_00000008" / "model.safetensors")
-    assert run_tiny(out, "--save-every-steps", "1", "--keep-last", "1", "--stop-after-steps", "1", "--resume", "auto") == EXIT_PREEMPTED
+    assert (
+        run_tiny(out, "--save-every-steps", "1", "--keep-last", "1", "--stop-after-steps", "1", "--resume", "auto")
+        == EXIT_PREEMPTED
+    )
     names = [p.name for p in complete_checkpoints(out)]
     assert "step_00000007" in names, names
     verify_checkpoint(out / "checkpoints" / "step_00000007")
@@ -175,7 +222,10 @@ def test_overwrite_starts_clean_and_moves_the_old_run_aside(tmp_path, capsys):
     out = tmp_path / "run"
     assert run_tiny(out, "--save-every-steps", "4") == 0
     old_summary = (out / "summary.json").read_bytes()
-    assert run_tiny(out, "--overwrite", "--seed", "1", "--stop-after-steps", "2", "--save-every-steps", "4") == EXIT_PREEMPTED
+    assert (
+        run_tiny(out, "--overwrite", "--seed", "1", "--stop-after-steps", "2", "--save-every-steps", "4")
+        == EXIT_PREEMPTED
+    )
     assert "--overwrite: moved the previous run" in capsys.readouterr().out
     assert [p.name for p in complete_checkpoints(out)] == ["step_00000002"], "nothing of the old run is resumed"
     assert not (out / "summary.json").exists()
@@ -221,7 +271,9 @@ def stopped(tmp_path):
 def test_resuming_with_other_settings_is_a_one_line_error_listing_each_change(stopped, capsys):
     assert run_tiny(stopped, "--resume", "auto", "--lr", "0.1", "--momentum", "0.5") == 2
     err = capsys.readouterr().err.strip()
-    assert "lr 0.05 -> 0.1" in err and "momentum 0.9 -> 0.5" in err and "--allow-config-change" in err and "\n" not in err
+    assert (
+        "lr 0.05 -> 0.1" in err and "momentum 0.9 -> 0.5" in err and "--allow-config-change" in err and "\n" not in err
+    )
 
 
 def test_allow_config_change_applies_the_new_values_and_records_them(stopped, full):
@@ -246,7 +298,11 @@ def test_divergence_stops_with_one_line_and_keeps_the_last_good_checkpoint(tmp_p
     out = tmp_path / "run"
     assert run_tiny(out, "--lr", "1e30", "--save-every-steps", "1", "--max-grad-norm", "1e9") == EXIT_DIVERGED
     err = capsys.readouterr().err.strip()
-    assert err.startswith("error: training diverged at step 2: ") and "the last checkpoint is step 1" in err and "\n" not in err
+    assert (
+        err.startswith("error: training diverged at step 2: ")
+        and "the last checkpoint is step 1" in err
+        and "\n" not in err
+    )
     assert not (out / "summary.json").exists() and not (out / "model.safetensors").exists()
     for checkpoint in complete_checkpoints(out):
         tensors = load_file(str(checkpoint / "model.safetensors"))
@@ -286,7 +342,9 @@ def test_a_second_run_into_a_live_runs_folder_is_refused_and_a_crash_leaves_no_l
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()[:-1]]  # the last may be cut
     steps = [row["step"] for row in rows if "loss" in row]
     assert steps == list(range(1, len(steps) + 1)), "one run's rows only"
-    check(launch(TINY_RECIPE, [*LONG, "--num-workers", "0", "--output-dir", str(out), "--max-steps", "2", "--overwrite"]))
+    check(
+        launch(TINY_RECIPE, [*LONG, "--num-workers", "0", "--output-dir", str(out), "--max-steps", "2", "--overwrite"])
+    )
 
 
 # ---------------------------------------------------------------- 10. smaller
@@ -325,7 +383,12 @@ def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_previous_checkpoint
     monkeypatch.setattr(writers, "write_part", fills_the_disk)
     assert run_tiny(out, "--save-every-steps", "2") == 2
     err = capsys.readouterr().err.strip()
-    assert "could not write checkpoint" in err and "step_00000004" in err and "file write failed" in err and "\n" not in err
+    assert (
+        "could not write checkpoint" in err
+        and "step_00000004" in err
+        and "file write failed" in err
+        and "\n" not in err
+    )
     assert [p.name for p in complete_checkpoints(out)] == ["step_00000002"]
     verify_checkpoint(out / "checkpoints" / "step_00000002")
     assert not list((out / "checkpoints").glob(".tmp-*")), "the half-written staging folder is removed"
@@ -334,20 +397,53 @@ def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_previous_checkpoint
 # ---------------------------------------------------------------- torchrun's restarts
 
 
-@pytest.mark.skipif(os.environ.get("ACCELTRAIN_TORCHRUN_RESTART_TEST") != "1", reason=(
-    "opt-in (ACCELTRAIN_TORCHRUN_RESTART_TEST=1): over gloo on these CPU machines torchrun's restarted workers fail "
-    "to form their process group (connectFullMesh refused, or a hang, inside init_process_group) in about 1 of 3 "
-    "tries, so as a CI test it would be flaky for a reason outside the toolkit"))
+@pytest.mark.skipif(
+    os.environ.get("ACCELTRAIN_TORCHRUN_RESTART_TEST") != "1",
+    reason=(
+        "opt-in (ACCELTRAIN_TORCHRUN_RESTART_TEST=1): over gloo on these CPU machines torchrun's restarted workers fail "
+        "to form their process group (connectFullMesh refused, or a hang, inside init_process_group) in about 1 of 3 "
+        "tries, so as a CI test it would be flaky for a reason outside the toolkit"
+    ),
+)
 def test_torchrun_restarts_killed_workers_and_the_job_resumes_from_the_last_checkpoint(tmp_path):
     """Every worker is SIGKILLed at step 50 (last checkpoint: 40) on the first attempt; torchrun restarts them
     with the same command, whose --resume auto continues from step 40, and the run ends byte-identical."""
     from conftest import _free_port
 
-    args = [*LONG, "--num-workers", "0", "--batch-size", "8", "--log-every", "50", "--save-every-steps", "20", "--resume", "auto"]
+    args = [
+        *LONG,
+        "--num-workers",
+        "0",
+        "--batch-size",
+        "8",
+        "--log-every",
+        "50",
+        "--save-every-steps",
+        "20",
+        "--resume",
+        "auto",
+    ]
     full, out = tmp_path / "full", tmp_path / "run"
     check(launch(TINY_RECIPE, [*args, "--output-dir", str(full)], processes=2, launcher="torchrun"))
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--max-restarts", "1", "--rdzv-backend", "c10d",
-               "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", str(TINY_RECIPE), *args, "--die-at-step", "50", "--output-dir", str(out)]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--max-restarts",
+        "1",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{_free_port()}",
+        str(TINY_RECIPE),
+        *args,
+        "--die-at-step",
+        "50",
+        "--output-dir",
+        str(out),
+    ]
     result = subprocess.run(command, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "resumed from" in result.stdout and "step_00000040" in result.stdout

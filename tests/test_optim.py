@@ -24,7 +24,9 @@ def test_every_schedule_the_config_allows_has_a_decay():
 def test_schedules_are_transformers_ones_one_step_later_with_one_more_warmup_step(schedule, warmup):
     total = 12
     optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
-    reference = get_scheduler(TRANSFORMERS_NAME[schedule], optimizer, num_warmup_steps=warmup + 1, num_training_steps=total + 1)
+    reference = get_scheduler(
+        TRANSFORMERS_NAME[schedule], optimizer, num_warmup_steps=warmup + 1, num_training_steps=total + 1
+    )
     expected = [reference.lr_lambdas[0](step + 1) for step in range(total)]
     ours = [lr_multiplier(step, total_steps=total, warmup_steps=warmup, schedule=schedule) for step in range(total)]
     assert ours == pytest.approx(expected, abs=1e-12)
@@ -34,10 +36,14 @@ def test_schedules_are_transformers_ones_one_step_later_with_one_more_warmup_ste
 def test_no_step_is_taken_at_lr_zero_unlike_transformers_warmup(schedule):
     """transformers' warm-up gives its first optimizer step lr 0: a step that changes nothing."""
     total, warmup = 10, 4
-    multipliers = [lr_multiplier(step, total_steps=total, warmup_steps=warmup, schedule=schedule) for step in range(total)]
+    multipliers = [
+        lr_multiplier(step, total_steps=total, warmup_steps=warmup, schedule=schedule) for step in range(total)
+    ]
     assert multipliers[0] == pytest.approx(1 / 5) and min(multipliers) > 0
     optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
-    assert get_scheduler(TRANSFORMERS_NAME[schedule], optimizer, num_warmup_steps=warmup, num_training_steps=total).get_last_lr() == [0.0]
+    assert get_scheduler(
+        TRANSFORMERS_NAME[schedule], optimizer, num_warmup_steps=warmup, num_training_steps=total
+    ).get_last_lr() == [0.0]
 
 
 def test_the_scheduler_steps_through_the_multipliers_once_per_step():
@@ -49,7 +55,9 @@ def test_the_scheduler_steps_through_the_multipliers_once_per_step():
         seen.append(scheduler.get_last_lr()[0])
         optimizer.step()
         scheduler.step()
-    assert seen == pytest.approx([0.5 * lr_multiplier(s, total_steps=6, warmup_steps=2, schedule="linear") for s in range(6)])
+    assert seen == pytest.approx(
+        [0.5 * lr_multiplier(s, total_steps=6, warmup_steps=2, schedule="linear") for s in range(6)]
+    )
     assert seen == pytest.approx([0.5 / 3, 1.0 / 3, 0.5, 0.375, 0.25, 0.125])
 
 
@@ -91,7 +99,10 @@ def test_decay_all_parameters_decays_every_group_by_the_same_fraction_per_step()
 
 def test_the_warm_up_can_start_and_the_decay_end_above_zero():
     """airbench94's triangle: from 0.2 of the peak lr up to it, then down to 0.07."""
-    lr = [lr_multiplier(step, total_steps=100, warmup_steps=20, schedule="linear", warmup_start=0.2, floor=0.07) for step in range(101)]
+    lr = [
+        lr_multiplier(step, total_steps=100, warmup_steps=20, schedule="linear", warmup_start=0.2, floor=0.07)
+        for step in range(101)
+    ]
     assert lr[0] == pytest.approx(0.2 + 0.8 / 21) and max(lr) == pytest.approx(1.0)
     assert lr[60] == pytest.approx(0.07 + 0.93 * 0.5) and lr[100] == pytest.approx(0.07)
     assert lr_multiplier(100, total_steps=100, warmup_steps=20, schedule="cosine", floor=0.07) == pytest.approx(0.07)
@@ -111,8 +122,15 @@ def test_adamw_is_torchs_fused_kernel_and_steps_as_the_default_one():
     fused = build_optimizer(fused_model, cfg)
     assert all(group["fused"] for group in fused.param_groups)
     same = dict(zip((id(p) for p in fused_model.parameters()), default_model.parameters()))
-    default = torch.optim.AdamW([{**{k: v for k, v in group.items() if k not in ("params", "fused")},
-                                  "params": [same[id(p)] for p in group["params"]]} for group in fused.param_groups])
+    default = torch.optim.AdamW(
+        [
+            {
+                **{k: v for k, v in group.items() if k not in ("params", "fused")},
+                "params": [same[id(p)] for p in group["params"]],
+            }
+            for group in fused.param_groups
+        ]
+    )
     inputs = torch.randn(16, 4)
     for _ in range(5):
         for net, optimizer in ((fused_model, fused), (default_model, default)):
@@ -140,4 +158,8 @@ def test_adamw_under_fp16_is_one_whose_overflowed_steps_the_grad_scaler_skips():
     model = torch.nn.Linear(4, 2)
     fp16 = build_optimizer(model, TrainConfig(optimizer="adamw", mixed_precision="fp16"))
     assert not getattr(fp16, "_step_supports_amp_scaling", False)
-    assert getattr(build_optimizer(model, TrainConfig(optimizer="adamw", mixed_precision="bf16")), "_step_supports_amp_scaling", False)
+    assert getattr(
+        build_optimizer(model, TrainConfig(optimizer="adamw", mixed_precision="bf16")),
+        "_step_supports_amp_scaling",
+        False,
+    )

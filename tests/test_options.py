@@ -8,16 +8,34 @@ import dataclasses
 import re
 
 import pytest
+from conftest import docs_example
 
 from acceltrain.config import LoopOptions, TrainConfig, parse_config
 from acceltrain.hooks import (
-    CheckpointSchedule, Console, Curves, Evaluation, HubReady, MemoryReport, Preemption, Profiler, TargetMetric, TimeBudget, TrainingLog,
+    CheckpointSchedule,
+    Console,
+    Curves,
+    Evaluation,
+    HubReady,
+    MemoryReport,
+    Preemption,
+    Profiler,
+    TargetMetric,
+    TimeBudget,
+    TrainingLog,
 )
 from acceltrain.options import (
-    CheckpointOptions, ConfigError, EarlyStoppingOptions, EvaluationOptions, HubOptions, LoggingOptions, PlotOptions, ProfilingOptions, TimeBudgetOptions,
+    CheckpointOptions,
+    ConfigError,
+    EarlyStoppingOptions,
+    EvaluationOptions,
+    HubOptions,
+    LoggingOptions,
+    PlotOptions,
+    ProfilingOptions,
+    TimeBudgetOptions,
     TrackingOptions,
 )
-from conftest import docs_example
 
 # every field TrainConfig had before the options moved next to their hooks: what users type stays the same
 FIELDS_BEFORE = """
@@ -30,18 +48,39 @@ save_every_minutes keep_last keep_best resume stop_after_steps seed output_dir o
 timing_warmup_steps progress log_level report_to wandb_project run_name wandb_group wandb_tags wandb_notes wandb_mode
 log_model push_to_hub hub_model_id hub_private
 """.split()
-FIELDS_ADDED = ["async_checkpoint", "early_stopping_patience", "early_stopping_threshold", "load_best_at_end"]  # since (issues 32, 39): new flags, the old ones unchanged
+FIELDS_ADDED = [
+    "async_checkpoint",
+    "early_stopping_patience",
+    "early_stopping_threshold",
+    "load_best_at_end",
+]  # since (issues 32, 39): new flags, the old ones unchanged
 
 GROUPS = {
     EvaluationOptions: {"eval_every", "eval_samples", "target_metric", "target_accuracy"},
     TimeBudgetOptions: {"time_budget_minutes"},
     EarlyStoppingOptions: {"early_stopping_patience", "early_stopping_threshold"},
     ProfilingOptions: {"profile_steps", "profile_with_stack", "memory_report"},
-    CheckpointOptions: {"save_every_steps", "save_every_minutes", "keep_last", "keep_best", "stop_after_steps", "async_checkpoint",
-                        "load_best_at_end"},
+    CheckpointOptions: {
+        "save_every_steps",
+        "save_every_minutes",
+        "keep_last",
+        "keep_best",
+        "stop_after_steps",
+        "async_checkpoint",
+        "load_best_at_end",
+    },
     LoggingOptions: {"log_every", "progress"},
     PlotOptions: {"plots"},
-    TrackingOptions: {"report_to", "wandb_project", "run_name", "wandb_group", "wandb_tags", "wandb_notes", "wandb_mode", "log_model"},
+    TrackingOptions: {
+        "report_to",
+        "wandb_project",
+        "run_name",
+        "wandb_group",
+        "wandb_tags",
+        "wandb_notes",
+        "wandb_mode",
+        "log_model",
+    },
     HubOptions: {"push_to_hub", "hub_model_id", "hub_private"},
 }
 
@@ -56,22 +95,36 @@ def test_the_flags_users_type_are_unchanged_and_each_belongs_to_one_group():
         assert names(group) == fields, group.__name__
     owned = set().union(*GROUPS.values())
     assert names(LoopOptions) == set(FIELDS_BEFORE + FIELDS_ADDED) - owned
-    assert [field.name for field in dataclasses.fields(TrainConfig)][:3] == ["config", "batch_size", "grad_accum"]  # --help starts with the loop
+    assert [field.name for field in dataclasses.fields(TrainConfig)][:3] == [
+        "config",
+        "batch_size",
+        "grad_accum",
+    ]  # --help starts with the loop
 
 
-@pytest.mark.parametrize(("group", "values", "message"), [
-    (EvaluationOptions, {"eval_every": 0}, "--eval-every 0 is invalid: must be an integer >= 1"),
-    (EvaluationOptions, {"target_accuracy": 0.9, "target_metric": 0.9}, "give one of --target-metric and --target-accuracy"),
-    (TimeBudgetOptions, {"time_budget_minutes": -1.0}, "--time-budget-minutes -1.0 is invalid"),
-    (ProfilingOptions, {"profile_steps": "5:2"}, "--profile-steps '5:2' is invalid"),
-    (CheckpointOptions, {"keep_last": 0}, "--keep-last 0 is invalid"),
-    (LoggingOptions, {"log_every": 0}, "--log-every 0 is invalid"),
-    (HubOptions, {"hub_private": True}, "--hub-private needs --push-to-hub"),
-])
+@pytest.mark.parametrize(
+    ("group", "values", "message"),
+    [
+        (EvaluationOptions, {"eval_every": 0}, "--eval-every 0 is invalid: must be an integer >= 1"),
+        (
+            EvaluationOptions,
+            {"target_accuracy": 0.9, "target_metric": 0.9},
+            "give one of --target-metric and --target-accuracy",
+        ),
+        (TimeBudgetOptions, {"time_budget_minutes": -1.0}, "--time-budget-minutes -1.0 is invalid"),
+        (ProfilingOptions, {"profile_steps": "5:2"}, "--profile-steps '5:2' is invalid"),
+        (CheckpointOptions, {"keep_last": 0}, "--keep-last 0 is invalid"),
+        (LoggingOptions, {"log_every": 0}, "--log-every 0 is invalid"),
+        (HubOptions, {"hub_private": True}, "--hub-private needs --push-to-hub"),
+    ],
+)
 def test_each_group_checks_its_own_fields_alone_and_inside_the_config(group, values, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         group(**values).validate()
-    argv = [f"--{key.replace('_', '-')}" if value is True else f"--{key.replace('_', '-')}={value}" for key, value in values.items()]
+    argv = [
+        f"--{key.replace('_', '-')}" if value is True else f"--{key.replace('_', '-')}={value}"
+        for key, value in values.items()
+    ]
     with pytest.raises(ConfigError, match=re.escape(message)):
         parse_config(TrainConfig, argv)
 
@@ -88,7 +141,9 @@ def test_each_builtin_is_built_from_its_own_group_alone():
     assert isinstance(MemoryReport.from_config(ProfilingOptions(memory_report=True)), MemoryReport)
     schedule = CheckpointSchedule.from_config(CheckpointOptions(keep_best=True, keep_last=2))
     assert (schedule.keep_best, schedule.keep_last, schedule.save_at_end) == (True, 2, True)
-    assert CheckpointSchedule.from_config(CheckpointOptions()).save_at_end is False  # no schedule: the final weights only
+    assert (
+        CheckpointSchedule.from_config(CheckpointOptions()).save_at_end is False
+    )  # no schedule: the final weights only
     assert Preemption.from_config(CheckpointOptions(stop_after_steps=4)).stop_after_steps == 4
     assert TrainingLog.from_config(LoggingOptions(log_every=7)).every == 7
     assert Console.from_config(LoggingOptions(progress=False), evaluation).evaluation is evaluation

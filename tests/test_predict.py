@@ -14,10 +14,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
-from acceltrain import ConfigError, predict
 from conftest import REPO, check, launch, read_summary
 from test_causal_lm import offline_on_one_thread
+
+from acceltrain import ConfigError, predict
 
 sys.path.insert(0, str(REPO / "recipes"))
 sys.path.insert(0, str(REPO / "tests" / "helpers"))
@@ -25,7 +25,12 @@ import causal_lm  # noqa: E402
 import text_classification  # noqa: E402
 from in_process import run_in_process  # noqa: E402
 from pretrained_folders import (  # noqa: E402
-    bert_folder, causal_lm_folder, conversations, instructions, reviews, write_rows,
+    bert_folder,
+    causal_lm_folder,
+    conversations,
+    instructions,
+    reviews,
+    write_rows,
 )
 from test_text_classification import TINY  # noqa: E402
 
@@ -65,8 +70,21 @@ def runs(data) -> SimpleNamespace:
     adapter, and one on conversations."""
     root = data.root / "runs"
     source = ["--model-name-or-path", str(data.bert), "--train-file", str(data.train), "--eval-file", str(data.eval)]
-    sft = [*QUIET, "--model-name-or-path", str(data.gpt2), "--train-file", str(data.sft), "--block-size", "64", "--lr",
-           "1e-2", "--batch-size", "8", "--max-steps", "80"]
+    sft = [
+        *QUIET,
+        "--model-name-or-path",
+        str(data.gpt2),
+        "--train-file",
+        str(data.sft),
+        "--block-size",
+        "64",
+        "--lr",
+        "1e-2",
+        "--batch-size",
+        "8",
+        "--max-steps",
+        "80",
+    ]
     with offline_on_one_thread(data.root / "hf"):
         assert (
             run_in_process(

@@ -11,18 +11,45 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from conftest import REPO, TINY_RECIPE, _free_port, check, launch, read_events, read_summary, subprocess_env
+from safetensors.torch import load_file
 
 pytest.importorskip("ray.train.torch", reason="the ray extra is absent: pip install -e '.[ray]' (.ci/run installs it)")
 
-ARGS = ["--batchnorm", "--num-train", "96", "--batch-size", "4", "--epochs", "2", "--lr", "0.05", "--no-progress",
-        "--num-workers", "0", "--save-every-steps", "4", "--log-every", "1"]
+ARGS = [
+    "--batchnorm",
+    "--num-train",
+    "96",
+    "--batch-size",
+    "4",
+    "--epochs",
+    "2",
+    "--lr",
+    "0.05",
+    "--no-progress",
+    "--num-workers",
+    "0",
+    "--save-every-steps",
+    "4",
+    "--log-every",
+    "1",
+]
 
 
-def ray_launch(tmp_path: Path, *args: str, workers: int = 2, timeout: int = 600, **env: str) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "acceltrain.cli", "ray", "--num-workers", str(workers), "--storage-path", str(tmp_path / "ray"), *args]
+def ray_launch(
+    tmp_path: Path, *args: str, workers: int = 2, timeout: int = 600, **env: str
+) -> subprocess.CompletedProcess:
+    command = [
+        sys.executable,
+        "-m",
+        "acceltrain.cli",
+        "ray",
+        "--num-workers",
+        str(workers),
+        "--storage-path",
+        str(tmp_path / "ray"),
+        *args,
+    ]
     return subprocess.run(command, cwd=REPO, env=subprocess_env(**env), capture_output=True, text=True, timeout=timeout)
 
 
@@ -56,7 +83,11 @@ def test_a_ray_run_trains_as_accelerate_launch_does(tmp_path, ray_run):
 @pytest.mark.multiprocess
 def test_a_worker_killed_mid_run_is_restarted_by_ray_and_ends_byte_identical(tmp_path, ray_run):
     out = tmp_path / "run"
-    result = ok(ray_launch(tmp_path, "--max-failures", "1", str(TINY_RECIPE), *ARGS, "--die-at-step", "10", "--output-dir", str(out)))
+    result = ok(
+        ray_launch(
+            tmp_path, "--max-failures", "1", str(TINY_RECIPE), *ARGS, "--die-at-step", "10", "--output-dir", str(out)
+        )
+    )
     assert "resumed from" in result.stdout + result.stderr
     assert read_summary(out)["resumed_from_step"] == 8
     assert (out / "model.safetensors").read_bytes() == (ray_run / "model.safetensors").read_bytes()
@@ -65,16 +96,23 @@ def test_a_worker_killed_mid_run_is_restarted_by_ray_and_ends_byte_identical(tmp
 
 def test_bad_launcher_input_is_one_line(tmp_path):
     result = ray_launch(tmp_path, str(tmp_path / "missing.py"))
-    assert result.returncode == 2 and result.stderr.strip() == f"error: recipe {str(tmp_path / 'missing.py')!r} is not a file"
+    assert (
+        result.returncode == 2
+        and result.stderr.strip() == f"error: recipe {str(tmp_path / 'missing.py')!r} is not a file"
+    )
 
 
 @pytest.mark.slow
 def test_an_address_where_no_cluster_answers_is_one_line_before_ray_starts(tmp_path):
     """Issue 31 item 14: Ray retried its connection to the cluster's GCS there for minutes, without a line."""
     address = f"127.0.0.1:{_free_port()}"  # nothing listens: Ray would connect to this node's own address, port alike
-    result = ray_launch(tmp_path, "--address", address, str(TINY_RECIPE), "--output-dir", str(tmp_path / "run"), timeout=240)
+    result = ray_launch(
+        tmp_path, "--address", address, str(TINY_RECIPE), "--output-dir", str(tmp_path / "run"), timeout=240
+    )
     (line,) = result.stderr.strip().splitlines()
-    assert result.returncode == 2 and line.startswith(f"error: --address {address!r}: no Ray cluster answered at "), line
+    assert result.returncode == 2 and line.startswith(f"error: --address {address!r}: no Ray cluster answered at "), (
+        line
+    )
     assert "ray start --head" in line and not (tmp_path / "run").exists()
 
 
@@ -94,9 +132,22 @@ def test_a_bad_recipe_flag_is_the_recipes_own_line_before_ray_starts(tmp_path, f
 def test_bad_input_found_in_a_worker_fails_once_with_its_line(tmp_path):
     """Issue 31 item 16: a worker's exit 2 became a RuntimeError, so Ray ran the bad input again --max-failures
     times and acceltrain ray exited 1. The batch size is checked against the data, in the worker."""
-    result = ray_launch(tmp_path, "--max-failures", "2", str(TINY_RECIPE), "--batch-size", "100000", "--no-progress",
-                        "--output-dir", str(tmp_path / "run"), workers=1, RAY_DEDUP_LOGS="0")
+    result = ray_launch(
+        tmp_path,
+        "--max-failures",
+        "2",
+        str(TINY_RECIPE),
+        "--batch-size",
+        "100000",
+        "--no-progress",
+        "--output-dir",
+        str(tmp_path / "run"),
+        workers=1,
+        RAY_DEDUP_LOGS="0",
+    )
     line = result.stderr.strip().splitlines()[-1]
-    assert result.returncode == 2 and line.startswith("error: --batch-size 100000 is too large: "), result.stderr[-3000:]
+    assert result.returncode == 2 and line.startswith("error: --batch-size 100000 is too large: "), result.stderr[
+        -3000:
+    ]
     ran_in = set(re.findall(r"RayTrainWorker pid=(\d+)[^\n]*error: --batch-size", result.stderr))
     assert len(ran_in) <= 1, f"the bad input ran in {len(ran_in)} worker processes: Ray retried it"

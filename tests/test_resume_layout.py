@@ -9,17 +9,32 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import TINY_RECIPE, check, launch, read_events, read_summary, run_tiny_in_process
 from safetensors.torch import load_file
 
 from acceltrain.checkpoint.state import CheckpointError, RunState
-
 from acceltrain.preemption import EXIT_PREEMPTED
-from conftest import TINY_RECIPE, check, launch, read_events, read_summary, run_tiny_in_process
 
 # 96 samples, 2 epochs. Per-process micro-batch 4 everywhere, so BatchNorm sees the same batches in every
 # layout: 2 processes x grad_accum 2 and 1 process x grad_accum 4 both take 16 samples per step, 6 steps an epoch.
-COMMON = ["--batchnorm", "--num-train", "96", "--batch-size", "4", "--epochs", "2", "--lr", "0.05", "--warmup-steps", "2",
-          "--log-every", "1", "--no-progress", "--num-workers", "0"]
+COMMON = [
+    "--batchnorm",
+    "--num-train",
+    "96",
+    "--batch-size",
+    "4",
+    "--epochs",
+    "2",
+    "--lr",
+    "0.05",
+    "--warmup-steps",
+    "2",
+    "--log-every",
+    "1",
+    "--no-progress",
+    "--num-workers",
+    "0",
+]
 TWO = {"processes": 2, "launcher": "accelerate"}
 
 
@@ -49,14 +64,23 @@ def uninterrupted(tmp_path_factory):
 @pytest.mark.multiprocess
 def test_two_processes_resume_on_one_with_twice_the_accumulation(tmp_path, uninterrupted):
     out = tmp_path / "run"
-    stopped = launch(TINY_RECIPE, [*COMMON, "--grad-accum", "2", "--output-dir", str(out), "--stop-after-steps", "5"], **TWO)
+    stopped = launch(
+        TINY_RECIPE, [*COMMON, "--grad-accum", "2", "--output-dir", str(out), "--stop-after-steps", "5"], **TWO
+    )
     assert "stopped at step 5" in stopped.stdout, stopped.stderr[-2000:]  # the launcher's own exit code: 1
     resumed = check(launch(TINY_RECIPE, [*COMMON, "--grad-accum", "4", "--output-dir", str(out), "--resume", "auto"]))
-    assert "resuming a checkpoint of 2 processes x batch 4 x grad_accum 2 = 16 samples per optimizer step on " \
-           "1 processes x batch 4 x grad_accum 4" in resumed.stdout
+    assert (
+        "resuming a checkpoint of 2 processes x batch 4 x grad_accum 2 = 16 samples per optimizer step on "
+        "1 processes x batch 4 x grad_accum 4" in resumed.stdout
+    )
     assert_close(final_weights(out), final_weights(uninterrupted))
     summary = read_summary(out)
-    assert (summary["steps"], summary["resumed_from_step"], summary["samples_seen"], summary["num_processes"]) == (12, 5, 192, 1)
+    assert (summary["steps"], summary["resumed_from_step"], summary["samples_seen"], summary["num_processes"]) == (
+        12,
+        5,
+        192,
+        1,
+    )
     assert [e["step"] for e in read_events(out) if "loss" in e] == list(range(1, 13)), "every step logged once"
 
 
@@ -80,7 +104,10 @@ SMALL = ["--num-train", "48", "--epochs", "2", "--lr", "0.05", "--no-progress", 
 def test_a_smaller_batch_with_more_accumulation_continues_the_same_run(tmp_path):
     full, out = tmp_path / "full", tmp_path / "run"
     assert run_tiny_in_process(full, *SMALL, "--batch-size", "4", "--grad-accum", "2") == 0
-    assert run_tiny_in_process(out, *SMALL, "--batch-size", "4", "--grad-accum", "2", "--stop-after-steps", "4") == EXIT_PREEMPTED
+    assert (
+        run_tiny_in_process(out, *SMALL, "--batch-size", "4", "--grad-accum", "2", "--stop-after-steps", "4")
+        == EXIT_PREEMPTED
+    )
     assert run_tiny_in_process(out, *SMALL, "--batch-size", "2", "--grad-accum", "4", "--resume", "auto") == 0
     assert_close(final_weights(out), final_weights(full))
     assert "config_changes" not in read_summary(out), "a layout that passes the check is not a config change"
@@ -89,19 +116,30 @@ def test_a_smaller_batch_with_more_accumulation_continues_the_same_run(tmp_path)
 @pytest.mark.parametrize(
     "samples,args,message",
     [
-        ("48", ["--batch-size", "2"], "was written with 1 processes x batch 4 x grad_accum 2 = 8 samples per optimizer step, this "
-                                "run has 1 processes x batch 2 x grad_accum 2 = 4 samples per optimizer step: resume with "
-                                "8 samples per optimizer step (here: --grad-accum 4)"),
+        (
+            "48",
+            ["--batch-size", "2"],
+            "was written with 1 processes x batch 4 x grad_accum 2 = 8 samples per optimizer step, this "
+            "run has 1 processes x batch 2 x grad_accum 2 = 4 samples per optimizer step: resume with "
+            "8 samples per optimizer step (here: --grad-accum 4)",
+        ),
         # 44 samples: 11 batches of 4 (windows 2, 2, 2, 2, 2, 1), but 5 batches of 8
-        ("44", ["--batch-size", "8", "--grad-accum", "1"], "trained on 44 samples per epoch (1 processes x batch 4 x "
-                                                          "grad_accum 2 = 8 samples per optimizer step), this layout fills 40"),
+        (
+            "44",
+            ["--batch-size", "8", "--grad-accum", "1"],
+            "trained on 44 samples per epoch (1 processes x batch 4 x "
+            "grad_accum 2 = 8 samples per optimizer step), this layout fills 40",
+        ),
     ],
     ids=["samples-per-step", "samples-per-epoch"],
 )
 def test_another_layout_that_would_change_the_run_is_one_line(tmp_path, capsys, samples, args, message):
     out = tmp_path / "run"
     small = [*SMALL, "--num-train", samples]
-    assert run_tiny_in_process(out, *small, "--batch-size", "4", "--grad-accum", "2", "--stop-after-steps", "2") == EXIT_PREEMPTED
+    assert (
+        run_tiny_in_process(out, *small, "--batch-size", "4", "--grad-accum", "2", "--stop-after-steps", "2")
+        == EXIT_PREEMPTED
+    )
     capsys.readouterr()
     assert run_tiny_in_process(out, *small, "--batch-size", "4", "--grad-accum", "2", *args, "--resume", "auto") == 2
     err = capsys.readouterr().err.strip()
@@ -109,8 +147,17 @@ def test_another_layout_that_would_change_the_run_is_one_line(tmp_path, capsys, 
 
 
 def state(**layout) -> RunState:
-    return RunState(**{"seed": 0, "train_samples": 96, "global_batch_size": 8, "grad_accum": 2, "num_processes": 2,
-                       "batches_per_epoch": 12, **layout})
+    return RunState(
+        **{
+            "seed": 0,
+            "train_samples": 96,
+            "global_batch_size": 8,
+            "grad_accum": 2,
+            "num_processes": 2,
+            "batches_per_epoch": 12,
+            **layout,
+        }
+    )
 
 
 def test_a_checkpoint_from_before_0_2_resumes_only_on_its_own_layout(tmp_path):
@@ -139,7 +186,13 @@ def test_deepspeed_state_is_refused_on_another_process_count_and_fsdp_state_is_n
 
     deepspeed = under(DistributedType.DEEPSPEED)
     with pytest.raises(CheckpointError, match="partitioned over 2 processes and this run has 1: resume on 2 processes"):
-        Checkpointer._check_relayout_supported(deepspeed, state(), state(num_processes=1, global_batch_size=4, grad_accum=4), "ckpt")
-    Checkpointer._check_relayout_supported(deepspeed, state(), state(global_batch_size=16, grad_accum=1, batches_per_epoch=6), "ckpt")
+        Checkpointer._check_relayout_supported(
+            deepspeed, state(), state(num_processes=1, global_batch_size=4, grad_accum=4), "ckpt"
+        )
+    Checkpointer._check_relayout_supported(
+        deepspeed, state(), state(global_batch_size=16, grad_accum=1, batches_per_epoch=6), "ckpt"
+    )
     fsdp = under(DistributedType.FSDP)
-    Checkpointer._check_relayout_supported(fsdp, state(), state(num_processes=1, global_batch_size=4, grad_accum=4), "ckpt")
+    Checkpointer._check_relayout_supported(
+        fsdp, state(), state(num_processes=1, global_batch_size=4, grad_accum=4), "ckpt"
+    )

@@ -8,13 +8,25 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import read_events, read_summary, run_tiny_in_process
 
 from acceltrain import ConfigError, Hook
-from conftest import read_events, read_summary, run_tiny_in_process
 
 sys.path.insert(0, str(Path(__file__).parent / "helpers"))
 
-RUN = ["--num-train", "16", "--batch-size", "8", "--max-steps", "2", "--no-progress", "--num-workers", "0", "--report-to", "none"]
+RUN = [
+    "--num-train",
+    "16",
+    "--batch-size",
+    "8",
+    "--max-steps",
+    "2",
+    "--no-progress",
+    "--num-workers",
+    "0",
+    "--report-to",
+    "none",
+]
 
 
 @pytest.mark.parametrize("name", ["README.md", "config.json", "train_config.yaml", "curves.png", "model.safetensors"])
@@ -24,7 +36,9 @@ def test_a_folder_holding_files_no_run_wrote_is_refused_and_kept(tmp_path, capsy
     (out / name).write_text("the user's own")
     assert run_tiny_in_process(out, *RUN) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("error: --output-dir") and name in err and "new or empty --output-dir" in err and "\n" not in err, err
+    assert (
+        err.startswith("error: --output-dir") and name in err and "new or empty --output-dir" in err and "\n" not in err
+    ), err
     assert (out / name).read_text() == "the user's own"
     assert sorted(p.name for p in out.iterdir()) == [name], "no .lock, nothing else left"
 

@@ -8,16 +8,33 @@ import subprocess
 import sys
 
 import pytest
+from conftest import RECIPE, REPO, TINY_RECIPE, _free_port, check, launch, read_summary, subprocess_env
 from safetensors.torch import load_file
 
 from acceltrain import ConfigError, TrainConfig
 from acceltrain.distributed import deepspeed_plugin
-from conftest import REPO, RECIPE, TINY_RECIPE, _free_port, check, launch, read_summary, subprocess_env
 
 pytestmark = pytest.mark.multiprocess
 
-CIFAR = ["--dataset", "synthetic", "--model", "resnet_tiny", "--batch-size", "16", "--grad-accum", "2", "--max-steps", "6",
-         "--max-grad-norm", "1.0", "--no-progress", "--num-workers", "0", "--report-to", "none"]
+CIFAR = [
+    "--dataset",
+    "synthetic",
+    "--model",
+    "resnet_tiny",
+    "--batch-size",
+    "16",
+    "--grad-accum",
+    "2",
+    "--max-steps",
+    "6",
+    "--max-grad-norm",
+    "1.0",
+    "--no-progress",
+    "--num-workers",
+    "0",
+    "--report-to",
+    "none",
+]
 
 
 @pytest.mark.slow
@@ -29,7 +46,9 @@ def test_deepspeed_runs_saves_resumes_exactly_and_exports_plain_weights(tmp_path
     check(launch(RECIPE, [*CIFAR, "--output-dir", str(full)], launcher="accelerate", config=config))
     summary = read_summary(full)
     assert summary["distributed_type"] == "DEEPSPEED" and summary["steps"] == 6
-    stopped = launch(RECIPE, [*CIFAR, "--output-dir", str(part), "--stop-after-steps", "3"], launcher="accelerate", config=config)
+    stopped = launch(
+        RECIPE, [*CIFAR, "--output-dir", str(part), "--stop-after-steps", "3"], launcher="accelerate", config=config
+    )
     assert "stopped at step 3" in stopped.stdout
     check(launch(RECIPE, [*CIFAR, "--output-dir", str(part), "--resume", "auto"], launcher="accelerate", config=config))
     assert (part / "model.safetensors").read_bytes() == (full / "model.safetensors").read_bytes()
@@ -41,9 +60,16 @@ def test_deepspeed_runs_saves_resumes_exactly_and_exports_plain_weights(tmp_path
 @pytest.fixture
 def deepspeed_env(tmp_path, monkeypatch):
     def write(**fields):
-        config = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "train_batch_size": "auto",
-                  "gradient_clipping": "auto", "bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"},
-                  "zero_optimization": {"stage": 2}, **fields}
+        config = {
+            "train_micro_batch_size_per_gpu": "auto",
+            "gradient_accumulation_steps": "auto",
+            "train_batch_size": "auto",
+            "gradient_clipping": "auto",
+            "bf16": {"enabled": "auto"},
+            "fp16": {"enabled": "auto"},
+            "zero_optimization": {"stage": 2},
+            **fields,
+        }
         path = tmp_path / "ds.json"
         path.write_text(json.dumps(config))
         monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
@@ -59,15 +85,29 @@ def test_deepspeed_auto_fields_come_from_the_toolkit_config(deepspeed_env):
     deepspeed_env()
     plugin = deepspeed_plugin(TrainConfig(batch_size=32, grad_accum=4, max_grad_norm=0.5, mixed_precision="bf16"))
     config = plugin.deepspeed_config
-    assert (config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"], config["train_batch_size"]) == (32, 4, 128)
-    assert config["gradient_clipping"] == 0.5 and config["bf16"]["enabled"] is True and config["fp16"]["enabled"] is False
+    assert (
+        config["train_micro_batch_size_per_gpu"],
+        config["gradient_accumulation_steps"],
+        config["train_batch_size"],
+    ) == (32, 4, 128)
+    assert (
+        config["gradient_clipping"] == 0.5 and config["bf16"]["enabled"] is True and config["fp16"]["enabled"] is False
+    )
 
 
 @pytest.mark.parametrize(
     "fields,cfg,message",
     [
-        ({"train_micro_batch_size_per_gpu": 16}, {"batch_size": 32}, "train_micro_batch_size_per_gpu=16 but --batch-size gives 32"),
-        ({"gradient_accumulation_steps": 2}, {"grad_accum": 4}, "gradient_accumulation_steps=2 but --grad-accum gives 4"),
+        (
+            {"train_micro_batch_size_per_gpu": 16},
+            {"batch_size": 32},
+            "train_micro_batch_size_per_gpu=16 but --batch-size gives 32",
+        ),
+        (
+            {"gradient_accumulation_steps": 2},
+            {"grad_accum": 4},
+            "gradient_accumulation_steps=2 but --grad-accum gives 4",
+        ),
         ({"fp16": {"enabled": True}}, {"mixed_precision": "bf16"}, "fp16.enabled=True but --mixed-precision is bf16"),
         ({"gradient_clipping": 1.0}, {"max_grad_norm": None}, "gradient_clipping=1.0 but --max-grad-norm gives 0.0"),
         ({"optimizer": {"type": "Adam"}}, {}, "defines an optimizer"),
@@ -84,11 +124,44 @@ def test_a_contradicting_deepspeed_json_is_a_one_line_error_naming_both(deepspee
 def test_two_nodes_on_one_machine_form_one_job_with_identical_weights(tmp_path):
     """Two launcher invocations, machine ranks 0 and 1, rendezvous on loopback: one 2-process gloo job."""
     out, port = tmp_path / "run", str(_free_port())
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "accelerate_configs" / "multi_cpu.yaml"),
-               "--num_machines", "2", "--num_processes", "2", "--main_process_ip", "127.0.0.1", "--main_process_port", port]
-    args = [str(TINY_RECIPE), "--output-dir", str(out), "--max-steps", "4", "--batch-size", "8", "--no-progress", "--num-workers", "0"]
-    nodes = [subprocess.Popen([*command, "--machine_rank", str(rank), *args], cwd=REPO, env=subprocess_env(),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    command = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(REPO / "accelerate_configs" / "multi_cpu.yaml"),
+        "--num_machines",
+        "2",
+        "--num_processes",
+        "2",
+        "--main_process_ip",
+        "127.0.0.1",
+        "--main_process_port",
+        port,
+    ]
+    args = [
+        str(TINY_RECIPE),
+        "--output-dir",
+        str(out),
+        "--max-steps",
+        "4",
+        "--batch-size",
+        "8",
+        "--no-progress",
+        "--num-workers",
+        "0",
+    ]
+    nodes = [
+        subprocess.Popen(
+            [*command, "--machine_rank", str(rank), *args],
+            cwd=REPO,
+            env=subprocess_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
     for node in nodes:
         _, stderr = node.communicate(timeout=300)
         assert node.returncode == 0, stderr[-3000:]
@@ -101,8 +174,29 @@ def test_two_nodes_on_one_machine_form_one_job_with_identical_weights(tmp_path):
 def test_accumulation_under_ddp_all_reduces_only_on_optimizer_steps(tmp_path):
     """12 micro-batches per epoch in windows of 5, 5, 2: 3 all-reduces, not 12 (no_sync through accumulate)."""
     out = tmp_path / "run"
-    check(launch(TINY_RECIPE, ["--num-train", "96", "--batch-size", "4", "--grad-accum", "5", "--epochs", "1", "--count-allreduce",
-                               "--output-dir", str(out), "--no-progress", "--num-workers", "0"], processes=2, launcher="accelerate"))
+    check(
+        launch(
+            TINY_RECIPE,
+            [
+                "--num-train",
+                "96",
+                "--batch-size",
+                "4",
+                "--grad-accum",
+                "5",
+                "--epochs",
+                "1",
+                "--count-allreduce",
+                "--output-dir",
+                str(out),
+                "--no-progress",
+                "--num-workers",
+                "0",
+            ],
+            processes=2,
+            launcher="accelerate",
+        )
+    )
     for rank in (0, 1):
         counts = json.loads((out / f"rank{rank}.json").read_text())
         assert counts["steps"] == 3 and counts["allreduces"] == 3  # the tiny net fits one bucket
@@ -121,15 +215,37 @@ def test_slurm_script_launches_each_node_with_its_rank_and_requeues_until_done(t
     for name, body in stubs.items():
         (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
         (bin_dir / name).chmod(0o755)
-    env = subprocess_env(PATH=f"{bin_dir}:/usr/bin:/bin", CALLS=str(calls), SLURM_JOB_NAME="demo", SLURM_JOB_ID="42",
-                         SLURM_JOB_NODELIST="node-[a-b]", SLURM_NNODES="2", SLURM_GPUS_ON_NODE="4")
-    result = subprocess.run(["bash", str(REPO / "recipes" / "slurm" / "train.sbatch"), "recipes/resnet_cifar.py", "--lr", "0.2",
-                             "--run-name", "two words"], cwd=tmp_path, env=env, capture_output=True, text=True)
+    env = subprocess_env(
+        PATH=f"{bin_dir}:/usr/bin:/bin",
+        CALLS=str(calls),
+        SLURM_JOB_NAME="demo",
+        SLURM_JOB_ID="42",
+        SLURM_JOB_NODELIST="node-[a-b]",
+        SLURM_NNODES="2",
+        SLURM_GPUS_ON_NODE="4",
+    )
+    result = subprocess.run(
+        [
+            "bash",
+            str(REPO / "recipes" / "slurm" / "train.sbatch"),
+            "recipes/resnet_cifar.py",
+            "--lr",
+            "0.2",
+            "--run-name",
+            "two words",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 0, result.stderr
     lines = calls.read_text().splitlines()
     launches = [line for line in lines if line.startswith("accelerate")]
     assert len(launches) == 2
     for rank, line in enumerate(launches):
         assert f"--machine_rank {rank}" in line and "--num_processes 8" in line and "--main_process_ip node-a" in line
-        assert line.endswith("recipes/resnet_cifar.py --output-dir runs/demo --save-every-minutes 30 --resume auto --lr 0.2 --run-name two words")
+        assert line.endswith(
+            "recipes/resnet_cifar.py --output-dir runs/demo --save-every-minutes 30 --resume auto --lr 0.2 --run-name two words"
+        )
     assert lines[-1] == "scontrol requeue 42"

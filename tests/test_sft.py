@@ -13,14 +13,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import REPO, read_summary, subprocess_env
 from safetensors import safe_open
+from test_causal_lm import offline_on_one_thread
 
 from acceltrain.checkpoint.files import complete_checkpoints
-
 from acceltrain.preemption import EXIT_PREEMPTED
 from acceltrain.text import IGNORE_INDEX, sft_examples, sft_kept
-from conftest import REPO, read_summary, subprocess_env
-from test_causal_lm import offline_on_one_thread
 
 sys.path.insert(0, str(REPO / "recipes"))
 sys.path.insert(0, str(REPO / "tests" / "helpers"))
@@ -28,8 +27,20 @@ import causal_lm  # noqa: E402
 from in_process import Predictions, recording, run_in_process  # noqa: E402
 from pretrained_folders import causal_lm_folder, conversations, instructions, write_rows  # noqa: E402
 
-QUIET = ["--num-workers", "0", "--num-proc", "1", "--no-progress", "--report-to", "none", "--no-plots", "--log-every", "2",
-         "--block-size", "64"]
+QUIET = [
+    "--num-workers",
+    "0",
+    "--num-proc",
+    "1",
+    "--no-progress",
+    "--report-to",
+    "none",
+    "--no-plots",
+    "--log-every",
+    "2",
+    "--block-size",
+    "64",
+]
 # plain SGD without clipping: the update is the gradient itself, so a token weighed wrongly shows
 EXACT = [*QUIET, "--optimizer", "sgd", "--lr", "0.5", "--momentum", "0", "--max-grad-norm", "none", "--max-steps", "3"]
 
@@ -42,10 +53,18 @@ def run(output_dir: Path, *args: str) -> int:
 def data(tmp_path_factory) -> SimpleNamespace:
     root = tmp_path_factory.mktemp("sft")
     with offline_on_one_thread(root / "hf"):
-        gpt2, llama = causal_lm_folder(root / "gpt2"), causal_lm_folder(root / "llama", arch="llama", chat_template=True)
-    return SimpleNamespace(root=root, gpt2=gpt2, llama=llama, rows=write_rows(root / "sft.jsonl", instructions(64)),
-                           eval=write_rows(root / "eval.jsonl", instructions(16, seed=1)),
-                           chat=write_rows(root / "chat.jsonl", conversations(48)))
+        gpt2, llama = (
+            causal_lm_folder(root / "gpt2"),
+            causal_lm_folder(root / "llama", arch="llama", chat_template=True),
+        )
+    return SimpleNamespace(
+        root=root,
+        gpt2=gpt2,
+        llama=llama,
+        rows=write_rows(root / "sft.jsonl", instructions(64)),
+        eval=write_rows(root / "eval.jsonl", instructions(16, seed=1)),
+        chat=write_rows(root / "chat.jsonl", conversations(48)),
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -58,8 +77,11 @@ def encoded(tokenizer, rows: list[dict], block_size: int = 64, **columns):
     import datasets
 
     columns = {"prompt": "prompt", "response": "response", "messages": None, **columns}
-    return sft_kept(sft_examples(datasets.Dataset.from_list(rows), tokenizer, block_size=block_size, where="the rows", **columns),
-                    block_size=block_size, where="the rows")
+    return sft_kept(
+        sft_examples(datasets.Dataset.from_list(rows), tokenizer, block_size=block_size, where="the rows", **columns),
+        block_size=block_size,
+        where="the rows",
+    )
 
 
 def test_prompt_and_response_rows_train_on_the_response_and_its_end_only(data):
@@ -68,7 +90,10 @@ def test_prompt_and_response_rows_train_on_the_response_and_its_end_only(data):
     tokenizer = AutoTokenizer.from_pretrained(data.gpt2)
     examples, lengths, counts = encoded(tokenizer, [{"prompt": "question: good answer:", "response": " bad bad"}])
     ids, labels = examples[0]["input_ids"], examples[0]["labels"]
-    prompt, response = tokenizer("question: good answer:")["input_ids"], tokenizer(" bad bad", add_special_tokens=False)["input_ids"]
+    prompt, response = (
+        tokenizer("question: good answer:")["input_ids"],
+        tokenizer(" bad bad", add_special_tokens=False)["input_ids"],
+    )
     assert ids == [*prompt, *response, tokenizer.eos_token_id] and lengths == [len(ids)]
     assert labels == [IGNORE_INDEX] * len(prompt) + [*response, tokenizer.eos_token_id]
     assert counts == {"truncated": 0, "dropped": 0}
@@ -78,23 +103,35 @@ def test_a_conversation_trains_on_each_assistant_turn_as_the_chat_template_rende
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(data.llama)
-    messages = [{"role": "user", "content": "question: good"}, {"role": "assistant", "content": "good good"},
-                {"role": "user", "content": "again"}, {"role": "assistant", "content": "bad"}]
+    messages = [
+        {"role": "user", "content": "question: good"},
+        {"role": "assistant", "content": "good good"},
+        {"role": "user", "content": "again"},
+        {"role": "assistant", "content": "bad"},
+    ]
     examples, _, _ = encoded(tokenizer, [{"messages": messages}], messages="messages")
     ids, labels = examples[0]["input_ids"], examples[0]["labels"]
     assert ids == tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)
     trained = tokenizer.convert_ids_to_tokens([token for token, label in zip(ids, labels) if label != IGNORE_INDEX])
-    assert trained == ["good", "good", "<|im_end|>", "bad", "<|im_end|>"], "the answers and their ends, nothing of the user's"
+    assert trained == ["good", "good", "<|im_end|>", "bad", "<|im_end|>"], (
+        "the answers and their ends, nothing of the user's"
+    )
 
 
 def test_examples_longer_than_the_block_are_cut_and_those_without_a_response_token_dropped(data):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(data.gpt2)
-    rows = [{"prompt": "good", "response": " bad" * 10}, {"prompt": "good " * 8, "response": " bad"}, {"prompt": "good", "response": " bad"}]
+    rows = [
+        {"prompt": "good", "response": " bad" * 10},
+        {"prompt": "good " * 8, "response": " bad"},
+        {"prompt": "good", "response": " bad"},
+    ]
     examples, lengths, counts = encoded(tokenizer, rows, block_size=6)
     assert counts == {"truncated": 1, "dropped": 1} and lengths == [6, 3] and len(examples) == 2
-    assert examples[0]["labels"] == [IGNORE_INDEX] + examples[0]["input_ids"][1:], "the response, cut at the block's end"
+    assert examples[0]["labels"] == [IGNORE_INDEX] + examples[0]["input_ids"][1:], (
+        "the response, cut at the block's end"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -102,16 +139,47 @@ def big_batch(data) -> Path:
     """One step = 8 rows at once: what accumulation must reproduce."""
     out = data.root / "big"
     with offline_on_one_thread(data.root / "hf"):
-        assert run(out, *EXACT, "--model-name-or-path", str(data.gpt2), "--train-file", str(data.rows), "--eval-file", str(data.eval),
-                   "--batch-size", "8") == 0
+        assert (
+            run(
+                out,
+                *EXACT,
+                "--model-name-or-path",
+                str(data.gpt2),
+                "--train-file",
+                str(data.rows),
+                "--eval-file",
+                str(data.eval),
+                "--batch-size",
+                "8",
+            )
+            == 0
+        )
     return out
 
 
 def test_accumulation_gives_the_big_batch_s_update_with_responses_of_every_length(tmp_path, data, big_batch, capsys):
     out = tmp_path / "accumulated"
-    assert run(out, *EXACT, "--model-name-or-path", str(data.gpt2), "--train-file", str(data.rows), "--eval-file", str(data.eval),
-               "--batch-size", "2", "--grad-accum", "4") == 0
-    assert "tokenizer: no pad token; batches are padded with the end-of-text token '<|endoftext|>' (masked out)" in capsys.readouterr().out
+    assert (
+        run(
+            out,
+            *EXACT,
+            "--model-name-or-path",
+            str(data.gpt2),
+            "--train-file",
+            str(data.rows),
+            "--eval-file",
+            str(data.eval),
+            "--batch-size",
+            "2",
+            "--grad-accum",
+            "4",
+        )
+        == 0
+    )
+    assert (
+        "tokenizer: no pad token; batches are padded with the end-of-text token '<|endoftext|>' (masked out)"
+        in capsys.readouterr().out
+    )
     from safetensors.torch import load_file
 
     reference = load_file(str(big_batch / "model.safetensors"))
@@ -129,7 +197,7 @@ def test_eval_loss_is_the_mean_loss_of_the_response_tokens(data, big_batch):
         ids = prompt + tokenizer(row["response"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         with torch.no_grad():
             logits = model(torch.tensor([ids])).logits[0, :-1]
-        losses = torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]), reduction="none")[len(prompt) - 1:]
+        losses = torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]), reduction="none")[len(prompt) - 1 :]
         total, count = total + losses.sum().item(), count + len(losses)
     summary = read_summary(big_batch)
     assert summary["eval_loss"] == pytest.approx(total / count, rel=1e-5)
@@ -152,9 +220,28 @@ print(type(model).__name__)
 @pytest.mark.slow
 def test_a_lora_chat_run_resumes_byte_identically_and_its_adapter_reloads_in_a_fresh_process(tmp_path, data):
     text = "<|im_start|>user\nquestion: good answer:<|im_end|>\n<|im_start|>assistant\n"
-    args = [*QUIET, "--model-name-or-path", str(data.llama), "--train-file", str(data.chat), "--eval-fraction", "0.25",
-            "--batch-size", "4", "--max-steps", "6", "--lr", "1e-2", "--lora-r", "4", "--lora-target-modules", "q_proj,v_proj,o_proj",
-            "--group-by-length", "--eval-every", "3"]
+    args = [
+        *QUIET,
+        "--model-name-or-path",
+        str(data.llama),
+        "--train-file",
+        str(data.chat),
+        "--eval-fraction",
+        "0.25",
+        "--batch-size",
+        "4",
+        "--max-steps",
+        "6",
+        "--lr",
+        "1e-2",
+        "--lora-r",
+        "4",
+        "--lora-target-modules",
+        "q_proj,v_proj,o_proj",
+        "--group-by-length",
+        "--eval-every",
+        "3",
+    ]
     full, part = tmp_path / "full", tmp_path / "part"
     with recording(Predictions([text])) as predictions:
         assert run(full, *args) == 0
@@ -167,10 +254,17 @@ def test_a_lora_chat_run_resumes_byte_identically_and_its_adapter_reloads_in_a_f
     adapter = json.loads((full / "adapter_config.json").read_text())
     assert adapter["task_type"] == "CAUSAL_LM" and sorted(adapter["target_modules"]) == ["o_proj", "q_proj", "v_proj"]
     assert "from peft import AutoPeftModelForCausalLM" in (full / "README.md").read_text()
-    result = subprocess.run([sys.executable, "-c", LOAD_AS_THE_CARD_SAYS, str(full), text], env=subprocess_env(HF_HUB_OFFLINE="1"),
-                            capture_output=True, text=True, timeout=180)
+    result = subprocess.run(
+        [sys.executable, "-c", LOAD_AS_THE_CARD_SAYS, str(full), text],
+        env=subprocess_env(HF_HUB_OFFLINE="1"),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert result.returncode == 0 and result.stdout.strip() == "PeftModelForCausalLM", result.stderr[-3000:]
-    torch.testing.assert_close(torch.load(full / "reloaded_logits.pt"), predictions.logits["full"], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(
+        torch.load(full / "reloaded_logits.pt"), predictions.logits["full"], rtol=1e-4, atol=1e-5
+    )
 
 
 def test_an_adapter_folder_as_the_model_trains_its_adapter_on(tmp_path, data):
@@ -217,44 +311,76 @@ def bad(data) -> dict[str, Path]:
     tokenizer.chat_template = STRICT_TEMPLATE
     tokenizer.save_pretrained(strict)
     chats = conversations(8)
-    bot = [{"role": "bot" if message["role"] == "assistant" else "user", "content": message["content"]}
-           for message in chats[5]["messages"]]
-    greeting = [{"role": "assistant", "content": "good"}, {"role": "user", "content": "bad"},
-                {"role": "assistant", "content": "bad"}]
+    bot = [
+        {"role": "bot" if message["role"] == "assistant" else "user", "content": message["content"]}
+        for message in chats[5]["messages"]
+    ]
+    greeting = [
+        {"role": "assistant", "content": "good"},
+        {"role": "user", "content": "bad"},
+        {"role": "assistant", "content": "bad"},
+    ]
     return {
-        "empty_response": write_rows(root / "empty_response.jsonl", [*rows[:2], {"prompt": "good", "response": " "}, *rows[2:]]),
+        "empty_response": write_rows(
+            root / "empty_response.jsonl", [*rows[:2], {"prompt": "good", "response": " "}, *rows[2:]]
+        ),
         "long_prompts": write_rows(root / "long_prompts.jsonl", [{"prompt": "good " * 70, "response": " bad"}] * 4),
-        "no_assistant": write_rows(root / "no_assistant.jsonl", [{"messages": [{"role": "user", "content": "good"}]}] * 4),
+        "no_assistant": write_rows(
+            root / "no_assistant.jsonl", [{"messages": [{"role": "user", "content": "good"}]}] * 4
+        ),
         "strict": strict,
-        "bot_role": write_rows(root / "bot_role.jsonl",
-                               [*chats[:5], {"messages": [*bot, *chats[5]["messages"]]}, *chats[6:]]),
+        "bot_role": write_rows(
+            root / "bot_role.jsonl", [*chats[:5], {"messages": [*bot, *chats[5]["messages"]]}, *chats[6:]]
+        ),
         "assistant_first": write_rows(root / "assistant_first.jsonl", [*chats[:3], {"messages": greeting}, *chats[3:]]),
     }
 
 
 BAD_INPUTS = [
-    (["--model-name-or-path", "{gpt2}", "--train-file", "{empty_response}"],
-     "row 2 of --train-file '{empty_response}': the response ('response' column) is empty: nothing to train on"),
-    (["--model-name-or-path", "{gpt2}", "--train-file", "{long_prompts}"],
-     "--block-size 64: every example of --train-file '{long_prompts}' has a prompt that fills it, leaving no response token"),
-    (["--model-name-or-path", "{gpt2}", "--train-file", "{chat}"],
-     "--train-file '{chat}' has a 'messages' column but the tokenizer has no chat template to render it"),
-    (["--model-name-or-path", "{llama}", "--train-file", "{no_assistant}"],
-     "row 0 of --train-file '{no_assistant}': the conversation has no assistant message to train on"),
+    (
+        ["--model-name-or-path", "{gpt2}", "--train-file", "{empty_response}"],
+        "row 2 of --train-file '{empty_response}': the response ('response' column) is empty: nothing to train on",
+    ),
+    (
+        ["--model-name-or-path", "{gpt2}", "--train-file", "{long_prompts}"],
+        "--block-size 64: every example of --train-file '{long_prompts}' has a prompt that fills it, leaving no response token",
+    ),
+    (
+        ["--model-name-or-path", "{gpt2}", "--train-file", "{chat}"],
+        "--train-file '{chat}' has a 'messages' column but the tokenizer has no chat template to render it",
+    ),
+    (
+        ["--model-name-or-path", "{llama}", "--train-file", "{no_assistant}"],
+        "row 0 of --train-file '{no_assistant}': the conversation has no assistant message to train on",
+    ),
     # issue 38 items 9 and 10: a jinja2 TemplateError through the tokenising pool; ValueError: ... an empty conversation
-    (["--model-name-or-path", "{strict}", "--train-file", "{bot_role}", "--num-proc", "2"],
-     "row 5 of --train-file '{bot_role}': the tokenizer's chat template refuses the conversation: Conversation roles "
-     "must be user, assistant or system"),
-    (["--model-name-or-path", "{llama}", "--train-file", "{assistant_first}"],
-     "row 3 of --train-file '{assistant_first}': the conversation starts with an assistant message, which no prompt "
-     "precedes to train it on: start it with a user (or system) message"),
-    (["--model-name-or-path", "{gpt2}", "--train-file", "{rows}", "--prompt-column", "question"],
-     "--prompt-column 'question' is not a column of --train-file '{rows}': its columns are prompt, response"),
+    (
+        ["--model-name-or-path", "{strict}", "--train-file", "{bot_role}", "--num-proc", "2"],
+        "row 5 of --train-file '{bot_role}': the tokenizer's chat template refuses the conversation: Conversation roles "
+        "must be user, assistant or system",
+    ),
+    (
+        ["--model-name-or-path", "{llama}", "--train-file", "{assistant_first}"],
+        "row 3 of --train-file '{assistant_first}': the conversation starts with an assistant message, which no prompt "
+        "precedes to train it on: start it with a user (or system) message",
+    ),
+    (
+        ["--model-name-or-path", "{gpt2}", "--train-file", "{rows}", "--prompt-column", "question"],
+        "--prompt-column 'question' is not a column of --train-file '{rows}': its columns are prompt, response",
+    ),
     (["--train-file", "{rows}"], "--train-file fine-tunes a pretrained model: give it with --model-name-or-path"),
-    (["--text-files", "{rows}", "--lora-r", "8"], "--lora-r adapts a pretrained model: give it with --model-name-or-path"),
-    (["--model-name-or-path", "{gpt2}", "--train-file", "{rows}", "--lora-r", "8", "--lora-target-modules", "c_atn"],
-     "--lora-target-modules 'c_atn' is not a module of GPT2LMHeadModel: close names: c_attn"),
-    (["--model-name-or-path", "{gpt2}", "--train-file", "{rows}", "--text-files", "{rows}"], "give one of --train-file (SFT rows)"),
+    (
+        ["--text-files", "{rows}", "--lora-r", "8"],
+        "--lora-r adapts a pretrained model: give it with --model-name-or-path",
+    ),
+    (
+        ["--model-name-or-path", "{gpt2}", "--train-file", "{rows}", "--lora-r", "8", "--lora-target-modules", "c_atn"],
+        "--lora-target-modules 'c_atn' is not a module of GPT2LMHeadModel: close names: c_attn",
+    ),
+    (
+        ["--model-name-or-path", "{gpt2}", "--train-file", "{rows}", "--text-files", "{rows}"],
+        "give one of --train-file (SFT rows)",
+    ),
 ]
 
 

@@ -12,14 +12,31 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO, TINY_RECIPE, check, launch, subprocess_env
 
 pytestmark = pytest.mark.slurm
 
 # 256 optimizer steps; 0.1 s of sleep after each (the maths unchanged) makes a ~30 s run to signal.
-ARGS = ["--num-train", "8192", "--batch-size", "16", "--grad-accum", "2", "--epochs", "1", "--lr", "0.05", "--batchnorm",
-        "--no-progress", "--log-every", "10", "--num-workers", "0", "--report-to", "none"]
+ARGS = [
+    "--num-train",
+    "8192",
+    "--batch-size",
+    "16",
+    "--grad-accum",
+    "2",
+    "--epochs",
+    "1",
+    "--lr",
+    "0.05",
+    "--batchnorm",
+    "--no-progress",
+    "--log-every",
+    "10",
+    "--num-workers",
+    "0",
+    "--report-to",
+    "none",
+]
 SLOW = ["--sleep-per-step", "0.1"]
 ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL")
 
@@ -47,8 +64,15 @@ def slurm():
 def reference(tmp_path_factory, slurm):
     """The uninterrupted run, launched as the sbatch script launches it (accelerate launch, multi_node.yaml)."""
     out = tmp_path_factory.mktemp("slurm-reference") / "run"
-    check(launch(TINY_RECIPE, [*ARGS, "--output-dir", str(out)], launcher="accelerate", config="multi_node.yaml",
-                 launcher_args=("--num_machines", "1", "--machine_rank", "0", "--main_process_ip", "127.0.0.1")))
+    check(
+        launch(
+            TINY_RECIPE,
+            [*ARGS, "--output-dir", str(out)],
+            launcher="accelerate",
+            config="multi_node.yaml",
+            launcher_args=("--num_machines", "1", "--machine_rank", "0", "--main_process_ip", "127.0.0.1"),
+        )
+    )
     return out
 
 
@@ -60,9 +84,23 @@ def _env(output_dir: Path) -> dict:
 
 def submit(output_dir: Path, *sbatch_args: str, recipe_args=SLOW) -> str:
     log = output_dir.parent / "job.log"
-    command = ["sbatch", "--parsable", "--nodes=1", "--ntasks-per-node=1", "--cpus-per-task=1", "--gpus-per-node=0",
-               f"--job-name=acceltrain-test-{output_dir.parent.name}", f"--output={log}", "--open-mode=append",
-               f"--chdir={REPO}", *sbatch_args, str(REPO / "recipes" / "slurm" / "train.sbatch"), str(TINY_RECIPE), *ARGS, *recipe_args]
+    command = [
+        "sbatch",
+        "--parsable",
+        "--nodes=1",
+        "--ntasks-per-node=1",
+        "--cpus-per-task=1",
+        "--gpus-per-node=0",
+        f"--job-name=acceltrain-test-{output_dir.parent.name}",
+        f"--output={log}",
+        "--open-mode=append",
+        f"--chdir={REPO}",
+        *sbatch_args,
+        str(REPO / "recipes" / "slurm" / "train.sbatch"),
+        str(TINY_RECIPE),
+        *ARGS,
+        *recipe_args,
+    ]
     result = subprocess.run(command, env=_env(output_dir), capture_output=True, text=True, timeout=30)
     assert result.returncode == 0, result.stderr
     return result.stdout.strip().split(";")[0]
@@ -95,10 +133,14 @@ def finish_after_requeue(job_id: str, output_dir: Path) -> str:
     Once requeued, the job gets 10 minutes: a 2-minute limit would signal every attempt again 40-70 s into
     it, and on a slow machine (start-up of ~25 s an attempt) the run then needs one attempt per ~40 steps."""
     wait_for(lambda: job(job_id).get("Restarts", "0") != "0", "the requeue", 120)
-    lifted = subprocess.run(["scontrol", "update", f"JobId={job_id}", "TimeLimit=10"], capture_output=True, text=True, timeout=15)
+    lifted = subprocess.run(
+        ["scontrol", "update", f"JobId={job_id}", "TimeLimit=10"], capture_output=True, text=True, timeout=15
+    )
     if lifted.returncode != 0:  # only a job that has already ended may refuse it
         assert job(job_id).get("JobState") in ENDED, f"scontrol update TimeLimit=10: {lifted.stderr.strip()}"
-    state = wait_for(lambda: job(job_id).get("JobState") in ENDED and job(job_id)["JobState"], "the requeued job to end", 300)
+    state = wait_for(
+        lambda: job(job_id).get("JobState") in ENDED and job(job_id)["JobState"], "the requeued job to end", 300
+    )
     log = (output_dir.parent / "job.log").read_text()
     assert state == "COMPLETED", log[-4000:]
     return log
@@ -112,7 +154,11 @@ def jobs(tmp_path_factory, slurm):
         "scancel": (["--time=10"], SLOW, lambda job_id: ["scancel", "--signal=TERM", job_id]),
         "time_limit": (["--time=2", "--signal=TERM@80"], ["--sleep-per-step", "0.25"], None),
         "requeue": (["--time=10"], SLOW, lambda job_id: ["scontrol", "requeue", job_id]),
-        "scancel_full": (["--time=10"], [*SLOW, "--save-every-steps", "50"], lambda job_id: ["scancel", "--signal=TERM", "--full", job_id]),
+        "scancel_full": (
+            ["--time=10"],
+            [*SLOW, "--save-every-steps", "50"],
+            lambda job_id: ["scancel", "--signal=TERM", "--full", job_id],
+        ),
     }
     submitted = {}
     try:

@@ -7,18 +7,36 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import RECIPE, read_events, read_summary, reset_accelerate_state
 from safetensors.torch import load_file
 
 from acceltrain import run_recipe
 from acceltrain.speed import enable_activation_checkpointing, training_flops_per_sample
 from acceltrain.tasks import ClassificationTask
-from conftest import RECIPE, read_events, read_summary, reset_accelerate_state
 
 sys.path.insert(0, str(RECIPE.parent))
-from resnet_cifar import CifarConfig, main as cifar_main  # noqa: E402
+from resnet_cifar import CifarConfig  # noqa: E402
+from resnet_cifar import main as cifar_main
 
-TINY = ["--dataset", "synthetic", "--model", "resnet_tiny", "--batch-size", "16", "--max-steps", "6", "--lr", "0.05",
-        "--no-progress", "--num-workers", "0", "--log-every", "2", "--timing-warmup-steps", "2"]
+TINY = [
+    "--dataset",
+    "synthetic",
+    "--model",
+    "resnet_tiny",
+    "--batch-size",
+    "16",
+    "--max-steps",
+    "6",
+    "--lr",
+    "0.05",
+    "--no-progress",
+    "--num-workers",
+    "0",
+    "--log-every",
+    "2",
+    "--timing-warmup-steps",
+    "2",
+]
 
 
 def run_cifar(output_dir: Path, *args: str) -> dict:
@@ -54,7 +72,10 @@ def test_activation_checkpointing_gives_the_same_gradients():
 @pytest.mark.slow
 def test_activation_checkpointing_run_matches_the_plain_run(tmp_path, plain):
     summary = run_cifar(tmp_path / "ac", "--activation-checkpointing")
-    plain_weights, ac_weights = load_file(str(plain[0] / "model.safetensors")), load_file(str(tmp_path / "ac" / "model.safetensors"))
+    plain_weights, ac_weights = (
+        load_file(str(plain[0] / "model.safetensors")),
+        load_file(str(tmp_path / "ac" / "model.safetensors")),
+    )
     for key in plain_weights:
         torch.testing.assert_close(ac_weights[key], plain_weights[key], rtol=1e-4, atol=1e-6)
     assert summary["steps"] == 6
@@ -118,7 +139,9 @@ def test_flops_are_counted_for_a_batch_a_collator_makes():
             return super().train_loss(model, (batch["x"], batch["label"]))
 
     model = torch.nn.Linear(4, 3)
-    flops = training_flops_per_sample(model, RowsTask(), UserDict({"x": torch.randn(2, 4), "label": torch.tensor([0, 1])}))
+    flops = training_flops_per_sample(
+        model, RowsTask(), UserDict({"x": torch.randn(2, 4), "label": torch.tensor([0, 1])})
+    )
     assert flops == 2 * 2 * 4 * 3  # forward and the weight gradient's matmul of one sample (the input needs none)
 
 
@@ -140,9 +163,13 @@ class OutOfMemoryAbove16(torch.nn.Module):
 def test_auto_batch_size_recovers_from_out_of_memory(tmp_path, monkeypatch, capsys, keep, scale):
     import acceltrain.vision
 
-    monkeypatch.setattr(acceltrain.vision, "build_model", lambda *a, **k: OutOfMemoryAbove16())  # the recipe imports it in main()
+    monkeypatch.setattr(
+        acceltrain.vision, "build_model", lambda *a, **k: OutOfMemoryAbove16()
+    )  # the recipe imports it in main()
     extra = ["--keep-effective-batch" if keep else "--no-keep-effective-batch", "--scale-lr", scale]
-    summary = run_cifar(tmp_path / "auto", "--auto-batch-size", "--batch-size", "64", "--grad-accum", "1", "--lr", "0.4", *extra)
+    summary = run_cifar(
+        tmp_path / "auto", "--auto-batch-size", "--batch-size", "64", "--grad-accum", "1", "--lr", "0.4", *extra
+    )
     cfg = summary["config"]
     assert cfg["batch_size"] == 16
     if keep:
@@ -171,9 +198,21 @@ def test_data_on_device_trains_exactly_like_the_dataloader_path(tmp_path, plain)
     assert summary["train_loss"] == plain[1]["train_loss"]
 
 
-def test_data_on_device_on_an_image_folder_caches_the_decoded_images_in_acceltrain_cache(tmp_path, image_folder, monkeypatch):
+def test_data_on_device_on_an_image_folder_caches_the_decoded_images_in_acceltrain_cache(
+    tmp_path, image_folder, monkeypatch
+):
     monkeypatch.setenv("ACCELTRAIN_CACHE", str(tmp_path / "cache"))
-    run_cifar(tmp_path / "run", "--dataset", "imagefolder", "--data-dir", str(image_folder), "--batch-size", "6",
-              "--max-steps", "3", "--data-on-device")
+    run_cifar(
+        tmp_path / "run",
+        "--dataset",
+        "imagefolder",
+        "--data-dir",
+        str(image_folder),
+        "--batch-size",
+        "6",
+        "--max-steps",
+        "3",
+        "--data-on-device",
+    )
     assert len(list((tmp_path / "cache").glob("decoded-*.safetensors"))) == 2  # train and test split, each decoded once
     assert not list(image_folder.rglob("*.safetensors")), "nothing written into the data folder"

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import read_events, read_summary, run_tiny_in_process
 from safetensors.torch import load_file
 
 import acceltrain.loop
@@ -20,11 +21,29 @@ from acceltrain.checkpoint.files import complete_checkpoints
 from acceltrain.checkpoint.state import RunState
 from acceltrain.hooks import TrainingLog
 from acceltrain.run import RUN_DEPRECATED, RUN_PUBLIC
-from conftest import read_events, read_summary, run_tiny_in_process
 
 # 40 samples, batch 4, accumulate 3: 4 optimizer steps an epoch, 12 in all.
-RUN = ["--num-train", "40", "--batch-size", "4", "--grad-accum", "3", "--epochs", "3", "--lr", "0.05", "--no-progress",
-       "--log-every", "2", "--eval-every", "2", "--num-workers", "0", "--report-to", "none"]
+RUN = [
+    "--num-train",
+    "40",
+    "--batch-size",
+    "4",
+    "--grad-accum",
+    "3",
+    "--epochs",
+    "3",
+    "--lr",
+    "0.05",
+    "--no-progress",
+    "--log-every",
+    "2",
+    "--eval-every",
+    "2",
+    "--num-workers",
+    "0",
+    "--report-to",
+    "none",
+]
 
 
 def run_tiny(output_dir: Path, *args: str, hooks=()) -> int:
@@ -84,8 +103,11 @@ def test_the_summary_train_loss_does_not_need_the_training_log(tmp_path, monkeyp
     loss as a run whose only training-log row is its last step's."""
     assert run_tiny(tmp_path / "logged", "--log-every", "1000") == 0
     builtin = acceltrain.loop.builtin_hooks
-    monkeypatch.setattr(acceltrain.loop, "builtin_hooks",
-                        lambda cfg, **kwargs: [hook for hook in builtin(cfg, **kwargs) if not isinstance(hook, TrainingLog)])
+    monkeypatch.setattr(
+        acceltrain.loop,
+        "builtin_hooks",
+        lambda cfg, **kwargs: [hook for hook in builtin(cfg, **kwargs) if not isinstance(hook, TrainingLog)],
+    )
     assert run_tiny(tmp_path / "unlogged", "--log-every", "1000") == 0
     assert not [row for row in read_events(tmp_path / "unlogged") if "loss" in row]
     assert read_summary(tmp_path / "unlogged")["train_loss"] == read_summary(tmp_path / "logged")["train_loss"]
@@ -110,9 +132,27 @@ def test_an_early_finish_reports_the_loss_since_the_last_training_log_row(tmp_pa
 
 
 # trainer_state.json as acceltrain 0.1 wrote it, in its order: two names since changed or moved into hooks
-OLD_FIELDS = ["step", "epoch", "batches_in_epoch", "samples_seen", "train_seconds", "best_metric", "best_checkpoint", "last_eval",
-              "tracker_run_id", "scheduler", "hooks", "loss_sum", "loss_count", "config", "config_changes", "seed",
-              "global_batch_size", "grad_accum", "train_samples"]
+OLD_FIELDS = [
+    "step",
+    "epoch",
+    "batches_in_epoch",
+    "samples_seen",
+    "train_seconds",
+    "best_metric",
+    "best_checkpoint",
+    "last_eval",
+    "tracker_run_id",
+    "scheduler",
+    "hooks",
+    "loss_sum",
+    "loss_count",
+    "config",
+    "config_changes",
+    "seed",
+    "global_batch_size",
+    "grad_accum",
+    "train_samples",
+]
 
 
 def write_as_before_run_state(checkpoint: Path, best_checkpoint: str, tracker_run_id: str) -> None:
@@ -120,8 +160,13 @@ def write_as_before_run_state(checkpoint: Path, best_checkpoint: str, tracker_ru
     among the run's fields, no state files for the built-in hooks; and its manifest to match."""
     new = json.loads((checkpoint / "trainer_state.json").read_text())
     builtin = ("CheckpointSchedule", "Trackers")
-    old = {**new, "batches_in_epoch": new["batch_in_epoch"], "best_checkpoint": best_checkpoint, "tracker_run_id": tracker_run_id,
-           "hooks": [name for name in new["hooks"] if name not in builtin]}
+    old = {
+        **new,
+        "batches_in_epoch": new["batch_in_epoch"],
+        "best_checkpoint": best_checkpoint,
+        "tracker_run_id": tracker_run_id,
+        "hooks": [name for name in new["hooks"] if name not in builtin],
+    }
     (checkpoint / "trainer_state.json").write_text(json.dumps({name: old[name] for name in OLD_FIELDS}, indent=2))
     for name in builtin:
         for suffix in (".json", ".safetensors"):
@@ -129,7 +174,10 @@ def write_as_before_run_state(checkpoint: Path, best_checkpoint: str, tracker_ru
     (checkpoint / "hooks").rmdir()  # 0.1 made the folder only for stateful hooks
     manifest = {}
     for file in sorted(p for p in checkpoint.rglob("*") if p.is_file() and p.name != "COMPLETE"):
-        manifest[str(file.relative_to(checkpoint))] = {"bytes": file.stat().st_size, "sha256": hashlib.sha256(file.read_bytes()).hexdigest()}
+        manifest[str(file.relative_to(checkpoint))] = {
+            "bytes": file.stat().st_size,
+            "sha256": hashlib.sha256(file.read_bytes()).hexdigest(),
+        }
     (checkpoint / "COMPLETE").write_text(json.dumps(manifest, indent=1))
 
 
@@ -144,6 +192,8 @@ def test_a_checkpoint_written_before_run_state_resumes_exactly_with_its_best_che
     assert (part / "model.safetensors").read_bytes() == (full / "model.safetensors").read_bytes()
     assert read_summary(part)["resumed_from_step"] == 5
     last = complete_checkpoints(part)[-1]
-    assert [path.name for path in complete_checkpoints(part)] == ["step_00000004", "step_00000012"], "the best one is never rotated"
+    assert [path.name for path in complete_checkpoints(part)] == ["step_00000004", "step_00000012"], (
+        "the best one is never rotated"
+    )
     assert json.loads((last / "hooks" / "CheckpointSchedule.json").read_text()) == {"best_checkpoint": "step_00000004"}
     assert json.loads((last / "hooks" / "Trackers.json").read_text()) == {"run_id": "wandb-run-of-0.1"}

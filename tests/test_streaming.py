@@ -10,15 +10,30 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import TINY_RECIPE, check, launch, read_events, read_summary, run_tiny_in_process
 from safetensors.torch import load_file
 
 from acceltrain.preemption import EXIT_PREEMPTED
-from conftest import TINY_RECIPE, check, launch, read_events, read_summary, run_tiny_in_process
 
 # 96 samples a pass, batch 8: 12 micro-batches a pass. Accumulating 5, the windows run across the passes'
 # ends (step 3 takes micro-batches 11-15: two of pass 0, three of pass 1); 12 steps = 5 passes.
-STREAM = ["--batch-size", "8", "--grad-accum", "5", "--max-steps", "12", "--lr", "0.05", "--warmup-steps", "2",
-          "--no-progress", "--log-every", "1", "--eval-every", "4"]
+STREAM = [
+    "--batch-size",
+    "8",
+    "--grad-accum",
+    "5",
+    "--max-steps",
+    "12",
+    "--lr",
+    "0.05",
+    "--warmup-steps",
+    "2",
+    "--no-progress",
+    "--log-every",
+    "1",
+    "--eval-every",
+    "4",
+]
 # a stop on a pass's last micro-batch (step 12 x 5 = 60 = 5 passes is the run's end; 3 x 4 = 12 is one pass)
 AT_A_PASS_END = ["--batch-size", "8", "--grad-accum", "3", "--max-steps", "9", "--lr", "0.05", "--no-progress"]
 
@@ -59,13 +74,25 @@ RANDOM_STOP = random.Random().randint(1, 11)
         ("torch", "2", AT_A_PASS_END, 4),
         ("hf", "2", AT_A_PASS_END, 4),
     ],
-    ids=["torch-mid-pass", "torch-window-across-passes", "torch-workers-random-step", "hf-random-step",
-         "hf-workers-window-across-passes", "torch-workers-at-a-pass-end", "hf-workers-at-a-pass-end"],
+    ids=[
+        "torch-mid-pass",
+        "torch-window-across-passes",
+        "torch-workers-random-step",
+        "hf-random-step",
+        "hf-workers-window-across-passes",
+        "torch-workers-at-a-pass-end",
+        "hf-workers-at-a-pass-end",
+    ],
 )
 def test_a_stream_resumes_byte_identically(tmp_path, uninterrupted, stream, workers, args, stop_at):
     out = tmp_path / "run"
     full = uninterrupted(stream, workers, tuple(args))
-    assert run_tiny_in_process(out, "--stream", stream, "--num-workers", workers, *args, "--stop-after-steps", str(stop_at)) == EXIT_PREEMPTED
+    assert (
+        run_tiny_in_process(
+            out, "--stream", stream, "--num-workers", workers, *args, "--stop-after-steps", str(stop_at)
+        )
+        == EXIT_PREEMPTED
+    )
     assert run_tiny_in_process(out, "--stream", stream, "--num-workers", workers, *args, "--resume", "auto") == 0
     assert weights(out) == weights(full), f"stopped at step {stop_at}"
     assert read_summary(out)["samples_seen"] == read_summary(full)["samples_seen"]
@@ -105,9 +132,15 @@ def test_two_processes_share_the_stream_without_duplicates_and_resume_exactly(tm
 @pytest.mark.parametrize(
     "args,message",
     [
-        ([], "the training set is a stream (ImageStream, an IterableDataset: no length, so no epochs to count): "
-             "plan the run with --max-steps N"),
-        (["--max-steps", "3", "--auto-batch-size"], "--auto-batch-size needs a sized, indexable training set; ImageStream is a stream"),
+        (
+            [],
+            "the training set is a stream (ImageStream, an IterableDataset: no length, so no epochs to count): "
+            "plan the run with --max-steps N",
+        ),
+        (
+            ["--max-steps", "3", "--auto-batch-size"],
+            "--auto-batch-size needs a sized, indexable training set; ImageStream is a stream",
+        ),
     ],
     ids=["no-max-steps", "auto-batch-size"],
 )
@@ -119,13 +152,18 @@ def test_what_a_stream_cannot_do_is_one_line(tmp_path, capsys, args, message):
 
 def test_a_stream_checkpoint_resumes_only_on_its_own_layout(tmp_path, capsys):
     out = tmp_path / "run"
-    assert run_tiny_in_process(out, "--stream", "torch", "--num-workers", "0", *STREAM, "--stop-after-steps", "2") == EXIT_PREEMPTED
+    assert (
+        run_tiny_in_process(out, "--stream", "torch", "--num-workers", "0", *STREAM, "--stop-after-steps", "2")
+        == EXIT_PREEMPTED
+    )
     capsys.readouterr()
     relayout = [*STREAM, "--batch-size", "4", "--grad-accum", "10"]
     assert run_tiny_in_process(out, "--stream", "torch", "--num-workers", "0", *relayout, "--resume", "auto") == 2
     err = capsys.readouterr().err.strip()
-    assert "trained on a stream, whose loader position is recorded per layout: resume with its layout" in err and "\n" not in err
-
+    assert (
+        "trained on a stream, whose loader position is recorded per layout: resume with its layout" in err
+        and "\n" not in err
+    )
 
 
 def test_a_shuffled_hugging_face_streams_own_state_does_not_resume_exactly_so_acceltrain_replays_it():

@@ -12,12 +12,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import REPO, read_summary, subprocess_env
 from safetensors import safe_open
+from test_causal_lm import offline_on_one_thread
 
 from acceltrain import ConfigError, parse_config
 from acceltrain.preemption import EXIT_PREEMPTED
-from conftest import REPO, read_summary, subprocess_env
-from test_causal_lm import offline_on_one_thread
 
 sys.path.insert(0, str(REPO / "recipes"))
 sys.path.insert(0, str(REPO / "tests" / "helpers"))
@@ -26,8 +26,24 @@ from in_process import Predictions, recording, run_in_process  # noqa: E402
 from pretrained_folders import bert_folder, reviews, write_rows  # noqa: E402
 
 # 5e-3 trains this tiny BERT in a few dozen steps; 48 tokens cut a few of the longer reviews
-TINY = ["--batch-size", "16", "--lr", "5e-3", "--max-length", "48", "--num-workers", "0", "--num-proc", "1", "--no-progress",
-        "--report-to", "none", "--no-plots", "--log-every", "8"]
+TINY = [
+    "--batch-size",
+    "16",
+    "--lr",
+    "5e-3",
+    "--max-length",
+    "48",
+    "--num-workers",
+    "0",
+    "--num-proc",
+    "1",
+    "--no-progress",
+    "--report-to",
+    "none",
+    "--no-plots",
+    "--log-every",
+    "8",
+]
 
 
 def run(output_dir: Path, *args: str) -> int:
@@ -40,8 +56,13 @@ def data(tmp_path_factory) -> SimpleNamespace:
     with offline_on_one_thread(root / "hf"):
         bert = bert_folder(root / "bert")
     eval_rows = reviews(48, seed=1, words=(3, 70))
-    return SimpleNamespace(root=root, bert=bert, train=write_rows(root / "train.csv", reviews(192, seed=0)),
-                           eval=write_rows(root / "eval.csv", eval_rows), eval_texts=[row["text"] for row in eval_rows])
+    return SimpleNamespace(
+        root=root,
+        bert=bert,
+        train=write_rows(root / "train.csv", reviews(192, seed=0)),
+        eval=write_rows(root / "eval.csv", eval_rows),
+        eval_texts=[row["text"] for row in eval_rows],
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -64,7 +85,9 @@ def runs(data) -> SimpleNamespace:
         lora = [*TINY, *source(data), "--max-steps", "24", "--lora-r", "4"]
         assert run(root / "adapter", *lora) == 0
         assert run(root / "merged", *lora, "--merge-lora") == 0
-    return SimpleNamespace(full=root / "full", adapter=root / "adapter", merged=root / "merged", logits=predictions.logits)
+    return SimpleNamespace(
+        full=root / "full", adapter=root / "adapter", merged=root / "merged", logits=predictions.logits
+    )
 
 
 def tensor_names(path: Path) -> list[str]:
@@ -79,9 +102,16 @@ def test_fine_tuning_every_weight_learns_and_writes_a_transformers_folder_with_a
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["BertForSequenceClassification"]
     assert config["id2label"] == {"0": "neg", "1": "pos"} and config["label2id"] == {"neg": 0, "pos": 1}
-    assert not [name for name in tensor_names(out / "model.safetensors") if name.startswith(("module.", "base_model.", "_orig_mod."))]
+    assert not [
+        name
+        for name in tensor_names(out / "model.safetensors")
+        if name.startswith(("module.", "base_model.", "_orig_mod."))
+    ]
     card = (out / "README.md").read_text()
-    assert "from transformers import AutoModelForSequenceClassification" in card and "pipeline_tag: text-classification" in card
+    assert (
+        "from transformers import AutoModelForSequenceClassification" in card
+        and "pipeline_tag: text-classification" in card
+    )
     report = json.loads((out / "classification_report.json").read_text())
     confusion = report["confusion_matrix"]
     assert report["labels"] == ["neg", "pos"] and sum(map(sum, confusion)) == 48
@@ -100,15 +130,22 @@ def test_fine_tuning_every_weight_learns_and_writes_a_transformers_folder_with_a
 @pytest.mark.slow
 def test_a_lora_run_folder_is_a_peft_adapter_folder_with_its_fresh_modules(runs):
     out, summary = runs.adapter, read_summary(runs.adapter)
-    assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json"} <= {path.name for path in out.iterdir()}
+    assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json"} <= {
+        path.name for path in out.iterdir()
+    }
     assert not (out / "model.safetensors").exists() and not (out / "config.json").exists()
     adapter = json.loads((out / "adapter_config.json").read_text())
-    assert adapter["base_model_name_or_path"] == str(runs.full.parent.parent / "bert") and adapter["task_type"] == "SEQ_CLS"
+    assert (
+        adapter["base_model_name_or_path"] == str(runs.full.parent.parent / "bert")
+        and adapter["task_type"] == "SEQ_CLS"
+    )
     names = tensor_names(out / "adapter_model.safetensors")
     assert any("lora_A" in name for name in names)
     # the pooler the masked-LM checkpoint did not hold was trained in full and is saved: it would reload random otherwise
     assert "base_model.model.bert.pooler.dense.weight" in names and "base_model.model.classifier.weight" in names
-    assert 0 < summary["trainable_parameters"] < summary["parameters"] and summary["weights"].endswith("adapter_model.safetensors")
+    assert 0 < summary["trainable_parameters"] < summary["parameters"] and summary["weights"].endswith(
+        "adapter_model.safetensors"
+    )
     card = (out / "README.md").read_text()
     assert "from peft import AutoPeftModelForSequenceClassification" in card and "library_name: peft" in card
     assert "id2label={0: 'neg', 1: 'pos'}, label2id={'neg': 0, 'pos': 1}" in card
@@ -118,9 +155,13 @@ def test_merge_lora_writes_the_plain_merged_model(runs):
     out = runs.merged
     assert (out / "config.json").exists() and not (out / "adapter_config.json").exists()
     names = tensor_names(out / "model.safetensors")
-    assert "bert.pooler.dense.weight" in names and not [name for name in names if "lora" in name or name.startswith("base_model")]
+    assert "bert.pooler.dense.weight" in names and not [
+        name for name in names if "lora" in name or name.startswith("base_model")
+    ]
     assert "from transformers import AutoModelForSequenceClassification" in (out / "README.md").read_text()
-    torch.testing.assert_close(runs.logits["merged"], runs.logits["adapter"], rtol=1e-4, atol=1e-5)  # same training, merged
+    torch.testing.assert_close(
+        runs.logits["merged"], runs.logits["adapter"], rtol=1e-4, atol=1e-5
+    )  # same training, merged
 
 
 LOAD_AS_THE_CARD_SAYS = """
@@ -141,12 +182,19 @@ for folder in sys.argv[2:]:
 @pytest.mark.slow
 def test_each_run_folder_loads_in_a_fresh_process_as_its_card_says_and_predicts_as_trained(runs, data):
     folders = [runs.full, runs.adapter, runs.merged]
-    result = subprocess.run([sys.executable, "-c", LOAD_AS_THE_CARD_SAYS, json.dumps(data.eval_texts), *map(str, folders)],
-                            env=subprocess_env(HF_HUB_OFFLINE="1"), capture_output=True, text=True, timeout=180)
+    result = subprocess.run(
+        [sys.executable, "-c", LOAD_AS_THE_CARD_SAYS, json.dumps(data.eval_texts), *map(str, folders)],
+        env=subprocess_env(HF_HUB_OFFLINE="1"),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.split("\n")[:3] == [
-        "BertForSequenceClassification {0: 'neg', 1: 'pos'}", "PeftModelForSequenceClassification {0: 'neg', 1: 'pos'}",
-        "BertForSequenceClassification {0: 'neg', 1: 'pos'}"]
+        "BertForSequenceClassification {0: 'neg', 1: 'pos'}",
+        "PeftModelForSequenceClassification {0: 'neg', 1: 'pos'}",
+        "BertForSequenceClassification {0: 'neg', 1: 'pos'}",
+    ]
     labels = torch.tensor([row == "pos" for row in read_column(data.eval, "label")]).long()
     for folder in folders:
         reloaded = torch.load(folder / "reloaded_logits.pt")
@@ -182,7 +230,10 @@ def test_length_grouped_epochs_train_each_example_once_in_batches_of_similar_len
     order = EpochSampler(1000, seed=7).order(3)
     read = [grouped.sample(index, 3) for index in order]  # as the loop reads epoch 3
     assert sorted(read) == list(range(1000)) and read == grouped.order(3) != grouped.order(4)
-    spread = [max(lengths[i] for i in read[start:start + 10]) - min(lengths[i] for i in read[start:start + 10]) for start in range(0, 1000, 10)]
+    spread = [
+        max(lengths[i] for i in read[start : start + 10]) - min(lengths[i] for i in read[start : start + 10])
+        for start in range(0, 1000, 10)
+    ]
     assert sum(spread) / len(spread) < 10, "batches of similar lengths (random batches: ~160 apart)"
 
 
@@ -208,8 +259,20 @@ def test_an_adapter_folder_as_the_model_trains_its_adapter_on(tmp_path, data, ca
 
     adapter, continued = tmp_path / "adapter", tmp_path / "continued"
     data_args = ["--train-file", str(data.train), "--eval-file", str(data.eval), "--max-steps", "2"]
-    assert run(adapter, *TINY, "--model-name-or-path", str(data.bert), *data_args, "--lora-r", "4",
-               "--lora-target-modules", "word_embeddings,query") == 0
+    assert (
+        run(
+            adapter,
+            *TINY,
+            "--model-name-or-path",
+            str(data.bert),
+            *data_args,
+            "--lora-r",
+            "4",
+            "--lora-target-modules",
+            "word_embeddings,query",
+        )
+        == 0
+    )
     assert run(continued, *TINY, "--model-name-or-path", str(adapter), *data_args, "--lr", "1e-12") == 0
     before = load_file(str(adapter / "adapter_model.safetensors"))
     after = load_file(str(continued / "adapter_model.safetensors"))
@@ -222,22 +285,27 @@ def test_an_adapter_folder_as_the_model_trains_its_adapter_on(tmp_path, data, ca
     assert f"continues training the LoRA adapter of --model-name-or-path {str(adapter)!r}" in capsys.readouterr().out
     assert run(tmp_path / "twice", *TINY, "--model-name-or-path", str(adapter), *data_args, "--lora-r", "4") == 2
     err = capsys.readouterr().err.strip()
-    assert err == ("error: --lora-r adds a LoRA adapter to a model that has one (--model-name-or-path a PEFT adapter "
-                   "folder: its adapter trains on, with its own settings): drop --lora-r"), err
+    assert err == (
+        "error: --lora-r adds a LoRA adapter to a model that has one (--model-name-or-path a PEFT adapter "
+        "folder: its adapter trains on, with its own settings): drop --lora-r"
+    ), err
     assert not (tmp_path / "twice").exists()
     three = write_rows(tmp_path / "three.csv", reviews(48, labels=("neg", "pos", "meh")))
     args = ["--model-name-or-path", str(adapter), "--train-file", str(three), "--max-steps", "2"]
     assert run(tmp_path / "three", *TINY, *args) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith(f"error: --model-name-or-path {str(adapter)!r}: its LoRA adapter does not load onto its base "
-                          "model (")
+    assert err.startswith(
+        f"error: --model-name-or-path {str(adapter)!r}: its LoRA adapter does not load onto its base model ("
+    )
     assert "size mismatch" in err and "\n" not in err and not (tmp_path / "three").exists()
     headless = adapter_without_its_head(tmp_path / "headless", data.bert)
     assert run(tmp_path / "random", *TINY, "--model-name-or-path", str(headless), *data_args) == 2
     err = capsys.readouterr().err.strip()
-    assert err == (f"error: --model-name-or-path {str(headless)!r}: its LoRA adapter does not carry "
-                   "bert.pooler.dense.bias, bert.pooler.dense.weight, classifier.bias ..., which its base model lacks "
-                   "too: they would train frozen at random values (an adapter saved without its new head?)"), err
+    assert err == (
+        f"error: --model-name-or-path {str(headless)!r}: its LoRA adapter does not carry "
+        "bert.pooler.dense.bias, bert.pooler.dense.weight, classifier.bias ..., which its base model lacks "
+        "too: they would train frozen at random values (an adapter saved without its new head?)"
+    ), err
     assert not (tmp_path / "random").exists()
 
 
@@ -256,11 +324,31 @@ def adapter_without_its_head(folder: Path, bert: Path) -> Path:
 
 
 def test_pairs_of_texts_and_integer_labels_train(tmp_path, data):
-    rows = [{"premise": row["text"], "hypothesis": row["text"][::-1], "label": int(row["label"] == "pos")} for row in reviews(64)]
+    rows = [
+        {"premise": row["text"], "hypothesis": row["text"][::-1], "label": int(row["label"] == "pos")}
+        for row in reviews(64)
+    ]
     train = write_rows(tmp_path / "pairs.jsonl", rows)
     out = tmp_path / "run"
-    assert run(out, *TINY, "--model-name-or-path", str(data.bert), "--train-file", str(train), "--text-column", "premise",
-               "--text-pair-column", "hypothesis", "--max-steps", "2", "--eval-fraction", "0.25") == 0
+    assert (
+        run(
+            out,
+            *TINY,
+            "--model-name-or-path",
+            str(data.bert),
+            "--train-file",
+            str(train),
+            "--text-column",
+            "premise",
+            "--text-pair-column",
+            "hypothesis",
+            "--max-steps",
+            "2",
+            "--eval-fraction",
+            "0.25",
+        )
+        == 0
+    )
     assert json.loads((out / "config.json").read_text())["id2label"] == {"0": "0", "1": "1"}
     assert sum(map(sum, json.loads((out / "classification_report.json").read_text())["confusion_matrix"])) == 16
 
@@ -286,17 +374,25 @@ def test_metrics_come_from_the_summed_confusion_matrix():
 
 @pytest.mark.parametrize("preset", ["text_classification_cpu.yaml", "text_classification_gpu.yaml"])
 def test_presets_are_valid(preset):
-    cfg = parse_config(text_classification.TextClassificationConfig,
-                       ["--config", str(REPO / "recipes" / "configs" / preset), "--model-name-or-path", "m", "--train-file", "t.csv"])
+    cfg = parse_config(
+        text_classification.TextClassificationConfig,
+        ["--config", str(REPO / "recipes" / "configs" / preset), "--model-name-or-path", "m", "--train-file", "t.csv"],
+    )
     assert cfg.optimizer == "adamw" and cfg.lr < 0.01
 
 
 @pytest.mark.slow
 def test_help_imports_no_torch():
-    code = ("import runpy, sys\nsys.argv = ['x', '--help']\ntry:\n    runpy.run_module('acceltrain.recipes.text_classification', "
-            "run_name='__main__')\nexcept SystemExit:\n    pass\nassert not {'torch', 'transformers', 'peft'} & set(sys.modules)\n")
-    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=60)
-    assert result.returncode == 0 and "--lora-target-modules" in result.stdout and "--group-by-length" in result.stdout, result.stderr
+    code = (
+        "import runpy, sys\nsys.argv = ['x', '--help']\ntry:\n    runpy.run_module('acceltrain.recipes.text_classification', "
+        "run_name='__main__')\nexcept SystemExit:\n    pass\nassert not {'torch', 'transformers', 'peft'} & set(sys.modules)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=60
+    )
+    assert (
+        result.returncode == 0 and "--lora-target-modules" in result.stdout and "--group-by-length" in result.stdout
+    ), result.stderr
 
 
 # --------------------------------------------------------------------------- bad input
@@ -315,8 +411,12 @@ def make_bad_inputs(root: Path, data) -> dict[str, Path]:
     made["header"].write_text("text,label\n")
     made["suffix"].write_text("text,label\n")
     rows = reviews(8)
-    made["gap"] = write_rows(root / "gap.jsonl", [{**row, "label": index % 2 * 2} for index, row in enumerate(rows)])  # 0 and 2
-    made["mixed"] = write_rows(root / "mixed.jsonl", [{**row, "label": 1 if index else "pos"} for index, row in enumerate(rows)])
+    made["gap"] = write_rows(
+        root / "gap.jsonl", [{**row, "label": index % 2 * 2} for index, row in enumerate(rows)]
+    )  # 0 and 2
+    made["mixed"] = write_rows(
+        root / "mixed.jsonl", [{**row, "label": 1 if index else "pos"} for index, row in enumerate(rows)]
+    )
     made["unseen"] = write_rows(root / "unseen.csv", [*rows[:3], {"text": "meh", "label": "meh"}])
     made["one"] = write_rows(root / "one.csv", [{**row, "label": "pos"} for row in rows])
     made["no_label"] = write_rows(root / "no_label.csv", [*rows[:3], {"text": "x", "label": ""}])
@@ -328,41 +428,76 @@ def make_bad_inputs(root: Path, data) -> dict[str, Path]:
         made[name] = root / name
     made["no_pad"] = root / "no_pad"
     shutil.copytree(data.bert, made["no_pad"])
-    PreTrainedTokenizerFast(tokenizer_file=str(data.bert / "tokenizer.json")).save_pretrained(made["no_pad"])  # no special tokens
+    PreTrainedTokenizerFast(tokenizer_file=str(data.bert / "tokenizer.json")).save_pretrained(
+        made["no_pad"]
+    )  # no special tokens
     made["peft_names"] = root / "peft_names"  # the issue's folder: a peft model's state_dict next to the base config
     shutil.copytree(data.bert, made["peft_names"])
-    wrapped = get_peft_model(AutoModelForSequenceClassification.from_pretrained(data.bert), LoraConfig(r=2, task_type="SEQ_CLS"))
-    save_file({name: tensor.contiguous() for name, tensor in wrapped.state_dict().items()}, str(made["peft_names"] / "model.safetensors"))
+    wrapped = get_peft_model(
+        AutoModelForSequenceClassification.from_pretrained(data.bert), LoraConfig(r=2, task_type="SEQ_CLS")
+    )
+    save_file(
+        {name: tensor.contiguous() for name, tensor in wrapped.state_dict().items()},
+        str(made["peft_names"] / "model.safetensors"),
+    )
     return made
 
 
 BAD_INPUTS = [
-    (["--text-column", "txt"], "--text-column 'txt' is not a column of --train-file '{train}': its columns are text, label"),
+    (
+        ["--text-column", "txt"],
+        "--text-column 'txt' is not a column of --train-file '{train}': its columns are text, label",
+    ),
     (["--label-column", "labels"], "--label-column 'labels' is not a column of"),
-    (["--train-file", "{gap}", "--eval-file", "{gap}"], "label 2 in --train-file '{gap}' is out of range: the 2 integer labels must be the class ids 0..1"),
+    (
+        ["--train-file", "{gap}", "--eval-file", "{gap}"],
+        "label 2 in --train-file '{gap}' is out of range: the 2 integer labels must be the class ids 0..1",
+    ),
     (["--train-file", "{mixed}"], "mixes integers and strings (the integer 1 in row 1, the string 'pos' in row 0)"),
-    (["--eval-file", "{unseen}"], "--eval-file '{unseen}' has label 'meh', which no training row has (training labels: 'neg', 'pos')"),
+    (
+        ["--eval-file", "{unseen}"],
+        "--eval-file '{unseen}' has label 'meh', which no training row has (training labels: 'neg', 'pos')",
+    ),
     (["--train-file", "{one}"], "has a single label, 'pos': a classifier needs at least 2 classes"),
     (["--train-file", "{no_label}"], "row 3 of --train-file '{no_label}' has no label"),
     (["--train-file", "{no_text}", "--eval-fraction", "0.2"], "has no text (None)"),
     (["--train-file", "{empty}"], "--train-file '{empty}' is empty"),
     (["--train-file", "{header}"], "--train-file '{header}' holds no rows"),
     (["--train-file", "{suffix}"], "--train-file '{suffix}': read files are .csv, .json, .jsonl, .parquet"),
-    (["--model-name-or-path", "{no_weights}"], "could not load a model from the local folder: Error no file named model.safetensors"),
-    (["--model-name-or-path", "{no_tokenizer}"], "--model-name-or-path '{no_tokenizer}' has no tokenizer (no tokenizer.json or tokenizer_config.json)"),
-    (["--model-name-or-path", "{no_pad}"], "the tokenizer has neither a pad token nor an end-of-text token to pad batches with"),
+    (
+        ["--model-name-or-path", "{no_weights}"],
+        "could not load a model from the local folder: Error no file named model.safetensors",
+    ),
+    (
+        ["--model-name-or-path", "{no_tokenizer}"],
+        "--model-name-or-path '{no_tokenizer}' has no tokenizer (no tokenizer.json or tokenizer_config.json)",
+    ),
+    (
+        ["--model-name-or-path", "{no_pad}"],
+        "the tokenizer has neither a pad token nor an end-of-text token to pad batches with",
+    ),
     (["--model-name-or-path", "{peft_names}"], "its weights do not fit its config.json ("),
-    (["--lora-r", "4", "--lora-target-modules", "query,valeu"],
-     "--lora-target-modules 'valeu' is not a module of BertForSequenceClassification: close names: value; its linear "
-     "layers to adapt: "),
+    (
+        ["--lora-r", "4", "--lora-target-modules", "query,valeu"],
+        "--lora-target-modules 'valeu' is not a module of BertForSequenceClassification: close names: value; its linear "
+        "layers to adapt: ",
+    ),
     (["--merge-lora"], "--merge-lora needs --lora-r"),
     (["--max-length", "1"], "--max-length 1 is invalid: must be an integer >= 2"),
     # issue 38 item 8: a RuntimeError at the first batch longer than the positions
     (["--max-length", "512"], "--max-length 512 is longer than --model-name-or-path '{bert}' supports (128 positions)"),
-    (["--model-name-or-path", "google-bert/bert-base-uncased"],
-     "--model-name-or-path 'google-bert/bert-base-uncased': could not load a tokenizer from the Hugging Face Hub (offline? pass a local folder instead)"),
-    (["--dataset-name", "stanfordnlp/imdb", "--train-file", "x.csv"], "exactly one of --train-file FILE and --dataset-name NAME"),
-    (["--dataset-name", "stanfordnlp/imdb", "--train-file", "none"], "--dataset-name 'stanfordnlp/imdb' could not be loaded"),
+    (
+        ["--model-name-or-path", "google-bert/bert-base-uncased"],
+        "--model-name-or-path 'google-bert/bert-base-uncased': could not load a tokenizer from the Hugging Face Hub (offline? pass a local folder instead)",
+    ),
+    (
+        ["--dataset-name", "stanfordnlp/imdb", "--train-file", "x.csv"],
+        "exactly one of --train-file FILE and --dataset-name NAME",
+    ),
+    (
+        ["--dataset-name", "stanfordnlp/imdb", "--train-file", "none"],
+        "--dataset-name 'stanfordnlp/imdb' could not be loaded",
+    ),
 ]
 
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+from conftest import read_events, read_summary, run_tiny_in_process
 
 from acceltrain import Hook
 from acceltrain.optim import DECAYS
-from conftest import read_events, read_summary, run_tiny_in_process
 
 BUDGET = 60.0  # --time-budget-minutes 1
 STEP, EVAL, EVAL_EVERY = 1.0, 2.0, 10  # fake seconds of an optimizer step and of an evaluation
@@ -26,7 +26,9 @@ class FakeClock(Hook):
     acceltrain.run's), moved by this hook
     alone: a step takes ``step`` seconds (``stalls``: {step: seconds} for some), an evaluation ``evaluation``."""
 
-    def __init__(self, monkeypatch, *, step: float = STEP, evaluation: float = EVAL, stalls: dict[int, float] | None = None):
+    def __init__(
+        self, monkeypatch, *, step: float = STEP, evaluation: float = EVAL, stalls: dict[int, float] | None = None
+    ):
         self.now, self.step, self.evaluation, self.stalls = 0.0, step, evaluation, stalls or {}
         for module in ("acceltrain.run", "acceltrain.progress"):
             monkeypatch.setattr(f"{module}.time", SimpleNamespace(perf_counter=lambda: self.now))
@@ -39,9 +41,26 @@ class FakeClock(Hook):
 
 
 def _run(output_dir, clock: FakeClock, *args: str, eval_every: int = EVAL_EVERY) -> int:
-    return run_tiny_in_process(output_dir, "--batch-size", "8", "--epochs", "1000", "--log-every", "1", "--eval-every", str(eval_every),
-                               "--no-progress", "--num-workers", "0", "--report-to", "none", "--time-budget-minutes", str(BUDGET / 60),
-                               *args, hooks=[clock])
+    return run_tiny_in_process(
+        output_dir,
+        "--batch-size",
+        "8",
+        "--epochs",
+        "1000",
+        "--log-every",
+        "1",
+        "--eval-every",
+        str(eval_every),
+        "--no-progress",
+        "--num-workers",
+        "0",
+        "--report-to",
+        "none",
+        "--time-budget-minutes",
+        str(BUDGET / 60),
+        *args,
+        hooks=[clock],
+    )
 
 
 def _assert_planned(output_dir) -> None:
@@ -77,7 +96,9 @@ def test_a_resumed_run_continues_the_budget_and_the_schedule(tmp_path, monkeypat
     assert read_summary(tmp_path)["resumed_from_step"] == 8
     _assert_planned(tmp_path)  # the first launch's 8 s count: the same plan as without the stop
     resumed = {event["step"]: event["lr"] for event in read_events(tmp_path) if "lr" in event}
-    assert resumed[9] == pytest.approx(first[8], rel=0.02) and resumed[9] < first[8], "no restart of the schedule at its peak"
+    assert resumed[9] == pytest.approx(first[8], rel=0.02) and resumed[9] < first[8], (
+        "no restart of the schedule at its peak"
+    )
 
 
 def test_the_budget_is_validated():
@@ -85,12 +106,19 @@ def test_the_budget_is_validated():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("clock, eval_every, last_step", [
-    # a 20 s stall at step 5 (a shared machine): taken for the step time, it would end the run at once
-    (dict(stalls={5: 20.0}), EVAL_EVERY, 31),  # after step 30 (its evaluation included) 55 s, as after step 47 above
-    # 5 s evaluations every 2 steps: taken for 6 s steps, it would stop at step 14
-    (dict(evaluation=5.0), 2, 16),  # 16 steps and 8 evaluations: 56 s, + 2 steps + 5.5 s: past 60
-])
+@pytest.mark.parametrize(
+    "clock, eval_every, last_step",
+    [
+        # a 20 s stall at step 5 (a shared machine): taken for the step time, it would end the run at once
+        (
+            dict(stalls={5: 20.0}),
+            EVAL_EVERY,
+            31,
+        ),  # after step 30 (its evaluation included) 55 s, as after step 47 above
+        # 5 s evaluations every 2 steps: taken for 6 s steps, it would stop at step 14
+        (dict(evaluation=5.0), 2, 16),  # 16 steps and 8 evaluations: 56 s, + 2 steps + 5.5 s: past 60
+    ],
+)
 def test_what_is_no_training_step_does_not_shorten_the_run(tmp_path, monkeypatch, clock, eval_every, last_step):
     """A step's time is the median of recent steps, an evaluation's time left out of them."""
     assert _run(tmp_path, FakeClock(monkeypatch, **clock), eval_every=eval_every) == 0

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from accelerate.data_loader import BatchSamplerShard
+from conftest import RECIPE, REPO, check, launch, read_summary
 from safetensors.torch import load_file
 from torch import nn
 from torch.utils.data import DataLoader
@@ -27,7 +28,6 @@ from acceltrain.vision import (
     whitening_images,
 )
 from acceltrain.vision.whitening import patch_moments
-from conftest import RECIPE, REPO, check, launch, read_summary
 
 sys.path.insert(0, str(RECIPE.parent))
 from resnet_cifar import CifarConfig  # noqa: E402
@@ -38,7 +38,11 @@ PRESET = REPO / "recipes" / "configs" / "cifar10_fast.yaml"
 def tiny_classifier() -> nn.Module:
     """Neither flip- nor shift-invariant (the linear head sees every position), with BatchNorm in eval mode."""
     torch.manual_seed(0)
-    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 5)).double().eval()
+    return (
+        nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 5))
+        .double()
+        .eval()
+    )
 
 
 def reflect_shift(images: torch.Tensor, rows: int, columns: int) -> torch.Tensor:
@@ -49,7 +53,9 @@ def reflect_shift(images: torch.Tensor, rows: int, columns: int) -> torch.Tensor
         positions = positions.abs()
         return torch.where(positions > size - 1, 2 * (size - 1) - positions, positions)
 
-    return images[..., mirrored(torch.arange(height) - rows, height), :][..., mirrored(torch.arange(width) - columns, width)]
+    return images[..., mirrored(torch.arange(height) - rows, height), :][
+        ..., mirrored(torch.arange(width) - columns, width)
+    ]
 
 
 # --------------------------------------------------------------------------- test-time augmentation
@@ -72,7 +78,9 @@ def test_tta_averages_the_logits_of_the_views_as_computed_by_hand():
             values = task.eval_values(model, (images, labels))
             torch.testing.assert_close(values["loss"], F.cross_entropy(logits.float(), labels, reduction="none"))
             assert torch.equal(values["accuracy"], (logits.argmax(-1) == labels).float())
-    assert not torch.allclose(expected["flip"], expected["flip-translate"]), "the shifts must matter for this test to mean anything"
+    assert not torch.allclose(expected["flip"], expected["flip-translate"]), (
+        "the shifts must matter for this test to mean anything"
+    )
 
 
 def test_an_unknown_tta_mode_is_one_line():
@@ -91,7 +99,9 @@ def test_alternating_flip_is_epoch_zeros_random_flip_inverted_on_odd_epochs():
     for epoch in range(5):
         top, left, flip = alternating.draws(3, epoch, indices)
         random_top, random_left, _ = random.draws(3, epoch, indices)
-        assert torch.equal(top, random_top) and torch.equal(left, random_left), "the crops do not depend on the flip mode"
+        assert torch.equal(top, random_top) and torch.equal(left, random_left), (
+            "the crops do not depend on the flip mode"
+        )
         assert torch.equal(flip, first ^ (epoch % 2))
     assert not CropFlip(flip="none").draws(3, 1, indices)[2].any()
 
@@ -117,7 +127,9 @@ def test_reflect_padding_brings_in_the_mirrored_image():
 def test_bad_augmentation_settings_are_one_line():
     with pytest.raises(ConfigError, match="flip 'sometimes' is invalid: choose one of random, alternating, none"):
         CropFlip(flip="sometimes")
-    with pytest.raises(ConfigError, match="crop padding 32 is invalid for reflect padding of 32x32 images: must be < 32"):
+    with pytest.raises(
+        ConfigError, match="crop padding 32 is invalid for reflect padding of 32x32 images: must be < 32"
+    ):
         CropFlip(padding=32, padding_mode="reflect").check_image_size(32, 32)
 
 
@@ -127,7 +139,9 @@ def test_device_loader_gives_the_alternating_reflect_batches_of_the_dataloader_o
     augment = CropFlip(padding=2, flip="alternating", padding_mode="reflect")
     dataset = ImageClassification(images, torch.arange(40), [str(i) for i in range(40)], augment=augment, seed=4)
     for processes, rank in ((1, 0), (2, 0), (2, 1)):
-        loader = DeviceImageLoader.from_dataset(dataset, batch_size=4, seed=6, device="cpu", process_index=rank, num_processes=processes)
+        loader = DeviceImageLoader.from_dataset(
+            dataset, batch_size=4, seed=6, device="cpu", process_index=rank, num_processes=processes
+        )
         reference = train_loader(dataset, batch_size=4, seed=6, num_workers=0, pin_memory=False)
         for epoch in (0, 1, 2):
             loader.set_epoch(epoch)
@@ -146,11 +160,39 @@ def test_alternating_flip_whitening_and_tta_train_the_same_on_one_and_two_proces
     """Two gloo processes at batch b (on-device loader) against one at 2b (DataLoader): the same samples, the same
     flips on every epoch, the same whitened first conv, the same TTA evaluation. Two steps an epoch: over many
     steps float rounding grows past what a wrong flip shows (random instead of alternating flips: 5e-4 here)."""
-    common = ["--dataset", "synthetic", "--model", "resnet_tiny", "--epochs", "2", "--lr", "0.05", "--sync-bn",
-              "--flip", "alternating", "--crop-padding", "2", "--crop-padding-mode", "reflect", "--whiten-first-conv",
-              "--tta", "flip-translate", "--num-workers", "0", "--no-progress", "--report-to", "none"]
-    check(launch(RECIPE, [*common, "--batch-size", "512", "--data-on-device", "--output-dir", str(tmp_path / "ddp")],
-                 processes=2, launcher="accelerate"))
+    common = [
+        "--dataset",
+        "synthetic",
+        "--model",
+        "resnet_tiny",
+        "--epochs",
+        "2",
+        "--lr",
+        "0.05",
+        "--sync-bn",
+        "--flip",
+        "alternating",
+        "--crop-padding",
+        "2",
+        "--crop-padding-mode",
+        "reflect",
+        "--whiten-first-conv",
+        "--tta",
+        "flip-translate",
+        "--num-workers",
+        "0",
+        "--no-progress",
+        "--report-to",
+        "none",
+    ]
+    check(
+        launch(
+            RECIPE,
+            [*common, "--batch-size", "512", "--data-on-device", "--output-dir", str(tmp_path / "ddp")],
+            processes=2,
+            launcher="accelerate",
+        )
+    )
     check(launch(RECIPE, [*common, "--batch-size", "1024", "--output-dir", str(tmp_path / "single")]))
     ddp, single = read_summary(tmp_path / "ddp"), read_summary(tmp_path / "single")
     assert (ddp["num_processes"], single["num_processes"]) == (2, 1)
@@ -191,7 +233,9 @@ def test_whitened_patches_have_identity_covariance(kernel, out_channels):
 
 
 def test_a_first_conv_too_wide_to_whiten_is_one_line():
-    with pytest.raises(ConfigError, match="ResNet's first conv: whitening needs .* at most 2 x 3x3x3 = 54; this one is 3->64 channels"):
+    with pytest.raises(
+        ConfigError, match="ResNet's first conv: whitening needs .* at most 2 x 3x3x3 = 54; this one is 3->64 channels"
+    ):
         whiten_first_conv(build_model("resnet18"), correlated_images(4))
 
 
@@ -199,7 +243,9 @@ def test_whitening_images_are_a_seeded_subset_through_the_datasets_own_loading()
     (images, labels), _ = synthetic_images(50, 1, seed=0)
     dataset = ImageClassification(images, labels, [str(i) for i in range(10)], augment=CropFlip(), seed=0)
     chosen = whitening_images(dataset, 20, seed=5)
-    assert torch.equal(chosen, whitening_images(dataset, 20, seed=5)) and not torch.equal(chosen, whitening_images(dataset, 20, seed=6))
+    assert torch.equal(chosen, whitening_images(dataset, 20, seed=5)) and not torch.equal(
+        chosen, whitening_images(dataset, 20, seed=6)
+    )
     everything = torch.stack([dataset[i][0] for i in range(50)])
     assert all((everything == image).flatten(1).all(1).any() for image in chosen)
     assert len(whitening_images(dataset, 500, seed=5)) == 50
@@ -221,7 +267,13 @@ def test_fast_net_has_airbenchs_shape_and_frozen_batchnorm_scales():
 
 def test_the_fast_preset_parses_and_says_what_it_means():
     cfg = parse_config(CifarConfig, ["--config", str(PRESET)])
-    assert (cfg.model, cfg.dataset, cfg.flip, cfg.tta, cfg.label_smoothing) == ("fast_cifar", "cifar10", "alternating", "flip-translate", 0.2)
+    assert (cfg.model, cfg.dataset, cfg.flip, cfg.tta, cfg.label_smoothing) == (
+        "fast_cifar",
+        "cifar10",
+        "alternating",
+        "flip-translate",
+        0.2,
+    )
     assert cfg.whiten_first_conv and cfg.data_on_device and cfg.channels_last and cfg.epochs <= 12
 
 
@@ -229,7 +281,27 @@ def test_the_fast_preset_parses_and_says_what_it_means():
 def test_the_fast_preset_trains_a_few_steps_on_synthetic_data(tmp_path):
     """The preset end to end on CPU (smaller batch, fp32, two steps); tracking off."""
     out = tmp_path / "fast"
-    check(launch(RECIPE, ["--config", str(PRESET), "--dataset", "synthetic", "--batch-size", "32", "--max-steps", "2",
-                          "--mixed-precision", "no", "--no-progress", "--report-to", "none", "--output-dir", str(out)]))
+    check(
+        launch(
+            RECIPE,
+            [
+                "--config",
+                str(PRESET),
+                "--dataset",
+                "synthetic",
+                "--batch-size",
+                "32",
+                "--max-steps",
+                "2",
+                "--mixed-precision",
+                "no",
+                "--no-progress",
+                "--report-to",
+                "none",
+                "--output-dir",
+                str(out),
+            ],
+        )
+    )
     summary = read_summary(out)
     assert summary["steps"] == 2 and 0 <= summary["eval_accuracy"] <= 1

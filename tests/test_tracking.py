@@ -6,9 +6,9 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import TINY_RECIPE, check, launch, read_events, read_summary
 
 from acceltrain.tracking import read_offline_run
-from conftest import TINY_RECIPE, check, launch, read_events, read_summary
 
 RUN = ["--batch-size", "8", "--log-every", "1", "--eval-every", "3", "--no-progress", "--num-workers", "0"]
 
@@ -20,8 +20,24 @@ def offline_runs(output_dir: Path) -> list[dict]:
 @pytest.fixture(scope="module")
 def offline_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("wandb") / "run"
-    result = check(launch(TINY_RECIPE, [*RUN, "--max-steps", "6", "--output-dir", str(out), "--run-name", "tiny-offline",
-                                        "--wandb-tags", "a,b", "--log-model"], WANDB_MODE="offline"))
+    result = check(
+        launch(
+            TINY_RECIPE,
+            [
+                *RUN,
+                "--max-steps",
+                "6",
+                "--output-dir",
+                str(out),
+                "--run-name",
+                "tiny-offline",
+                "--wandb-tags",
+                "a,b",
+                "--log-model",
+            ],
+            WANDB_MODE="offline",
+        )
+    )
     return out, result
 
 
@@ -45,8 +61,15 @@ def test_offline_run_records_config_steps_eval_and_summary(offline_run):
 @pytest.mark.slow
 def test_two_processes_make_one_wandb_run(tmp_path):
     out = tmp_path / "run"
-    check(launch(TINY_RECIPE, [*RUN, "--max-steps", "3", "--output-dir", str(out)], processes=2, launcher="accelerate",
-                 WANDB_MODE="offline"))
+    check(
+        launch(
+            TINY_RECIPE,
+            [*RUN, "--max-steps", "3", "--output-dir", str(out)],
+            processes=2,
+            launcher="accelerate",
+            WANDB_MODE="offline",
+        )
+    )
     assert len(offline_runs(out)) == 1
 
 
@@ -68,8 +91,13 @@ def test_resume_continues_the_same_wandb_run_with_increasing_steps(tmp_path):
 @pytest.mark.slow
 def test_without_api_key_wandb_goes_offline_and_says_how_to_sync(tmp_path):
     out = tmp_path / "run"
-    result = launch(TINY_RECIPE, [*RUN, "--max-steps", "2", "--output-dir", str(out)],
-                    WANDB_MODE="", HOME=str(tmp_path), NETRC=str(tmp_path / "no-netrc"))
+    result = launch(
+        TINY_RECIPE,
+        [*RUN, "--max-steps", "2", "--output-dir", str(out)],
+        WANDB_MODE="",
+        HOME=str(tmp_path),
+        NETRC=str(tmp_path / "no-netrc"),
+    )
     check(result)
     assert "no W&B API key found" in result.stdout and "wandb sync " in result.stdout
     assert len(offline_runs(out)) == 1
@@ -79,8 +107,14 @@ def test_without_api_key_wandb_goes_offline_and_says_how_to_sync(tmp_path):
 def test_api_key_is_never_written_or_printed(tmp_path):
     secret = "acceltrain-test-secret-0123456789abcdef01234567"
     out = tmp_path / "run"
-    result = check(launch(TINY_RECIPE, [*RUN, "--max-steps", "3", "--output-dir", str(out), "--save-every-steps", "2"],
-                          WANDB_MODE="offline", WANDB_API_KEY=secret))
+    result = check(
+        launch(
+            TINY_RECIPE,
+            [*RUN, "--max-steps", "3", "--output-dir", str(out), "--save-every-steps", "2"],
+            WANDB_MODE="offline",
+            WANDB_API_KEY=secret,
+        )
+    )
     assert secret not in result.stdout + result.stderr
     for file in out.rglob("*"):
         if file.is_file():
@@ -167,9 +201,16 @@ def launch_online(tmp_path: Path, base_url: str):
     import time
 
     started = time.perf_counter()
-    result = launch(TINY_RECIPE, [*RUN, "--max-steps", "2", "--output-dir", str(tmp_path / "run")], timeout=150,
-                    WANDB_MODE="", WANDB_API_KEY=SECRET, WANDB_BASE_URL=base_url, HOME=str(tmp_path),
-                    NETRC=str(tmp_path / "no-netrc"))
+    result = launch(
+        TINY_RECIPE,
+        [*RUN, "--max-steps", "2", "--output-dir", str(tmp_path / "run")],
+        timeout=150,
+        WANDB_MODE="",
+        WANDB_API_KEY=SECRET,
+        WANDB_BASE_URL=base_url,
+        HOME=str(tmp_path),
+        NETRC=str(tmp_path / "no-netrc"),
+    )
     return result, time.perf_counter() - started
 
 
@@ -195,8 +236,9 @@ def assert_one_line_error_before_training(result, tmp_path: Path, seconds: float
 def test_rejected_wandb_key_is_one_line_in_seconds(tmp_path, wandb_stand_in):
     url = wandb_stand_in(401, {"errors": [{"message": "user is not logged in"}]})
     result, seconds = launch_online(tmp_path, url)
-    assert_one_line_error_before_training(result, tmp_path, seconds, f"W&B at {url} rejected", "$WANDB_API_KEY",
-                                          "--wandb-mode offline")
+    assert_one_line_error_before_training(
+        result, tmp_path, seconds, f"W&B at {url} rejected", "$WANDB_API_KEY", "--wandb-mode offline"
+    )
 
 
 @pytest.mark.slow
@@ -204,8 +246,15 @@ def test_rejected_wandb_key_is_one_line_in_seconds(tmp_path, wandb_stand_in):
 def test_unreachable_wandb_is_one_line_in_seconds(tmp_path, where, request):
     url = closed_port() if where == "closed port" else request.getfixturevalue("silent_port")
     result, seconds = launch_online(tmp_path, url)
-    assert_one_line_error_before_training(result, tmp_path, seconds, f"W&B at {url} is unreachable", "--wandb-mode offline",
-                                          "wandb sync", "--report-to none")
+    assert_one_line_error_before_training(
+        result,
+        tmp_path,
+        seconds,
+        f"W&B at {url} is unreachable",
+        "--wandb-mode offline",
+        "wandb sync",
+        "--report-to none",
+    )
 
 
 @pytest.fixture
@@ -236,7 +285,9 @@ def test_wandb_mode_online_without_credentials_is_one_line(monkeypatch, wandb_st
 
     monkeypatch.setenv("WANDB_BASE_URL", wandb_stand_in(401, {}))
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
-    with pytest.raises(ConfigError, match=r"W&B online needs credentials \(No API key configured.*--wandb-mode offline"):
+    with pytest.raises(
+        ConfigError, match=r"W&B online needs credentials \(No API key configured.*--wandb-mode offline"
+    ):
         check_wandb_online()
 
 
@@ -250,7 +301,9 @@ def test_a_wandb_login_for_wandbs_default_host_counts_as_credentials(tmp_path, m
     from acceltrain.tracking import wandb_mode
 
     netrc_file = tmp_path / "netrc"
-    netrc_file.write_text(f"machine {urlparse(wandb.Settings().base_url).hostname}\n  login user\n  password {SECRET}\n")
+    netrc_file.write_text(
+        f"machine {urlparse(wandb.Settings().base_url).hostname}\n  login user\n  password {SECRET}\n"
+    )
     netrc_file.chmod(0o600)
     for name in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_BASE_URL", "WANDB_IDENTITY_TOKEN_FILE"):
         monkeypatch.delenv(name, raising=False)

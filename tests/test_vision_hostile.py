@@ -11,16 +11,17 @@ import zlib
 import numpy as np
 import pytest
 import torch
+from conftest import reset_accelerate_state
 from PIL import Image
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 from acceltrain import run_recipe
-from acceltrain.recipes.resnet_cifar import CifarConfig, main as cifar_main
+from acceltrain.recipes.resnet_cifar import CifarConfig
+from acceltrain.recipes.resnet_cifar import main as cifar_main
 from acceltrain.vision import data, image_datasets
-from acceltrain.vision.images import decode_image_file, rgb_chw
 from acceltrain.vision.device_loader import decoded_images
-from conftest import reset_accelerate_state
+from acceltrain.vision.images import decode_image_file, rgb_chw
 
 # --------------------------------------------------------------------------- the decode cache
 
@@ -54,7 +55,9 @@ def _tamper(case: str, cache_file, good: torch.Tensor) -> None:
         cache_file.write_bytes(b"\x00\xff not a safetensors file " * 100)
 
 
-@pytest.mark.parametrize("case", ["shape", "more images", "fewer images", "dtype", "content", "old cache", "no metadata", "garbage"])
+@pytest.mark.parametrize(
+    "case", ["shape", "more images", "fewer images", "dtype", "content", "old cache", "no metadata", "garbage"]
+)
 def test_a_decode_cache_that_does_not_match_is_decoded_again_and_says_so(image_folder, tmp_path, capsys, case):
     train, _ = image_datasets("imagefolder", str(image_folder), seed=0)
     fresh = torch.stack([decode_image_file(path, 32) for path in train.images])
@@ -66,7 +69,10 @@ def test_a_decode_cache_that_does_not_match_is_decoded_again_and_says_so(image_f
 
     assert torch.equal(decoded_images(train.images, 32, cache), fresh)
     (line,) = capsys.readouterr().out.splitlines()
-    assert line.startswith(f"warning: the decoded-image cache {cache_file} does not match (") and "decoding the 36 images again" in line
+    assert (
+        line.startswith(f"warning: the decoded-image cache {cache_file} does not match (")
+        and "decoding the 36 images again" in line
+    )
     assert torch.equal(decoded_images(train.images, 32, cache), fresh), "rewritten: read back as it is"
     assert capsys.readouterr().out == f"using the 36 images decoded in {cache_file}\n"
     assert list(cache.iterdir()) == [cache_file], "no temporary file left behind"
@@ -85,7 +91,9 @@ def _rgb16_png(path, rgb: np.ndarray) -> None:
 
     rows = b"".join(b"\x00" + row.astype(">u2").tobytes() for row in rgb)
     header = struct.pack(">IIBBBBB", rgb.shape[1], rgb.shape[0], 16, 2, 0, 0, 0)
-    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b""))
+    path.write_bytes(
+        b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b"")
+    )
 
 
 @pytest.mark.parametrize("kind", ["16-bit grayscale PNG", "mode I", "48-bit RGB PNG"])
@@ -114,7 +122,9 @@ def check_bar_on_small_trees(monkeypatch):
 
 
 @pytest.mark.parametrize("progress, drawn", [(False, False), (None, False), (True, True)])
-def test_the_check_and_decode_bars_follow_progress(image_folder, tmp_path, capsys, check_bar_on_small_trees, progress, drawn):
+def test_the_check_and_decode_bars_follow_progress(
+    image_folder, tmp_path, capsys, check_bar_on_small_trees, progress, drawn
+):
     """None (no flag): bars only on a terminal, and pytest's stderr is none."""
     train, _ = image_datasets("imagefolder", str(image_folder), seed=0, progress=progress)
     train.cache_dir = str(tmp_path)
@@ -124,13 +134,34 @@ def test_the_check_and_decode_bars_follow_progress(image_folder, tmp_path, capsy
 
 
 @pytest.mark.parametrize("flag, drawn", [("--no-progress", False), ("--progress", True)])
-def test_the_recipe_passes_progress_to_the_image_data(image_folder, tmp_path, monkeypatch, capsys, check_bar_on_small_trees, flag, drawn):
+def test_the_recipe_passes_progress_to_the_image_data(
+    image_folder, tmp_path, monkeypatch, capsys, check_bar_on_small_trees, flag, drawn
+):
     monkeypatch.setenv("ACCELTRAIN_CACHE", str(tmp_path / "cache"))
     reset_accelerate_state()
-    run_recipe(cifar_main, CifarConfig, [
-        "--dataset", "imagefolder", "--data-dir", str(image_folder), "--model", "resnet_tiny", "--batch-size", "6",
-        "--max-steps", "1", "--data-on-device", "--num-workers", "0", "--report-to", "none",
-        "--output-dir", str(tmp_path / "run"), flag,
-    ])
+    run_recipe(
+        cifar_main,
+        CifarConfig,
+        [
+            "--dataset",
+            "imagefolder",
+            "--data-dir",
+            str(image_folder),
+            "--model",
+            "resnet_tiny",
+            "--batch-size",
+            "6",
+            "--max-steps",
+            "1",
+            "--data-on-device",
+            "--num-workers",
+            "0",
+            "--report-to",
+            "none",
+            "--output-dir",
+            str(tmp_path / "run"),
+            flag,
+        ],
+    )
     err = capsys.readouterr().err
     assert all((bar in err) == drawn for bar in BARS), err

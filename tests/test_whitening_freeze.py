@@ -10,9 +10,30 @@ from acceltrain.cli import run_recipe
 from acceltrain.recipes.resnet_cifar import CifarConfig
 from acceltrain.recipes.resnet_cifar import main as cifar_main
 
-FAST = ["--dataset", "synthetic", "--model", "fast_cifar", "--whiten-first-conv", "--batch-size", "512", "--epochs", "2",
-        "--lookahead-decay", "0.95", "--lookahead-every", "2", "--eval-every", "100", "--no-progress", "--report-to", "none",
-        "--num-workers", "0", "--freeze-whitening-bias-after-epochs", "1"]
+FAST = [
+    "--dataset",
+    "synthetic",
+    "--model",
+    "fast_cifar",
+    "--whiten-first-conv",
+    "--batch-size",
+    "512",
+    "--epochs",
+    "2",
+    "--lookahead-decay",
+    "0.95",
+    "--lookahead-every",
+    "2",
+    "--eval-every",
+    "100",
+    "--no-progress",
+    "--report-to",
+    "none",
+    "--num-workers",
+    "0",
+    "--freeze-whitening-bias-after-epochs",
+    "1",
+]
 
 
 def train(out, *extra: str) -> int:
@@ -41,10 +62,13 @@ def test_the_bias_trains_for_the_given_epochs_then_stays_put_through_the_lookahe
     assert (cut / "model.safetensors").read_bytes() == (full / "model.safetensors").read_bytes()
 
 
-@pytest.mark.parametrize(("flags", "message"), [
-    (["--no-whiten-first-conv"], "unset without --whiten-first-conv"),
-    (["--model", "resnet_tiny"], "resnet_tiny's first conv has no bias to freeze"),
-])
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--no-whiten-first-conv"], "unset without --whiten-first-conv"),
+        (["--model", "resnet_tiny"], "resnet_tiny's first conv has no bias to freeze"),
+    ],
+)
 def test_a_freeze_without_a_whitening_bias_is_one_line(tmp_path, capsys, flags, message):
     assert train(tmp_path / "run", *flags) == 2
     assert message in capsys.readouterr().err

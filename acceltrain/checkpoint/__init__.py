@@ -14,12 +14,20 @@ Names are imported on first use, as the package's own (:mod:`acceltrain.lazy_exp
 from ..lazy_exports import lazy_exports
 
 _HOME = {
-    "Checkpointer": "manager", "check_async_supported": "manager",
-    "CheckpointError": "state", "RunState": "state",
-    "COMPLETE_FILE": "files", "STATE_FILE": "state", "checkpoint_dir": "files", "checkpoint_engine": "files",
-    "complete_checkpoints": "files", "find_resume_checkpoint": "files", "rotate_checkpoints": "files",
+    "Checkpointer": "manager",
+    "check_async_supported": "manager",
+    "CheckpointError": "state",
+    "RunState": "state",
+    "COMPLETE_FILE": "files",
+    "STATE_FILE": "state",
+    "checkpoint_dir": "files",
+    "checkpoint_engine": "files",
+    "complete_checkpoints": "files",
+    "find_resume_checkpoint": "files",
+    "rotate_checkpoints": "files",
     "verify_checkpoint": "files",
-    "check_loadable_without_code": "safe_load", "loading_without_code": "safe_load",
+    "check_loadable_without_code": "safe_load",
+    "loading_without_code": "safe_load",
 }
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__, _HOME)

@@ -43,5 +43,7 @@ def load_arguments(accelerator, model, frozen: frozenset[str], checkpoint: Path)
         return {}
     if saved == names - frozen:
         return {"strict": False}
-    raise CheckpointError(f"checkpoint {str(checkpoint)!r} holds other weights than this adapter run's "
-                          f"({len(saved ^ (names - frozen))} names differ): resume with the same base model and LoRA settings")
+    raise CheckpointError(
+        f"checkpoint {str(checkpoint)!r} holds other weights than this adapter run's "
+        f"({len(saved ^ (names - frozen))} names differ): resume with the same base model and LoRA settings"
+    )

@@ -66,8 +66,14 @@ def failed_save_refused(final: Path, staging: Path):
 
 
 def failed_save(final: Path, err: BaseException) -> CheckpointError:
-    way_out = "free space and continue with --resume auto" if _out_of_space(err) else "continue with --resume auto once it is mended"
-    return CheckpointError(f"could not write checkpoint {str(final)!r}: {first_line(err)}; the previous checkpoints are intact ({way_out})")
+    way_out = (
+        "free space and continue with --resume auto"
+        if _out_of_space(err)
+        else "continue with --resume auto once it is mended"
+    )
+    return CheckpointError(
+        f"could not write checkpoint {str(final)!r}: {first_line(err)}; the previous checkpoints are intact ({way_out})"
+    )
 
 
 def publish(staging: Path, final: Path) -> None:
@@ -104,7 +110,9 @@ def verify_checkpoint(path: Path) -> tuple[RunState, dict[str, dict]]:
         raise CheckpointError(f"--resume {str(path)!r}: no such checkpoint folder")
     marker = path / COMPLETE_FILE
     if not marker.is_file():
-        raise CheckpointError(f"checkpoint {str(path)!r} is incomplete: {COMPLETE_FILE} is missing (the save did not finish)")
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} is incomplete: {COMPLETE_FILE} is missing (the save did not finish)"
+        )
     try:
         manifest = parse_json(marker.read_text())
     except (OSError, ValueError):
@@ -114,7 +122,9 @@ def verify_checkpoint(path: Path) -> tuple[RunState, dict[str, dict]]:
         if not file.is_file():
             raise CheckpointError(f"checkpoint file {str(file)!r} is missing")
         if file.stat().st_size != expected["bytes"]:
-            raise CheckpointError(f"checkpoint file {str(file)!r} is truncated ({file.stat().st_size} of {expected['bytes']} bytes)")
+            raise CheckpointError(
+                f"checkpoint file {str(file)!r} is truncated ({file.stat().st_size} of {expected['bytes']} bytes)"
+            )
         if _sha256(file) != expected["sha256"]:
             raise CheckpointError(f"checkpoint file {str(file)!r} is corrupted (sha256 differs from the manifest)")
     return read_state(path / STATE_FILE)
@@ -122,8 +132,11 @@ def verify_checkpoint(path: Path) -> tuple[RunState, dict[str, dict]]:
 
 def _manifest_entries(manifest, marker: Path) -> list[tuple[str, dict]]:
     """The manifest's (file, {bytes, sha256}) entries, each checked for shape: a tampered manifest is one line."""
+
     def malformed(what: str) -> CheckpointError:
-        return CheckpointError(f"checkpoint file {str(marker)!r} is malformed: {what}; it must map each file to its bytes and sha256")
+        return CheckpointError(
+            f"checkpoint file {str(marker)!r} is malformed: {what}; it must map each file to its bytes and sha256"
+        )
 
     if not isinstance(manifest, dict):
         raise malformed(f"a JSON {type(manifest).__name__}, not an object")
@@ -144,7 +157,11 @@ def complete_checkpoints(output_dir: Path) -> list[Path]:
     folder = output_dir / CHECKPOINTS_DIR
     if not folder.is_dir():
         return []
-    found = [p for p in folder.iterdir() if _CHECKPOINT_NAME.fullmatch(p.name) and p.is_dir() and (p / COMPLETE_FILE).is_file()]
+    found = [
+        p
+        for p in folder.iterdir()
+        if _CHECKPOINT_NAME.fullmatch(p.name) and p.is_dir() and (p / COMPLETE_FILE).is_file()
+    ]
     return sorted(found, key=lambda p: int(_CHECKPOINT_NAME.fullmatch(p.name).group(1)))
 
 

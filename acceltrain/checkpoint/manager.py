@@ -46,11 +46,28 @@ class TrainerState(Protocol):
 
 
 class Checkpointer:
-    def __init__(self, accelerator, cfg: TrainConfig, *, model, optimizer, scheduler, hooks, trainer: TrainerState,
-                 output_dir: Path, announce: Callable[[Path], None]):
+    def __init__(
+        self,
+        accelerator,
+        cfg: TrainConfig,
+        *,
+        model,
+        optimizer,
+        scheduler,
+        hooks,
+        trainer: TrainerState,
+        output_dir: Path,
+        announce: Callable[[Path], None],
+    ):
         if cfg.async_checkpoint:
             check_async_supported(accelerator)
-        self.accelerator, self.cfg, self.model, self.optimizer, self.scheduler = accelerator, cfg, model, optimizer, scheduler
+        self.accelerator, self.cfg, self.model, self.optimizer, self.scheduler = (
+            accelerator,
+            cfg,
+            model,
+            optimizer,
+            scheduler,
+        )
         self.hooks, self.trainer, self.output_dir, self._announce = hooks, trainer, output_dir, announce
         self.frozen = adapters.frozen_names(accelerator, model)
         self.writer = AsyncWriter(accelerator) if cfg.async_checkpoint else SyncWriter(accelerator)
@@ -72,8 +89,12 @@ class Checkpointer:
         started = time.perf_counter()
         self._published(self.writer.wait())
         self._refuse_non_finite_weights()
-        state = dataclasses.replace(self.trainer.snapshot(), scheduler=self.scheduler.state_dict(),
-                                    hooks=list(self.hooks.stateful), engine=self.engine)
+        state = dataclasses.replace(
+            self.trainer.snapshot(),
+            scheduler=self.scheduler.state_dict(),
+            hooks=list(self.hooks.stateful),
+            engine=self.engine,
+        )
         final, staging = staging_folder(self.accelerator, self.output_dir, state.step)
         with failed_save_refused(final, staging):
             staging.mkdir(parents=True, exist_ok=True)
@@ -110,14 +131,18 @@ class Checkpointer:
     def _refuse_non_finite_weights(self) -> None:
         """A finite loss can still leave inf weights behind: never checkpoint them (agreed by every process: a
         sharded model's non-finite values may sit on one process only)."""
-        local = [p.to_local() if hasattr(p, "to_local") else p for p in self.model.parameters()]  # FSDP: this process's shard
+        local = [
+            p.to_local() if hasattr(p, "to_local") else p for p in self.model.parameters()
+        ]  # FSDP: this process's shard
         finite = torch.stack([torch.isfinite(p).all() for p in local]).all()
         if self.accelerator.num_processes > 1:
             finite = self.accelerator.reduce(finite.float(), "min") > 0
         if not finite:
             kept = f"; the last checkpoint is step {self.last_saved_step}" if self.last_saved_step is not None else ""
-            raise TrainingDiverged(f"training diverged at step {self.trainer.step}: the weights are not finite; nothing was "
-                                   f"saved from this step on{kept}; lower --lr or clip with --max-grad-norm")
+            raise TrainingDiverged(
+                f"training diverged at step {self.trainer.step}: the weights are not finite; nothing was "
+                f"saved from this step on{kept}; lower --lr or clip with --max-grad-norm"
+            )
 
     # ---- restoring
 
@@ -130,8 +155,10 @@ class Checkpointer:
         finished = finished_steps(self.output_dir)
         if path is None:
             if finished is not None:
-                raise ConfigError(f"--output-dir {str(self.output_dir)!r} holds a finished run but no checkpoint to resume: "
-                                  "use --overwrite to replace it")
+                raise ConfigError(
+                    f"--output-dir {str(self.output_dir)!r} holds a finished run but no checkpoint to resume: "
+                    "use --overwrite to replace it"
+                )
             logger.info(f"--resume auto: no complete checkpoint in {self.output_dir / CHECKPOINTS_DIR}; starting fresh")
             return True
         self._check_engine(path, saved)
@@ -155,14 +182,18 @@ class Checkpointer:
                 "or pass --allow-config-change to apply the new ones"
             )
         if saved.step > self.trainer.total_steps:
-            raise CheckpointError(f"checkpoint {str(path)!r} is at step {saved.step}, past the {self.trainer.total_steps} optimizer "
-                                  "steps of this run: resume with the --max-steps or --epochs it was written with, or start a "
-                                  "new --output-dir")
+            raise CheckpointError(
+                f"checkpoint {str(path)!r} is at step {saved.step}, past the {self.trainer.total_steps} optimizer "
+                "steps of this run: resume with the --max-steps or --epochs it was written with, or start a "
+                "new --output-dir"
+            )
         check_scheduler_state(saved.scheduler, self.scheduler.state_dict(), saved.step, path)
         check_loadable_without_code(path, digests_required=bool(saved.engine))
         self._check_shards_fit(path)
         self.hooks.load_states(path, saved.hooks, kept_in_state)
-        fresh = [{key: value for key, value in group.items() if key != "params"} for group in self.optimizer.param_groups]
+        fresh = [
+            {key: value for key, value in group.items() if key != "params"} for group in self.optimizer.param_groups
+        ]
         self._load(path)
         if relayout:
             saved = self._continue_in_layout(saved, current)
@@ -174,10 +205,14 @@ class Checkpointer:
             logger.info(f"--allow-config-change: applying {described}")
         self.trainer.restore(saved)
         self.last_saved_step = self.resumed_from_step = saved.step
-        logger.info(f"resumed from {path} at step {saved.step} (epoch {saved.epoch}, {saved.batch_in_epoch} batches into it)")
+        logger.info(
+            f"resumed from {path} at step {saved.step} (epoch {saved.epoch}, {saved.batch_in_epoch} batches into it)"
+        )
         if not current.batches_per_epoch and current.data_fingerprint is None:  # a stream: no length to compare either
-            logger.info("the training stream has no fingerprint attribute: whether it still holds the data the checkpoint was "
-                        "trained on cannot be checked")
+            logger.info(
+                "the training stream has no fingerprint attribute: whether it still holds the data the checkpoint was "
+                "trained on cannot be checked"
+            )
         return True
 
     def load_model_of(self, path: Path) -> None:
@@ -218,7 +253,9 @@ class Checkpointer:
             with loading_without_code():
                 self.accelerator.load_state(str(path), **arguments)
         except (RuntimeError, KeyError, ValueError, IndexError, SafetensorError, CheckpointException) as err:
-            raise CheckpointError(f"checkpoint {str(path)!r} does not fit this model or optimizer: {first_line(err)}") from None
+            raise CheckpointError(
+                f"checkpoint {str(path)!r} does not fit this model or optimizer: {first_line(err)}"
+            ) from None
 
     def _check_engine(self, path: Path, saved: RunState) -> None:
         """A checkpoint loads under the engine that wrote it (Accelerate would look for files that are not there)."""
@@ -242,8 +279,11 @@ class Checkpointer:
         metadata = path / SHARDED_MODEL / DCP_METADATA
         if not metadata.is_file():  # full state dicts: the engine's own files
             return
-        saved = {name.removeprefix("model."): tuple(meta.size) for name, meta in
-                 load_dcp_metadata(metadata).state_dict_metadata.items() if hasattr(meta, "size")}
+        saved = {
+            name.removeprefix("model."): tuple(meta.size)
+            for name, meta in load_dcp_metadata(metadata).state_dict_metadata.items()
+            if hasattr(meta, "size")
+        }
         mine = {name: tuple(tensor.shape) for name, tensor in get_model_state_dict(self.model).items()}
         differ = sorted(name for name in saved.keys() | mine.keys() if saved.get(name) != mine.get(name))
         if differ:
@@ -257,7 +297,10 @@ class Checkpointer:
     def _check_relayout_supported(self, saved: RunState, current: RunState, path: Path) -> None:
         """DeepSpeed partitions optimizer state per process: its checkpoints load on their own count. (FSDP's DCP
         shards are resharded on load: they continue on another count.)"""
-        if self.accelerator.distributed_type == DistributedType.DEEPSPEED and saved.num_processes != current.num_processes:
+        if (
+            self.accelerator.distributed_type == DistributedType.DEEPSPEED
+            and saved.num_processes != current.num_processes
+        ):
             raise CheckpointError(
                 f"checkpoint {str(path)!r} holds DeepSpeed ZeRO state partitioned over {saved.num_processes} processes and this "
                 f"run has {current.num_processes}: resume on {saved.num_processes} processes (or convert it with DeepSpeed's "
@@ -276,8 +319,10 @@ class Checkpointer:
 
         if saved.num_processes != current.num_processes:
             set_seed(mix_seed(self.cfg.seed, saved.step, self.accelerator.process_index) % 2**32)
-        logger.info(f"resuming a checkpoint of {saved.layout()} on {current.layout()}; per-process random streams "
-                    f"{'re-derived' if saved.num_processes != current.num_processes else 'kept'}")
+        logger.info(
+            f"resuming a checkpoint of {saved.layout()} on {current.layout()}; per-process random streams "
+            f"{'re-derived' if saved.num_processes != current.num_processes else 'kept'}"
+        )
         moved = saved.in_layout(current)
         set_micro_step(self.accelerator, moved.batch_in_epoch)
         return moved
@@ -289,7 +334,10 @@ class Checkpointer:
         for group, fresh in zip(self.optimizer.param_groups, fresh_groups):
             group.update(fresh)
         scheduler.base_lrs = [group["initial_lr"] for group in self.optimizer.param_groups]
-        values = [base * multiplier(scheduler.last_epoch) for base, multiplier in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+        values = [
+            base * multiplier(scheduler.last_epoch)
+            for base, multiplier in zip(scheduler.base_lrs, scheduler.lr_lambdas)
+        ]
         for group, value in zip(self.optimizer.param_groups, values):
             group["lr"] = value
         scheduler._last_lr = values
@@ -298,10 +346,14 @@ class Checkpointer:
 def check_async_supported(accelerator) -> None:
     """DeepSpeed and FSDP's full state dicts write their own files at the save, so nothing can be copied and written later."""
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
-        raise ConfigError("--async-checkpoint works under DDP and FSDP; DeepSpeed writes its checkpoints itself: drop the flag")
+        raise ConfigError(
+            "--async-checkpoint works under DDP and FSDP; DeepSpeed writes its checkpoints itself: drop the flag"
+        )
     if not writes_whole_copy(accelerator):
-        raise ConfigError("--async-checkpoint under FSDP needs fsdp_state_dict_type: SHARDED_STATE_DICT in the accelerate config "
-                          "(accelerate_configs/fsdp_cpu.yaml, fsdp.yaml)")
+        raise ConfigError(
+            "--async-checkpoint under FSDP needs fsdp_state_dict_type: SHARDED_STATE_DICT in the accelerate config "
+            "(accelerate_configs/fsdp_cpu.yaml, fsdp.yaml)"
+        )
 
 
 def _shape(shape: tuple | None) -> str:

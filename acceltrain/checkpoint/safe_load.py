@@ -11,7 +11,6 @@ from pathlib import Path
 from ..options import first_line, parse_json
 from .state import CheckpointError
 
-
 PICKLED_SUFFIXES = (".bin", ".pt", ".pth", ".pkl")
 
 
@@ -22,7 +21,9 @@ def _allowed_globals() -> list:
 
     multiarray = getattr(numpy, "_core", None) or numpy.core  # numpy 2 renamed numpy.core
     allowed = [numpy.dtype, numpy.ndarray, multiarray.multiarray._reconstruct]
-    allowed += [type(numpy.dtype(name)) for name in ("uint32", "int64", "float64", "bool")]  # numpy >= 1.25 dtype classes
+    allowed += [
+        type(numpy.dtype(name)) for name in ("uint32", "int64", "float64", "bool")
+    ]  # numpy >= 1.25 dtype classes
     try:
         from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
         from deepspeed.utils.tensor_fragment import fragment_address
@@ -52,7 +53,9 @@ def enum_member_getter(enums: tuple):
     def member(owner, name):
         if owner in enums and isinstance(name, str) and name in owner.__members__:
             return owner[name]
-        raise pickle.UnpicklingError(f"getattr({getattr(owner, '__name__', owner)!r}, {name!r}) is not an allowed enum member")
+        raise pickle.UnpicklingError(
+            f"getattr({getattr(owner, '__name__', owner)!r}, {name!r}) is not an allowed enum member"
+        )
 
     return member
 
@@ -73,13 +76,21 @@ def check_loadable_without_code(path: Path, *, digests_required: bool = False) -
 
     links = sorted(str(f.relative_to(path)) for f in path.rglob("*") if f.is_symlink())
     if links:  # rglob does not walk into linked folders, the loaders would: a place for files this check never sees
-        raise CheckpointError(f"checkpoint {str(path)!r} holds symbolic links ({', '.join(links[:3])}); refusing to resume from it")
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} holds symbolic links ({', '.join(links[:3])}); refusing to resume from it"
+        )
     digests = read_shard_digests(path)
     if digests is None and digests_required and any(path.glob(f"*/{DCP_METADATA}")):
-        raise CheckpointError(f"checkpoint {str(path)!r} holds DCP shards without {SHARD_DIGESTS_FILE}, which every sharded "
-                              "checkpoint of its version records; refusing to resume from it")
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} holds DCP shards without {SHARD_DIGESTS_FILE}, which every sharded "
+            "checkpoint of its version records; refusing to resume from it"
+        )
     with torch.serialization.safe_globals(_allowed_globals()):
-        for file in sorted(f for f in path.rglob("*") if (f.suffix in PICKLED_SUFFIXES or f.name.endswith(DCP_METADATA)) and f.is_file()):
+        for file in sorted(
+            f
+            for f in path.rglob("*")
+            if (f.suffix in PICKLED_SUFFIXES or f.name.endswith(DCP_METADATA)) and f.is_file()
+        ):
             if file.name.endswith(DCP_METADATA):  # DCP falls back to __<rank>.metadata when .metadata is missing
                 _check_dcp_folder(file, digests)
                 continue
@@ -168,16 +179,33 @@ def load_dcp_metadata(file: Path):
     import torch
     from torch.distributed.checkpoint import filesystem, metadata
 
-    allowed = {f"torch.distributed.checkpoint.metadata.{name}": getattr(metadata, name) for name in (
-        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata", "ChunkStorageMetadata",
-        "BytesStorageMetadata", "_MEM_FORMAT_ENCODING") if hasattr(metadata, name)}
-    allowed |= {"torch.distributed.checkpoint.filesystem._StorageInfo": filesystem._StorageInfo, "torch.Size": torch.Size,
-                "torch.serialization._get_layout": torch.serialization._get_layout, "pathlib.PosixPath": pathlib.PosixPath}
+    allowed = {
+        f"torch.distributed.checkpoint.metadata.{name}": getattr(metadata, name)
+        for name in (
+            "Metadata",
+            "MetadataIndex",
+            "StorageMeta",
+            "TensorProperties",
+            "TensorStorageMetadata",
+            "ChunkStorageMetadata",
+            "BytesStorageMetadata",
+            "_MEM_FORMAT_ENCODING",
+        )
+        if hasattr(metadata, name)
+    }
+    allowed |= {
+        "torch.distributed.checkpoint.filesystem._StorageInfo": filesystem._StorageInfo,
+        "torch.Size": torch.Size,
+        "torch.serialization._get_layout": torch.serialization._get_layout,
+        "pathlib.PosixPath": pathlib.PosixPath,
+    }
     allowed |= {f"torch.{name}": value for name, value in vars(torch).items() if isinstance(value, torch.dtype)}
     enums = tuple(value for value in allowed.values() if isinstance(value, type) and issubclass(value, enum.Enum))
     allowed["builtins.getattr"] = enum_member_getter(enums)  # _MEM_FORMAT_ENCODING's members on Python 3.11.2
 
-    instances = tuple(value for value in allowed.values() if isinstance(value, type) and not issubclass(value, enum.Enum))
+    instances = tuple(
+        value for value in allowed.values() if isinstance(value, type) and not issubclass(value, enum.Enum)
+    )
 
     class OnlyMetadata(pickle._Unpickler):  # the Python implementation: its opcodes can be screened one by one
         dispatch = dict(pickle._Unpickler.dispatch)
@@ -189,7 +217,9 @@ def load_dcp_metadata(file: Path):
 
         def load_build(self):
             if type(self.stack[-2]) not in instances:  # [-1] is the state, [-2] what it would be set on
-                raise pickle.UnpicklingError(f"BUILD on a {type(self.stack[-2]).__name__} is not allowed in DCP metadata")
+                raise pickle.UnpicklingError(
+                    f"BUILD on a {type(self.stack[-2]).__name__} is not allowed in DCP metadata"
+                )
             pickle._Unpickler.load_build(self)
 
         dispatch[pickle.BUILD[0]] = load_build

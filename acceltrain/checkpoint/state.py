@@ -10,7 +10,6 @@ from pathlib import Path
 
 from ..options import ConfigError, parse_json, shorten
 
-
 STATE_FILE = "trainer_state.json"  # a checkpoint's RunState
 ENGINE_NAMES = ("", "DDP", "FSDP", "DeepSpeed")  # "": a checkpoint written before the field
 
@@ -34,7 +33,9 @@ class RunState:
     samples_seen: int = 0
     best_metric: float | None = None
     last_eval: dict = dataclasses.field(default_factory=dict)
-    config_changes: dict = dataclasses.field(default_factory=dict)  # applied with --allow-config-change: field -> [old, new]
+    config_changes: dict = dataclasses.field(
+        default_factory=dict
+    )  # applied with --allow-config-change: field -> [old, new]
     # filled in when a checkpoint is taken (restored on resume)
     train_seconds: float = 0.0  # the run's training wall clock, earlier launches included
     loss_sum: float = 0.0  # the open training-log window, summed over processes: the next row covers the same steps
@@ -50,7 +51,9 @@ class RunState:
     data_fingerprint: str | None = None  # the training set's fingerprint, when it has one (acceltrain 0.3)
     num_processes: int = 0  # 0: not recorded (written before acceltrain 0.2)
     batches_per_epoch: int = 0  # per process; 0: not recorded
-    engine: str = ""  # the engine that wrote the model and optimizer state: DDP, FSDP or DeepSpeed; "": not recorded (before 0.4)
+    engine: str = (
+        ""  # the engine that wrote the model and optimizer state: DDP, FSDP or DeepSpeed; "": not recorded (before 0.4)
+    )
 
     @property
     def samples_per_step(self) -> int:
@@ -65,7 +68,10 @@ class RunState:
         """Refuse what would not continue the same run. Another layout (process count, batch size,
         accumulation) continues it when every optimizer step covers the same samples: equal samples per
         step and per epoch (so the same steps per epoch, the same short last window)."""
-        if None not in (self.data_fingerprint, current.data_fingerprint) and self.data_fingerprint != current.data_fingerprint:
+        if (
+            None not in (self.data_fingerprint, current.data_fingerprint)
+            and self.data_fingerprint != current.data_fingerprint
+        ):
             raise CheckpointError(
                 f"checkpoint {str(path)!r} was trained on data whose fingerprint is {shorten(self.data_fingerprint, 24)}, this "
                 f"run's training data has {shorten(current.data_fingerprint, 24)}: its content changed since; resuming would not "
@@ -92,7 +98,11 @@ class RunState:
             )
         if self.samples_per_step != current.samples_per_step:
             per_process = current.global_batch_size  # batch size x processes of this run
-            fit = f" (here: --grad-accum {self.samples_per_step // per_process})" if self.samples_per_step % per_process == 0 else ""
+            fit = (
+                f" (here: --grad-accum {self.samples_per_step // per_process})"
+                if self.samples_per_step % per_process == 0
+                else ""
+            )
             raise CheckpointError(
                 f"checkpoint {str(path)!r} was written with {self.layout()}, this run has {current.layout()}: resume "
                 f"with {self.samples_per_step} samples per optimizer step{fit}"
@@ -109,13 +119,17 @@ class RunState:
     def relayout(self, current: "RunState") -> bool:
         """Whether ``current`` trains on another layout than this checkpoint's."""
         return (self.global_batch_size, self.grad_accum) != (current.global_batch_size, current.grad_accum) or (
-            self.num_processes and self.num_processes != current.num_processes)
+            self.num_processes and self.num_processes != current.num_processes
+        )
 
     def in_layout(self, current: "RunState") -> "RunState":
         """This state as the layout of ``current`` counts it: the same samples of the epoch trained on (a
         checkpoint sits at a step boundary, a whole number of this run's micro-steps), the new layout's fields."""
         position = self.batch_in_epoch * self.global_batch_size // current.global_batch_size
-        layout = {name: getattr(current, name) for name in ("global_batch_size", "grad_accum", "num_processes", "batches_per_epoch")}
+        layout = {
+            name: getattr(current, name)
+            for name in ("global_batch_size", "grad_accum", "num_processes", "batches_per_epoch")
+        }
         return dataclasses.replace(self, batch_in_epoch=position, **layout)
 
     def contradiction(self) -> str | None:
@@ -128,17 +142,23 @@ class RunState:
             if self.samples_seen != self.step * self.samples_per_step:
                 return f"samples_seen {self.samples_seen} is not step {self.step} x {self.samples_per_step} samples per step"
             if max(self.epoch, self.batch_in_epoch) > micro_batches:
-                return (f"epoch {self.epoch} and batch_in_epoch {self.batch_in_epoch} lie beyond the {micro_batches} "
-                        f"micro-batches of step {self.step}")
+                return (
+                    f"epoch {self.epoch} and batch_in_epoch {self.batch_in_epoch} lie beyond the {micro_batches} "
+                    f"micro-batches of step {self.step}"
+                )
             return None
         if self.batch_in_epoch >= self.batches_per_epoch or self.batch_in_epoch % self.grad_accum:
-            return (f"batch_in_epoch {self.batch_in_epoch} is not an optimizer-step boundary inside an epoch of "
-                    f"{self.batches_per_epoch} batches (grad_accum {self.grad_accum})")
+            return (
+                f"batch_in_epoch {self.batch_in_epoch} is not an optimizer-step boundary inside an epoch of "
+                f"{self.batches_per_epoch} batches (grad_accum {self.grad_accum})"
+            )
         steps_per_epoch = -(-self.batches_per_epoch // self.grad_accum)
         step = self.epoch * steps_per_epoch + self.batch_in_epoch // self.grad_accum
         if self.step != step:
-            return (f"step {self.step} does not follow from epoch {self.epoch} and batch_in_epoch {self.batch_in_epoch} "
-                    f"({steps_per_epoch} optimizer steps per epoch make step {step})")
+            return (
+                f"step {self.step} does not follow from epoch {self.epoch} and batch_in_epoch {self.batch_in_epoch} "
+                f"({steps_per_epoch} optimizer steps per epoch make step {step})"
+            )
         samples = (self.epoch * self.batches_per_epoch + self.batch_in_epoch) * self.global_batch_size
         if self.samples_seen != samples:
             return f"samples_seen {self.samples_seen} does not follow from its position in the data ({samples} samples)"
@@ -160,31 +180,68 @@ def _finite_non_negative(value) -> bool:
 # Checkpoints written before RunState (acceltrain 0.1) name one field otherwise, and keep two built-in
 # hooks' states among the run's: they load as the hooks' states.
 RENAMED_FIELDS = {"batches_in_epoch": "batch_in_epoch"}
-MOVED_TO_HOOKS = {"best_checkpoint": ("CheckpointSchedule", "best_checkpoint"), "tracker_run_id": ("Trackers", "run_id")}
+MOVED_TO_HOOKS = {
+    "best_checkpoint": ("CheckpointSchedule", "best_checkpoint"),
+    "tracker_run_id": ("Trackers", "run_id"),
+}
 
 # What each trainer_state.json field may hold, as (test, what is allowed): a tampered value (a negative step,
 # a string count) would otherwise train from it, or fail deep inside the loop.
 _FIELD_CHECKS = {
-    **{name: (is_count, "an integer >= 0") for name in ("step", "epoch", "batch_in_epoch", "samples_seen", "seed",
-                                                         "global_batch_size", "train_samples", "num_processes",
-                                                         "batches_per_epoch", *RENAMED_FIELDS)},
+    **{
+        name: (is_count, "an integer >= 0")
+        for name in (
+            "step",
+            "epoch",
+            "batch_in_epoch",
+            "samples_seen",
+            "seed",
+            "global_batch_size",
+            "train_samples",
+            "num_processes",
+            "batches_per_epoch",
+            *RENAMED_FIELDS,
+        )
+    },
     "grad_accum": (lambda v: is_count(v) and v >= 1, "an integer >= 1"),
     "train_seconds": (_finite_non_negative, "a finite number >= 0"),
     "loss_count": (_finite_non_negative, "a finite number >= 0"),
     "loss_sum": (lambda v: _is_number(v) and math.isfinite(v), "a finite number"),
     "best_metric": (lambda v: v is None or _is_number(v), "a number or null"),
-    **{name: (lambda v: v is None or isinstance(v, str), "a string or null") for name in (*MOVED_TO_HOOKS, "data_fingerprint")},
-    **{name: (lambda v: isinstance(v, dict), "a JSON object") for name in ("last_eval", "scheduler", "config", "config_changes")},
+    **{
+        name: (lambda v: v is None or isinstance(v, str), "a string or null")
+        for name in (*MOVED_TO_HOOKS, "data_fingerprint")
+    },
+    **{
+        name: (lambda v: isinstance(v, dict), "a JSON object")
+        for name in ("last_eval", "scheduler", "config", "config_changes")
+    },
     "hooks": (lambda v: isinstance(v, list) and all(isinstance(n, str) for n in v), "a list of hook names"),
     "engine": (lambda v: v in ENGINE_NAMES, f"one of {', '.join(map(repr, ENGINE_NAMES))}"),
 }
 # Every trainer_state.json since acceltrain 0.1 holds these (0.2 added num_processes and batches_per_epoch, whose
 # 0 means "not recorded", 0.3 data_fingerprint): a missing one is tampering, never a default (a step-4 checkpoint "at step 0").
-REQUIRED_FIELDS = tuple(name for name in (field.name for field in dataclasses.fields(RunState))
-                        if name not in ("num_processes", "batches_per_epoch", "data_fingerprint", "engine"))
+REQUIRED_FIELDS = tuple(
+    name
+    for name in (field.name for field in dataclasses.fields(RunState))
+    if name not in ("num_processes", "batches_per_epoch", "data_fingerprint", "engine")
+)
 # The settings that change the maths, in every checkpoint's config since 0.1: "config": {} would skip the comparison
-REQUIRED_CONFIG = ("seed", "batch_size", "grad_accum", "epochs", "max_steps", "optimizer", "lr", "momentum", "weight_decay",
-                   "lr_schedule", "warmup_steps", "max_grad_norm", "mixed_precision")
+REQUIRED_CONFIG = (
+    "seed",
+    "batch_size",
+    "grad_accum",
+    "epochs",
+    "max_steps",
+    "optimizer",
+    "lr",
+    "momentum",
+    "weight_decay",
+    "lr_schedule",
+    "warmup_steps",
+    "max_grad_norm",
+    "mixed_precision",
+)
 
 
 def read_state(state_file: Path) -> tuple[RunState, dict[str, dict]]:
@@ -195,25 +252,37 @@ def read_state(state_file: Path) -> tuple[RunState, dict[str, dict]]:
     except (OSError, ValueError):
         raise CheckpointError(f"checkpoint file {str(state_file)!r} is unreadable") from None
     if not isinstance(fields, dict):
-        raise CheckpointError(f"checkpoint file {str(state_file)!r} is malformed: a JSON {type(fields).__name__}, not an object")
+        raise CheckpointError(
+            f"checkpoint file {str(state_file)!r} is malformed: a JSON {type(fields).__name__}, not an object"
+        )
     unknown = sorted(set(fields) - set(_FIELD_CHECKS))
     if unknown:
-        raise CheckpointError(f"checkpoint file {str(state_file)!r} has unknown fields: {', '.join(shorten(name, 40) for name in unknown[:5])}")
+        raise CheckpointError(
+            f"checkpoint file {str(state_file)!r} has unknown fields: {', '.join(shorten(name, 40) for name in unknown[:5])}"
+        )
     for name, value in fields.items():
         valid, allowed = _FIELD_CHECKS[name]
         if not valid(value):
-            raise CheckpointError(f"checkpoint file {str(state_file)!r}: {name} is {shorten(value)}; it must be {allowed}")
+            raise CheckpointError(
+                f"checkpoint file {str(state_file)!r}: {name} is {shorten(value)}; it must be {allowed}"
+            )
     for old, new in RENAMED_FIELDS.items():
         if old in fields and new in fields:
-            raise CheckpointError(f"checkpoint file {str(state_file)!r} has both {new} and {old}, its older name: keep one")
+            raise CheckpointError(
+                f"checkpoint file {str(state_file)!r} has both {new} and {old}, its older name: keep one"
+            )
     named = {RENAMED_FIELDS.get(name, name) for name in fields}
     missing = [name for name in REQUIRED_FIELDS if name not in named]
     if missing:
-        raise CheckpointError(f"checkpoint file {str(state_file)!r} lacks {', '.join(missing)}: every checkpoint since acceltrain 0.1 holds them")
+        raise CheckpointError(
+            f"checkpoint file {str(state_file)!r} lacks {', '.join(missing)}: every checkpoint since acceltrain 0.1 holds them"
+        )
     missing = [name for name in REQUIRED_CONFIG if name not in fields["config"]]
     if missing:
-        raise CheckpointError(f"checkpoint file {str(state_file)!r}: config lacks {', '.join(missing[:5])}: it must hold the resolved "
-                              "config the checkpoint was written with (a resume compares it)")
+        raise CheckpointError(
+            f"checkpoint file {str(state_file)!r}: config lacks {', '.join(missing[:5])}: it must hold the resolved "
+            "config the checkpoint was written with (a resume compares it)"
+        )
     hook_states: dict[str, dict] = {}
     for field, (hook, key) in MOVED_TO_HOOKS.items():
         if field in fields:
@@ -246,10 +315,14 @@ def _unlike(saved, fresh, where: str) -> str | None:
     if isinstance(fresh, (list, tuple)):
         if not isinstance(saved, list) or len(saved) != len(fresh):
             return f"{where} is {shorten(saved)}; it must be a list of {len(fresh)}"
-        return next((found for i, item in enumerate(fresh) if (found := _unlike(saved[i], item, f"{where}[{i}]"))), None)
+        return next(
+            (found for i, item in enumerate(fresh) if (found := _unlike(saved[i], item, f"{where}[{i}]"))), None
+        )
     if _is_number(fresh):
         if not (_is_number(saved) and math.isfinite(saved)) or (isinstance(fresh, int) and not isinstance(saved, int)):
-            return f"{where} is {shorten(saved)}; it must be a finite {'integer' if isinstance(fresh, int) else 'number'}"
+            return (
+                f"{where} is {shorten(saved)}; it must be a finite {'integer' if isinstance(fresh, int) else 'number'}"
+            )
         return None
     if type(saved) is not type(fresh):
         return f"{where} is {shorten(saved)}; it must be {shorten(fresh)}"

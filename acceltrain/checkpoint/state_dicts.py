@@ -49,7 +49,7 @@ class Part:
 
 
 def engine_name(accelerator) -> str:
-    """"DDP" (whole state dicts: DDP and one process), "FSDP" or "DeepSpeed": what a checkpoint records it was
+    """ "DDP" (whole state dicts: DDP and one process), "FSDP" or "DeepSpeed": what a checkpoint records it was
     written by, since each engine's files load only under that engine."""
     return ENGINES.get(accelerator.distributed_type, "DDP")
 
@@ -69,24 +69,35 @@ def checkpoint_parts(accelerator, model, optimizer, frozen: frozenset[str]) -> l
     if accelerator.distributed_type == DistributedType.FSDP:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-        return [Part(SHARDED_MODEL, {"model": get_model_state_dict(model)}, SHARDS, ModelSavePlanner),
-                Part(SHARDED_OPTIMIZER, {"optimizer": get_optimizer_state_dict(model, optimizer.optimizer)}, SHARDS,
-                     OptimizerSavePlanner)]
+        return [
+            Part(SHARDED_MODEL, {"model": get_model_state_dict(model)}, SHARDS, ModelSavePlanner),
+            Part(
+                SHARDED_OPTIMIZER,
+                {"optimizer": get_optimizer_state_dict(model, optimizer.optimizer)},
+                SHARDS,
+                OptimizerSavePlanner,
+            ),
+        ]
     if not accelerator.is_main_process:
         return []
     from accelerate.utils import clean_state_dict_for_safetensors
 
-    weights = OrderedDict((name, tensor) for name, tensor in accelerator.unwrap_model(model).state_dict().items()
-                          if name not in frozen)
-    return [Part(SAFE_WEIGHTS_NAME, clean_state_dict_for_safetensors(weights), SAFETENSORS),
-            Part(f"{OPTIMIZER_NAME}.bin", optimizer.state_dict(), PICKLE)]
+    weights = OrderedDict(
+        (name, tensor) for name, tensor in accelerator.unwrap_model(model).state_dict().items() if name not in frozen
+    )
+    return [
+        Part(SAFE_WEIGHTS_NAME, clean_state_dict_for_safetensors(weights), SAFETENSORS),
+        Part(f"{OPTIMIZER_NAME}.bin", optimizer.state_dict(), PICKLE),
+    ]
 
 
 def _engine_parts(accelerator, model, optimizer) -> list[Part]:
     """The parts an engine writes itself, at the save, on every process."""
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         return [Part(MODEL_NAME, lambda folder: model.save_checkpoint(str(folder), MODEL_NAME), ENGINE)]
-    if accelerator.distributed_type == DistributedType.FSDP and "SHARDED" not in str(accelerator.state.fsdp_plugin.state_dict_type):
+    if accelerator.distributed_type == DistributedType.FSDP and "SHARDED" not in str(
+        accelerator.state.fsdp_plugin.state_dict_type
+    ):
         from accelerate.utils import save_fsdp_model, save_fsdp_optimizer
 
         def write(folder) -> None:

@@ -43,8 +43,12 @@ def write_part(part: Part, folder: Path, process_group=None) -> None:
     elif part.form == SHARDS:
         import torch.distributed.checkpoint as dcp
 
-        dcp.save(part.state, checkpoint_id=str(folder / part.name), process_group=process_group,
-                 planner=part.planner(enable_plan_caching=True))
+        dcp.save(
+            part.state,
+            checkpoint_id=str(folder / part.name),
+            process_group=process_group,
+            planner=part.planner(enable_plan_caching=True),
+        )
     elif part.form == ENGINE:
         part.state(folder)
     else:
@@ -89,8 +93,10 @@ def _agreed(accelerator, final: Path, work) -> None:
 
 
 def _failed_elsewhere(final: Path) -> CheckpointError:
-    return CheckpointError(f"could not write checkpoint {str(final)!r}: the save failed on another process; "
-                           "the previous checkpoints are intact")
+    return CheckpointError(
+        f"could not write checkpoint {str(final)!r}: the save failed on another process; "
+        "the previous checkpoints are intact"
+    )
 
 
 class AsyncWriter:
@@ -118,7 +124,9 @@ class AsyncWriter:
         whole = [part for part in parts if part.form in (SAFETENSORS, PICKLE)]
         shards = [part for part in parts if part.form == SHARDS]
         futures = [self._stage_shards(part, staging, group) for part, group in zip(shards, self._groups[1:])]
-        copies = [Part(part.name, self._copy(part), part.form) for part in whole]  # the step after changes the live tensors
+        copies = [
+            Part(part.name, self._copy(part), part.form) for part in whole
+        ]  # the step after changes the live tensors
 
         def write() -> None:
             for part in copies:
@@ -137,8 +145,13 @@ class AsyncWriter:
         import torch.distributed.checkpoint as dcp
 
         stager = self._stagers.setdefault(part.name, _CopyInto())
-        return dcp.async_save(part.state, checkpoint_id=str(staging / part.name), process_group=group, async_stager=stager,
-                              planner=part.planner(enable_plan_caching=True))
+        return dcp.async_save(
+            part.state,
+            checkpoint_id=str(staging / part.name),
+            process_group=group,
+            async_stager=stager,
+            planner=part.planner(enable_plan_caching=True),
+        )
 
     def poll(self) -> Path | None:
         """Where the save in flight stands, agreed by every process: the checkpoint's folder once it is published,

@@ -16,8 +16,26 @@ from .profiling import MemoryReport, Profiler
 from .time_budget import TimeBudget
 
 __all__ = [
-    "EMA", "EVENTS", "CheckpointSchedule", "Console", "Curves", "EarlyStopping", "Evaluation", "Hook", "Hooks", "HubReady", "Lookahead",
-    "MemoryReport", "MetricsFile", "Preemption", "Profiler", "TargetMetric", "TimeBudget", "Trackers", "TrainingLog", "builtin_hooks",
+    "EMA",
+    "EVENTS",
+    "CheckpointSchedule",
+    "Console",
+    "Curves",
+    "EarlyStopping",
+    "Evaluation",
+    "Hook",
+    "Hooks",
+    "HubReady",
+    "Lookahead",
+    "MemoryReport",
+    "MetricsFile",
+    "Preemption",
+    "Profiler",
+    "TargetMetric",
+    "TimeBudget",
+    "Trackers",
+    "TrainingLog",
+    "builtin_hooks",
 ]
 
 
@@ -32,11 +50,19 @@ def builtin_hooks(cfg, *, evaluates: bool, trackers: list[str], run_config: dict
 
     evaluation = Evaluation.from_config(cfg, evaluates=evaluates)  # asked by the time budget and the console
     hooks = [
-        Profiler.from_config(cfg), MemoryReport.from_config(cfg), TrainingLog.from_config(cfg),
-        evaluation, TargetMetric.from_config(cfg, evaluation), EarlyStopping.from_config(cfg, evaluation),
+        Profiler.from_config(cfg),
+        MemoryReport.from_config(cfg),
+        TrainingLog.from_config(cfg),
+        evaluation,
+        TargetMetric.from_config(cfg, evaluation),
+        EarlyStopping.from_config(cfg, evaluation),
         TimeBudget.from_config(cfg, evaluation),
-        CheckpointSchedule.from_config(cfg, evaluates=evaluates), Preemption.from_config(cfg),
-        MetricsFile(), Curves.from_config(cfg), Trackers(trackers, run_config), Console.from_config(cfg, evaluation),
+        CheckpointSchedule.from_config(cfg, evaluates=evaluates),
+        Preemption.from_config(cfg),
+        MetricsFile(),
+        Curves.from_config(cfg),
+        Trackers(trackers, run_config),
+        Console.from_config(cfg, evaluation),
         HubReady.from_config(cfg),  # last: the model card and the upload see every summary entry
         RayReport() if in_ray_worker() else None,
     ]

@@ -63,8 +63,19 @@ import torch
 from ..options import ConfigError, first_line
 
 EVENTS = (
-    "on_fit_start", "on_epoch_start", "on_step_start", "on_before_optimizer_step", "on_step_end", "on_epoch_end",
-    "on_log", "on_eval_start", "on_eval_end", "on_save", "on_train_end", "on_fit_end", "on_exception",
+    "on_fit_start",
+    "on_epoch_start",
+    "on_step_start",
+    "on_before_optimizer_step",
+    "on_step_end",
+    "on_epoch_end",
+    "on_log",
+    "on_eval_start",
+    "on_eval_end",
+    "on_save",
+    "on_train_end",
+    "on_fit_end",
+    "on_exception",
 )
 HOOKS_DIR = "hooks"  # inside a checkpoint folder: <name>.json and <name>.safetensors per stateful hook
 
@@ -146,15 +157,19 @@ class Hooks:
             if not any(_implements(hook, event) for event in EVENTS):
                 raise ConfigError(f"hook {hook!r} implements none of the hook methods ({', '.join(EVENTS)})")
         self._methods = {event: [getattr(h, event) for h in self.hooks if _implements(h, event)] for event in EVENTS}
-        self._methods["on_fit_start"] = [getattr(h, "on_fit_start") for h in [*builtin, *hooks] if _implements(h, "on_fit_start")]
+        self._methods["on_fit_start"] = [
+            getattr(h, "on_fit_start") for h in [*builtin, *hooks] if _implements(h, "on_fit_start")
+        ]
         self.stateful = {}
         for hook in self.hooks:
             if _implements(hook, "state_dict"):
                 name = _state_name(hook)
                 same = [other for other in self.stateful if other.lower() == name.lower()]  # one file on macOS, Windows
                 if same:
-                    raise ConfigError(f"two stateful hooks are named {' and '.join(map(repr, [*same, name]))}: give each a distinct "
-                                      "name (its checkpoint key; case does not count)")
+                    raise ConfigError(
+                        f"two stateful hooks are named {' and '.join(map(repr, [*same, name]))}: give each a distinct "
+                        "name (its checkpoint key; case does not count)"
+                    )
                 self.stateful[name] = hook
 
     def call(self, event: str, *args) -> None:
@@ -176,7 +191,10 @@ class Hooks:
         for name, (plain, tensors) in encoded.items():
             (folder / HOOKS_DIR).mkdir(exist_ok=True)
             (folder / HOOKS_DIR / f"{name}.json").write_text(json.dumps(plain, indent=1, allow_nan=True))
-            save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, str(folder / HOOKS_DIR / f"{name}.safetensors"))
+            save_file(
+                {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()},
+                str(folder / HOOKS_DIR / f"{name}.safetensors"),
+            )
         return list(encoded)
 
     def load_states(self, folder: Path, saved: list[str], kept_elsewhere: dict[str, dict] | None = None) -> None:
@@ -188,10 +206,16 @@ class Hooks:
         kept_elsewhere = kept_elsewhere or {}
         held, have = {*saved, *kept_elsewhere}, set(self.stateful)
         if held != have:
-            said = [f"holds the state of hooks [{', '.join(sorted(held - have))}] that this run does not have"] if held - have else []
+            said = (
+                [f"holds the state of hooks [{', '.join(sorted(held - have))}] that this run does not have"]
+                if held - have
+                else []
+            )
             if have - held:
                 said.append(f"has no state for this run's stateful hooks [{', '.join(sorted(have - held))}]")
-            raise ConfigError(f"checkpoint {str(folder)!r} {' and '.join(said)}: resume with the same hooks, or start a new --output-dir")
+            raise ConfigError(
+                f"checkpoint {str(folder)!r} {' and '.join(said)}: resume with the same hooks, or start a new --output-dir"
+            )
         for name in saved:
             try:
                 plain = json.loads((folder / HOOKS_DIR / f"{name}.json").read_text())
@@ -221,7 +245,9 @@ def _encoded_state(name: str, hook) -> tuple[Any, dict[str, torch.Tensor]]:
     if state is None:
         state = {}
     if type(state) not in _DICTS:
-        raise ConfigError(f"hook {name!r}: state_dict() returned a {_type_name(state)}: return a dict (or None for no state)")
+        raise ConfigError(
+            f"hook {name!r}: state_dict() returned a {_type_name(state)}: return a dict (or None for no state)"
+        )
     encoder = _StateEncoder(name)
     try:
         return encoder.encode(state, ()), encoder.tensors
@@ -262,21 +288,29 @@ class _StateEncoder:
             return {k: self.encode(v, (*path, k)) for k, v in value.items()}
         for key in value:
             if not _is_key(key):
-                raise self.refuse(path, f"has a key of type {_type_name(key)}: keys must be str, int, float, bool, None or tuples of them")
+                raise self.refuse(
+                    path,
+                    f"has a key of type {_type_name(key)}: keys must be str, int, float, bool, None or tuples of them",
+                )
         return {_ITEMS: [[self.encode(k, path), self.encode(v, (*path, k))] for k, v in value.items()]}
 
     def _tensor_key(self, tensor: torch.Tensor, path: tuple) -> str:
         if id(tensor) in self._keys:
             return self._keys[id(tensor)]
         if tensor.layout != torch.strided:
-            raise self.refuse(path, f"is a sparse tensor ({tensor.layout}): a checkpoint holds dense tensors; save .to_dense()")
+            raise self.refuse(
+                path, f"is a sparse tensor ({tensor.layout}): a checkpoint holds dense tensors; save .to_dense()"
+            )
         if tensor.is_meta:
             raise self.refuse(path, "is on the meta device (it holds no values): save a materialised tensor")
         self._check_dtype(tensor, path)
         address = tensor.untyped_storage().data_ptr()
         if address and (tensor.device, address) in self._memory:
-            raise self.refuse(path, f"shares memory with {_shown(self._memory[tensor.device, address])} (views of one tensor): save the "
-                                    "tensor they view, or .clone() each")
+            raise self.refuse(
+                path,
+                f"shares memory with {_shown(self._memory[tensor.device, address])} (views of one tensor): save the "
+                "tensor they view, or .clone() each",
+            )
         self._memory[tensor.device, address] = path
         key = self._keys[id(tensor)] = str(len(self.tensors))
         self.tensors[key] = tensor
@@ -291,7 +325,9 @@ class _StateEncoder:
             try:
                 save({"probe": tensor.detach()[(slice(0, 0),) * tensor.dim()]})
             except Exception:  # noqa: BLE001 - safetensors raises KeyError (or TypeError) for a dtype it lacks
-                raise self.refuse(path, f"has dtype {tensor.dtype}, which safetensors cannot store: convert it (e.g. .float())") from None
+                raise self.refuse(
+                    path, f"has dtype {tensor.dtype}, which safetensors cannot store: convert it (e.g. .float())"
+                ) from None
             self._dtypes.add(tensor.dtype)
 
 

@@ -18,20 +18,42 @@ class CheckpointSchedule(Hook):
     one; a broken one never counts). Always among the built-in hooks: its state, the best checkpoint's
     name, goes on through a launch that saves on no schedule."""
 
-    def __init__(self, every_steps: int | None, every_minutes: float | None, keep_last: int | None, keep_best: bool,
-                 save_at_end: bool, load_best_at_end: bool = False):
-        self.every_steps, self.every_minutes, self.keep_last, self.keep_best = every_steps, every_minutes, keep_last, keep_best
+    def __init__(
+        self,
+        every_steps: int | None,
+        every_minutes: float | None,
+        keep_last: int | None,
+        keep_best: bool,
+        save_at_end: bool,
+        load_best_at_end: bool = False,
+    ):
+        self.every_steps, self.every_minutes, self.keep_last, self.keep_best = (
+            every_steps,
+            every_minutes,
+            keep_last,
+            keep_best,
+        )
         self.save_at_end, self.load_best_at_end = save_at_end, load_best_at_end
-        self.best_checkpoint: str | None = None  # the folder name of the best checkpoint (keep_best), never rotated away
+        self.best_checkpoint: str | None = (
+            None  # the folder name of the best checkpoint (keep_best), never rotated away
+        )
 
     @classmethod
     def from_config(cls, cfg: CheckpointOptions, *, evaluates: bool = True) -> CheckpointSchedule:
         if cfg.load_best_at_end and not evaluates:
-            raise ConfigError("--load-best-at-end keeps the best evaluation's weights, and this run has no eval set to "
-                              "evaluate on: give one, or drop the flag")
+            raise ConfigError(
+                "--load-best-at-end keeps the best evaluation's weights, and this run has no eval set to "
+                "evaluate on: give one, or drop the flag"
+            )
         scheduled = bool(cfg.save_every_steps or cfg.save_every_minutes or cfg.keep_best or cfg.stop_after_steps)
-        return cls(cfg.save_every_steps, cfg.save_every_minutes, cfg.keep_last, cfg.keep_best, save_at_end=scheduled,
-                   load_best_at_end=cfg.load_best_at_end)
+        return cls(
+            cfg.save_every_steps,
+            cfg.save_every_minutes,
+            cfg.keep_last,
+            cfg.keep_best,
+            save_at_end=scheduled,
+            load_best_at_end=cfg.load_best_at_end,
+        )
 
     def state_dict(self) -> dict:
         return {"best_checkpoint": self.best_checkpoint}

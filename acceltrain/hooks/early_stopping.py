@@ -28,8 +28,10 @@ class EarlyStopping(Hook):
             return None
         if evaluation is None:
             patience = cfg.early_stopping_patience
-            raise ConfigError(f"--early-stopping-patience {patience} counts evaluations, and this run has no eval set: "
-                              "give evaluation rows, or drop --early-stopping-patience")
+            raise ConfigError(
+                f"--early-stopping-patience {patience} counts evaluations, and this run has no eval set: "
+                "give evaluation rows, or drop --early-stopping-patience"
+            )
         return cls(cfg.early_stopping_patience, cfg.early_stopping_threshold, evaluation)
 
     def on_fit_start(self, run) -> None:
@@ -37,10 +39,12 @@ class EarlyStopping(Hook):
         if run.step == 0 and evaluations <= self.patience:
             every = self.evaluation.every
             schedule = f"every {every} steps" if every else "at the end of each epoch and of the run"
-            raise ConfigError(f"--early-stopping-patience {self.patience} can never stop this run: it evaluates "
-                              f"{evaluations} time{'s' if evaluations != 1 else ''} ({schedule}), and stopping takes "
-                              f"{self.patience} evaluations after the best one: evaluate more often (--eval-every N) "
-                              "or lower the patience")
+            raise ConfigError(
+                f"--early-stopping-patience {self.patience} can never stop this run: it evaluates "
+                f"{evaluations} time{'s' if evaluations != 1 else ''} ({schedule}), and stopping takes "
+                f"{self.patience} evaluations after the best one: evaluate more often (--eval-every N) "
+                "or lower the patience"
+            )
 
     def on_eval_end(self, run, metrics: dict) -> None:
         name = f"eval_{run.task.primary_metric}"
@@ -51,8 +55,10 @@ class EarlyStopping(Hook):
             return
         self.waited += 1
         if self.waited >= self.patience:
-            reason = (f"early stopping: {name} has not improved by more than {self.threshold:g} in {self.patience} "
-                      f"evaluations (best {self.best:.4g})")
+            reason = (
+                f"early stopping: {name} has not improved by more than {self.threshold:g} in {self.patience} "
+                f"evaluations (best {self.best:.4g})"
+            )
             logger.info(reason)
             run.request_stop(reason, finish=True)
 

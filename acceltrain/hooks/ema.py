@@ -18,7 +18,9 @@ class EMA(Hook):
         fit(cfg, model, optimizer, train_set, eval_set, hooks=[EMA(decay=0.999)])
     """
 
-    def __init__(self, decay: float = 0.999, every: int = 1, evaluate: bool = True, export: bool = True, name: str | None = None):
+    def __init__(
+        self, decay: float = 0.999, every: int = 1, evaluate: bool = True, export: bool = True, name: str | None = None
+    ):
         if not 0 < decay < 1:
             raise ConfigError(f"{type(self).__name__} decay {decay!r} is invalid: must be a number in (0, 1)")
         if every < 1:
@@ -31,17 +33,24 @@ class EMA(Hook):
     def on_fit_start(self, run) -> None:
         accelerator = run.accelerator
         sharded = accelerator.distributed_type == DistributedType.FSDP or (
-            accelerator.distributed_type == DistributedType.DEEPSPEED and accelerator.state.deepspeed_plugin.zero_stage == 3
+            accelerator.distributed_type == DistributedType.DEEPSPEED
+            and accelerator.state.deepspeed_plugin.zero_stage == 3
         )
         if sharded:
-            raise ConfigError(f"{type(self).__name__} needs every process to hold the full weights: FSDP and DeepSpeed ZeRO-3 "
-                              "shard them; use DDP or ZeRO-1/2")
+            raise ConfigError(
+                f"{type(self).__name__} needs every process to hold the full weights: FSDP and DeepSpeed ZeRO-3 "
+                "shard them; use DDP or ZeRO-1/2"
+            )
         self.live = accelerator.unwrap_model(run.model).state_dict(keep_vars=False)
         source = self._restored if self._restored is not None else self.live
         if set(source) != set(self.live):
-            raise ConfigError(f"the checkpoint's {type(self).__name__} weights do not match this model's parameters: resume with the same model")
-        self.average = {k: source[k].detach().to(self.live[k].device, torch.float32 if v.is_floating_point() else v.dtype).clone()
-                        for k, v in self.live.items()}
+            raise ConfigError(
+                f"the checkpoint's {type(self).__name__} weights do not match this model's parameters: resume with the same model"
+            )
+        self.average = {
+            k: source[k].detach().to(self.live[k].device, torch.float32 if v.is_floating_point() else v.dtype).clone()
+            for k, v in self.live.items()
+        }
         self._floats = [k for k, v in self.live.items() if v.is_floating_point()]
         self._others = [k for k, v in self.live.items() if not v.is_floating_point()]
 
@@ -49,7 +58,9 @@ class EMA(Hook):
     def on_step_end(self, run) -> None:
         if run.step % self.every:
             return
-        torch._foreach_lerp_([self.average[k] for k in self._floats], [self.live[k].float() for k in self._floats], 1 - self.decay)
+        torch._foreach_lerp_(
+            [self.average[k] for k in self._floats], [self.live[k].float() for k in self._floats], 1 - self.decay
+        )
         for key in self._others:
             self.average[key].copy_(self.live[key])
 

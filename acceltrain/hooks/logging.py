@@ -8,10 +8,10 @@ from pathlib import Path
 
 from accelerate.logging import get_logger
 
-from ..run_folder import METRICS_FILE
 from ..logs import show_progress
 from ..metrics import EventLog, peak_memory_mb, synchronize
 from ..options import LoggingOptions
+from ..run_folder import METRICS_FILE
 from ..tracking import finish_tracking, start_tracking
 from .base import Hook
 from .evaluation import Evaluation
@@ -38,8 +38,15 @@ class TrainingLog(Hook):
             self.first_step_seconds = time.perf_counter() - run.launch_started
         if run.step % self.every and run.step != run.total_steps:
             return
-        row = {"step": run.step, "epoch": run.epoch_progress, "loss": run.take_train_loss(), "lr": run.lr,
-               "wall_seconds": round(run.elapsed(), 3), **speed_figures(run, run.throughput.window()), **peak_memory_mb(run.accelerator.device)}
+        row = {
+            "step": run.step,
+            "epoch": run.epoch_progress,
+            "loss": run.take_train_loss(),
+            "lr": run.lr,
+            "wall_seconds": round(run.elapsed(), 3),
+            **speed_figures(run, run.throughput.window()),
+            **peak_memory_mb(run.accelerator.device),
+        }
         if run.grad_norm is not None:
             row["grad_norm"] = float(run.grad_norm)
         if run.skipped_steps or run.accelerator.mixed_precision == "fp16":
@@ -52,8 +59,12 @@ class TrainingLog(Hook):
         compile_seconds = None
         if run.cfg.compile and self.first_step_seconds is not None:  # the first step less a steady one
             compile_seconds = max(0.0, self.first_step_seconds - (ms_per_step or 0.0) / 1000)
-        summary.update(speed_figures(run, totals), timed_steps=totals["timed_steps"],
-                       first_step_seconds=self.first_step_seconds, compile_seconds=compile_seconds)
+        summary.update(
+            speed_figures(run, totals),
+            timed_steps=totals["timed_steps"],
+            first_step_seconds=self.first_step_seconds,
+            compile_seconds=compile_seconds,
+        )
 
 
 def speed_figures(run, figures: dict) -> dict:
@@ -66,7 +77,9 @@ def speed_figures(run, figures: dict) -> dict:
         out["tokens_per_second"] = rate * tokens_per_sample if rate else None
     if run.flops_per_sample and rate:
         out["model_tflops_per_second"] = rate * run.flops_per_sample / 1e12
-        out["mfu"] = rate * run.flops_per_sample / (run.peak_flops * run.accelerator.num_processes) if run.peak_flops else None
+        out["mfu"] = (
+            rate * run.flops_per_sample / (run.peak_flops * run.accelerator.num_processes) if run.peak_flops else None
+        )
     return out
 
 
@@ -109,18 +122,34 @@ class Trackers(Hook):
         self.run_id = state["run_id"]
 
     def on_fit_start(self, run) -> None:
-        self.run_id = start_tracking(
-            run.accelerator, run.cfg, self.names, run_name=run.cfg.run_name or run.output_dir.name,
-            output_dir=run.output_dir, run_config=self.run_config, resume_run_id=self.run_id,
-        ) or self.run_id
+        self.run_id = (
+            start_tracking(
+                run.accelerator,
+                run.cfg,
+                self.names,
+                run_name=run.cfg.run_name or run.output_dir.name,
+                output_dir=run.output_dir,
+                run_config=self.run_config,
+                resume_run_id=self.run_id,
+            )
+            or self.run_id
+        )
 
     def on_log(self, run, metrics: dict) -> None:
         if self.names:
-            run.accelerator.log({k: v for k, v in metrics.items() if k != "step" and v is not None}, step=metrics["step"])
+            run.accelerator.log(
+                {k: v for k, v in metrics.items() if k != "step" and v is not None}, step=metrics["step"]
+            )
 
     def on_fit_end(self, run, summary: dict) -> None:
-        finish_tracking(run.accelerator, self.names, summary, Path(summary["weights"]), run.cfg.log_model,
-                        extra_files=run.attached_files)
+        finish_tracking(
+            run.accelerator,
+            self.names,
+            summary,
+            Path(summary["weights"]),
+            run.cfg.log_model,
+            extra_files=run.attached_files,
+        )
 
 
 class Console(Hook):
@@ -143,18 +172,28 @@ class Console(Hook):
         from tqdm.auto import tqdm
 
         self.main = run.accelerator.is_main_process
-        self.bar = tqdm(total=run.total_steps, initial=run.step, desc="train", dynamic_ncols=True, disable=not (self.main and self.progress))
+        self.bar = tqdm(
+            total=run.total_steps,
+            initial=run.step,
+            desc="train",
+            dynamic_ncols=True,
+            disable=not (self.main and self.progress),
+        )
 
     def on_step_end(self, run) -> None:
         self.bar.update(1)
 
     def on_eval_end(self, run, metrics: dict) -> None:
         seconds = run.last_eval_seconds
-        if not self.bar.disable:  # the evaluation's time out of the training clock (tqdm's unpause() would drop the step's too)
+        if (
+            not self.bar.disable
+        ):  # the evaluation's time out of the training clock (tqdm's unpause() would drop the step's too)
             self.bar.start_t += seconds
             self.bar.last_print_t += seconds
         left = self.evaluation.left(run) if self.evaluation else 0
-        self.bar.set_postfix_str(f"+{left} eval{'s' if left != 1 else ''} ~{self.bar.format_interval(left * seconds)}" if left else "")
+        self.bar.set_postfix_str(
+            f"+{left} eval{'s' if left != 1 else ''} ~{self.bar.format_interval(left * seconds)}" if left else ""
+        )
 
     def on_log(self, run, metrics: dict) -> None:
         if self.main:

@@ -26,8 +26,10 @@ class Lookahead(EMA):
 
     def on_fit_start(self, run) -> None:
         if run.accelerator.distributed_type == DistributedType.DEEPSPEED:
-            raise ConfigError("Lookahead rewrites the weights between steps, and DeepSpeed's optimizer would overwrite them "
-                              "from its own copy: use DDP or one process")
+            raise ConfigError(
+                "Lookahead rewrites the weights between steps, and DeepSpeed's optimizer would overwrite them "
+                "from its own copy: use DDP or one process"
+            )
         super().on_fit_start(run)
 
     def on_step_end(self, run) -> None:
@@ -47,7 +49,9 @@ class Lookahead(EMA):
     def _update(self, run) -> None:
         progress = min(1.0, max(run.schedule_progress.time_fraction, run.step / run.total_steps))
         decay = self.decay**self.every * progress**3
-        torch._foreach_lerp_([self.average[k] for k in self._floats], [self.live[k].float() for k in self._floats], 1 - decay)
+        torch._foreach_lerp_(
+            [self.average[k] for k in self._floats], [self.live[k].float() for k in self._floats], 1 - decay
+        )
         for key in self._floats:
             self.live[key].copy_(self.average[key])
         self.updated_step = run.step

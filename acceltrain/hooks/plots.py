@@ -6,10 +6,9 @@ import importlib.util
 import json
 from pathlib import Path
 
-from ..run_folder import CURVES_FILE, METRICS_FILE
 from ..options import ConfigError, PlotOptions
+from ..run_folder import CURVES_FILE, METRICS_FILE
 from .base import Hook
-
 
 
 class Curves(Hook):

@@ -13,7 +13,6 @@ from ..options import ConfigError, ProfilingOptions, parse_step_range
 from ..run_folder import MEMORY_FILE
 from .base import Hook
 
-
 logger = get_logger(__name__)
 
 
@@ -37,8 +36,10 @@ class Profiler(Hook):
 
     def on_fit_start(self, run) -> None:
         if self.range[0] > run.total_steps:
-            raise ConfigError(f"--profile-steps {self.steps!r} starts after the run's last step ({run.total_steps}): "
-                              f"nothing would be profiled; give A:B with A <= {run.total_steps}")
+            raise ConfigError(
+                f"--profile-steps {self.steps!r} starts after the run's last step ({run.total_steps}): "
+                f"nothing would be profiled; give A:B with A <= {run.total_steps}"
+            )
         self.folder = run.output_dir / "profile"
         self.enabled = run.accelerator.is_main_process  # the others train
         self._step_ended(run, run.step)
@@ -60,7 +61,9 @@ class Profiler(Hook):
             from torch.profiler import ProfilerActivity, profile
 
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-            self._profiler = profile(activities=activities, record_shapes=True, profile_memory=True, with_stack=self.with_stack)
+            self._profiler = profile(
+                activities=activities, record_shapes=True, profile_memory=True, with_stack=self.with_stack
+            )
             self._profiler.__enter__()
         elif step == last:
             self._stop(run)
@@ -109,7 +112,9 @@ class MemoryReport(Hook):
         self.device = run.accelerator.device
         self.rows: list[dict] = []
         self._mark("model on device")
-        optimizer = getattr(run.optimizer, "optimizer", run.optimizer)  # the torch optimizer inside Accelerate's wrapper
+        optimizer = getattr(
+            run.optimizer, "optimizer", run.optimizer
+        )  # the torch optimizer inside Accelerate's wrapper
         module = run.accelerator.unwrap_model(run.model)
         self._handles = [
             module.register_forward_hook(lambda *_: self._mark("first forward")),

@@ -39,47 +39,71 @@ class CausalLMConfig(LoraOptions, TrainConfig):
     max_grad_norm: float | None = transformer_default("max_grad_norm", 1.0)
     # model
     model: str = option("gpt2-tiny", "architecture-size of a freshly initialised model", choices=MODEL_PRESETS)
-    model_name_or_path: str | None = option(None, "start from this pretrained model instead (local folder; Hub name when online)")
-    dropout: float = option(0.0, "dropout of a --model preset (GPT-2: embeddings, residuals, attention; Llama: attention)")
+    model_name_or_path: str | None = option(
+        None, "start from this pretrained model instead (local folder; Hub name when online)"
+    )
+    dropout: float = option(
+        0.0, "dropout of a --model preset (GPT-2: embeddings, residuals, attention; Llama: attention)"
+    )
     # data
     text_files: str | None = option(
         None, "comma-separated text files or globs ('data/*.txt'), read line by line (a list in YAML)", list_like=True
     )
     dataset_name: str | None = option(None, "Hub dataset with a 'text' column, instead of --text-files (online only)")
     train_file: str | None = option(
-        None, "supervised fine-tuning (SFT) rows instead of --text-files: a .jsonl, .json, .csv or .parquet file of prompt and "
+        None,
+        "supervised fine-tuning (SFT) rows instead of --text-files: a .jsonl, .json, .csv or .parquet file of prompt and "
         "response columns, or of a messages column (a conversation, rendered by the tokenizer's chat template)",
     )
-    eval_file: str | None = option(None, "SFT rows for evaluation, in the same format (default: --eval-fraction of the --train-file rows)")
+    eval_file: str | None = option(
+        None, "SFT rows for evaluation, in the same format (default: --eval-fraction of the --train-file rows)"
+    )
     prompt_column: str = option("prompt", "with --train-file: the prompt column (not trained on)")
-    response_column: str = option("response", "with --train-file: the response column (its tokens alone are trained on)")
+    response_column: str = option(
+        "response", "with --train-file: the response column (its tokens alone are trained on)"
+    )
     messages_column: str = option("messages", "with --train-file: the conversation column, used when the file has it")
-    group_by_length: bool = option(False, "with --train-file: batches of examples of similar lengths (less padding; still exactly resumable)")
+    group_by_length: bool = option(
+        False, "with --train-file: batches of examples of similar lengths (less padding; still exactly resumable)"
+    )
     dataset_config: str | None = option(None, "configuration of --dataset-name (e.g. wikitext-103-raw-v1)")
     tokenizer: str | None = option(
-        None, "tokenizer.json, tokenizer folder or Hub name; default: the --model-name-or-path folder's, else a BPE trained on the text"
+        None,
+        "tokenizer.json, tokenizer folder or Hub name; default: the --model-name-or-path folder's, else a BPE trained on the text",
     )
     vocab_size: int = option(8192, "vocabulary of the BPE trained when there is no --tokenizer")
     block_size: int | None = option(
-        None, "tokens per training sequence (context length); with --train-file, per example at most (longer ones "
+        None,
+        "tokens per training sequence (context length); with --train-file, per example at most (longer ones "
         f"cut); default: {BLOCK_SIZE}, or the --model-name-or-path model's positions when it has fewer",
     )
     eval_fraction: float = option(
-        0.05, "fraction of the blocks (with --train-file: of the rows) held out for evaluation, chosen by --seed (0: no evaluation)"
+        0.05,
+        "fraction of the blocks (with --train-file: of the rows) held out for evaluation, chosen by --seed (0: no evaluation)",
     )
-    streaming: bool = option(False, "read, tokenise and pack the text as training goes (text larger than memory); needs --max-steps")
-    eval_lines: int = option(2000, "with --streaming: the stream's first lines, held out in memory for evaluation (0: none)")
+    streaming: bool = option(
+        False, "read, tokenise and pack the text as training goes (text larger than memory); needs --max-steps"
+    )
+    eval_lines: int = option(
+        2000, "with --streaming: the stream's first lines, held out in memory for evaluation (0: none)"
+    )
     num_proc: int | None = option(
-        None, "processes that tokenise the text (default: one per CPU and per 10,000 lines, at most 8)", free_on_resume=True
+        None,
+        "processes that tokenise the text (default: one per CPU and per 10,000 lines, at most 8)",
+        free_on_resume=True,
     )
 
     def validate(self) -> None:
         super().validate()
         if self.train_file is None and (self.text_files is None) == (self.dataset_name is None):
-            raise ConfigError("give the training text with exactly one of --text-files FILES and --dataset-name NAME "
-                              "(or SFT rows with --train-file FILE)")
+            raise ConfigError(
+                "give the training text with exactly one of --text-files FILES and --dataset-name NAME "
+                "(or SFT rows with --train-file FILE)"
+            )
         if self.train_file is not None and (self.text_files is not None or self.dataset_name is not None):
-            raise ConfigError("give one of --train-file (SFT rows) and --text-files/--dataset-name (text to continue), not both")
+            raise ConfigError(
+                "give one of --train-file (SFT rows) and --text-files/--dataset-name (text to continue), not both"
+            )
         if self.train_file is not None and self.model_name_or_path is None:
             raise ConfigError("--train-file fine-tunes a pretrained model: give it with --model-name-or-path")
         if self.lora_r is not None and self.model_name_or_path is None:
@@ -87,18 +111,24 @@ class CausalLMConfig(LoraOptions, TrainConfig):
         if self.eval_file is not None and self.train_file is None:
             raise ConfigError("--eval-file needs --train-file")
         if self.train_file is not None and self.streaming:
-            raise ConfigError("--streaming reads --text-files or --dataset-name as a stream; --train-file rows are read into memory")
+            raise ConfigError(
+                "--streaming reads --text-files or --dataset-name as a stream; --train-file rows are read into memory"
+            )
         if self.dataset_config is not None and self.dataset_name is None:
             raise ConfigError("--dataset-config needs --dataset-name")
         if self.block_size is not None:
             require(self.block_size >= 2, "block_size", self.block_size, "an integer >= 2 (one token and the next)")
-        require(self.vocab_size >= 257, "vocab_size", self.vocab_size, "an integer >= 257 (256 bytes and <|endoftext|>)")
+        require(
+            self.vocab_size >= 257, "vocab_size", self.vocab_size, "an integer >= 257 (256 bytes and <|endoftext|>)"
+        )
         require(0 <= self.eval_fraction < 1, "eval_fraction", self.eval_fraction, "a fraction in [0, 1)")
         require(0 <= self.dropout < 1, "dropout", self.dropout, "a number in [0, 1)")
         require(self.eval_lines >= 0, "eval_lines", self.eval_lines, "an integer >= 0")
         if self.streaming and self.max_steps is None:
-            raise ConfigError("--streaming reads the text as a stream, which has no length to count epochs in: plan the "
-                              "run with --max-steps N (with --time-budget-minutes, the most it may train)")
+            raise ConfigError(
+                "--streaming reads the text as a stream, which has no length to count epochs in: plan the "
+                "run with --max-steps N (with --time-budget-minutes, the most it may train)"
+            )
         if self.num_proc is not None:
             require(self.num_proc >= 1, "num_proc", self.num_proc, "an integer >= 1")
 
@@ -144,17 +174,30 @@ def _continued(cfg: CausalLMConfig, folder, task_class) -> dict:
     if cfg.streaming:  # its first --eval-lines lines are held out; they (or its first BPE_LINES) train a BPE
         first_lines, rest = held_out_lines(texts, cfg.eval_lines or BPE_LINES)
         texts = rest if cfg.eval_lines else texts
-    tokenizer_source, flag = (cfg.tokenizer, "--tokenizer") if cfg.tokenizer else (cfg.model_name_or_path, "--model-name-or-path")
-    tokenizer = tokenizer_for_run(tokenizer_source, flag, first_lines, output_dir, cfg.vocab_size, resuming=cfg.resume is not None)
+    tokenizer_source, flag = (
+        (cfg.tokenizer, "--tokenizer") if cfg.tokenizer else (cfg.model_name_or_path, "--model-name-or-path")
+    )
+    tokenizer = tokenizer_for_run(
+        tokenizer_source, flag, first_lines, output_dir, cfg.vocab_size, resuming=cfg.resume is not None
+    )
     if cfg.model_name_or_path:
         model, cfg = _pretrained(cfg, vocab_size=len(tokenizer))
     else:
         cfg = dataclasses.replace(cfg, block_size=cfg.block_size or BLOCK_SIZE)
-        model = build_causal_lm(cfg.model, vocab_size=len(tokenizer), block_size=cfg.block_size, dropout=cfg.dropout,
-                                end_of_text_id=tokenizer.eos_token_id)
+        model = build_causal_lm(
+            cfg.model,
+            vocab_size=len(tokenizer),
+            block_size=cfg.block_size,
+            dropout=cfg.dropout,
+            end_of_text_id=tokenizer.eos_token_id,
+        )
     if cfg.streaming:
         train_set = streamed_blocks(texts, tokenizer, block_size=cfg.block_size, seed=cfg.seed)
-        eval_set = token_blocks(first_lines, tokenizer, block_size=cfg.block_size).with_format("torch") if cfg.eval_lines else None
+        eval_set = (
+            token_blocks(first_lines, tokenizer, block_size=cfg.block_size).with_format("torch")
+            if cfg.eval_lines
+            else None
+        )
     else:
         blocks = token_blocks(texts, tokenizer, block_size=cfg.block_size, num_proc=cfg.num_proc)
         train_set, eval_set = split_blocks(blocks, eval_fraction=cfg.eval_fraction, seed=cfg.seed)
@@ -188,14 +231,23 @@ def _supervised(cfg: CausalLMConfig, folder, task_class) -> dict:
 
     train_rows, eval_rows, train_where, eval_where = load_rows(cfg.train_file, cfg.eval_file, None, None)
     chat = cfg.messages_column in train_rows.column_names
-    columns = {"messages_column": cfg.messages_column} if chat else {"prompt_column": cfg.prompt_column, "response_column": cfg.response_column}
+    columns = (
+        {"messages_column": cfg.messages_column}
+        if chat
+        else {"prompt_column": cfg.prompt_column, "response_column": cfg.response_column}
+    )
     for rows, where in ((train_rows, train_where), (eval_rows, eval_where)):
         if rows is not None:
             check_columns(rows, where, **columns)
     tokenizer = pretrained_tokenizer(cfg.tokenizer, cfg.model_name_or_path)
     model, cfg = _pretrained(cfg, vocab_size=len(tokenizer))
-    encoding = {"block_size": cfg.block_size, "prompt": cfg.prompt_column, "response": cfg.response_column,
-                "messages": cfg.messages_column if chat else None, "num_proc": cfg.num_proc}
+    encoding = {
+        "block_size": cfg.block_size,
+        "prompt": cfg.prompt_column,
+        "response": cfg.response_column,
+        "messages": cfg.messages_column if chat else None,
+        "num_proc": cfg.num_proc,
+    }
     train_set = sft_examples(train_rows, tokenizer, where=train_where, **encoding)
     if eval_rows is None:
         train_set, eval_set = hold_out(train_set, cfg.eval_fraction, cfg.seed)
@@ -203,22 +255,36 @@ def _supervised(cfg: CausalLMConfig, folder, task_class) -> dict:
     else:
         eval_set = sft_examples(eval_rows, tokenizer, where=eval_where, **encoding)
     train_set, lengths, train_counts = sft_kept(train_set, block_size=cfg.block_size, where=train_where)
-    eval_set, _, eval_counts = (sft_kept(eval_set, block_size=cfg.block_size, where=eval_where) if eval_set is not None
-                                else (None, None, {"truncated": 0, "dropped": 0}))
+    eval_set, _, eval_counts = (
+        sft_kept(eval_set, block_size=cfg.block_size, where=eval_where)
+        if eval_set is not None
+        else (None, None, {"truncated": 0, "dropped": 0})
+    )
     train_set.fingerprint = file_fingerprint(cfg.train_file, cfg.eval_file)  # a resume refuses rows that changed since
     if cfg.group_by_length:
         train_set = LengthGrouped(train_set, lengths, batch_size=cfg.batch_size, seed=cfg.seed)
     tokens = sum(lengths) / len(lengths)  # an example's mean, padding left out
     task = task_class(tokens, flops_per_block(model, tokens))
-    report = DataReport({
-        "truncated_examples": {"train": train_counts["truncated"], "eval": eval_counts["truncated"]},
-        "dropped_examples": {"train": train_counts["dropped"], "eval": eval_counts["dropped"]},
-        "padded_token_fraction": first_epoch_padding(train_set, lengths, batch_size=cfg.batch_size, seed=cfg.seed),
-    })
+    report = DataReport(
+        {
+            "truncated_examples": {"train": train_counts["truncated"], "eval": eval_counts["truncated"]},
+            "dropped_examples": {"train": train_counts["dropped"], "eval": eval_counts["dropped"]},
+            "padded_token_fraction": first_epoch_padding(train_set, lengths, batch_size=cfg.batch_size, seed=cfg.seed),
+        }
+    )
     if folder.is_main_process:  # before training: the run folder loads with from_pretrained, tokenizer included
         save_tokenizer(tokenizer, folder.output_dir)
-    return fit(cfg, model, build_optimizer(model, cfg), train_set, eval_set, task=task, name=NAME, hooks=[report],
-               collate_fn=sft_batches(tokenizer))
+    return fit(
+        cfg,
+        model,
+        build_optimizer(model, cfg),
+        train_set,
+        eval_set,
+        task=task,
+        name=NAME,
+        hooks=[report],
+        collate_fn=sft_batches(tokenizer),
+    )
 
 
 def _pretrained(cfg: CausalLMConfig, *, vocab_size: int) -> tuple:

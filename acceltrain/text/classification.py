@@ -40,9 +40,15 @@ class TextClassificationTask(Task):
     primary_metric = "accuracy"
     higher_is_better = True
 
-    def __init__(self, labels: list[str], *, tokens_per_sample: float | None = None,
-                 flops_per_sample: float | None = None, label_smoothing: float = 0.0,
-                 class_weights: list[float] | None = None):
+    def __init__(
+        self,
+        labels: list[str],
+        *,
+        tokens_per_sample: float | None = None,
+        flops_per_sample: float | None = None,
+        label_smoothing: float = 0.0,
+        class_weights: list[float] | None = None,
+    ):
         self.labels = list(labels)
         self.tokens_per_sample, self.flops_per_sample = tokens_per_sample, flops_per_sample
         self.label_smoothing = label_smoothing
@@ -60,19 +66,27 @@ class TextClassificationTask(Task):
 
     def check_batch(self, batch) -> str | None:
         if not (isinstance(batch, Mapping) and "labels" in batch or _is_pair(batch)):
-            return (f"{describe(batch)}; {type(self).__name__} takes a mapping of the model's inputs and 'labels' (a "
-                    "tokenizer's padded output), or an (inputs, labels) pair")
+            return (
+                f"{describe(batch)}; {type(self).__name__} takes a mapping of the model's inputs and 'labels' (a "
+                "tokenizer's padded output), or an (inputs, labels) pair"
+            )
         return labels_problem(split(batch)[1])
 
     def eval_values(self, model: nn.Module, batch) -> dict[str, torch.Tensor]:
         logits, labels = self.logits_and_labels(model, batch)
         classes = len(self.labels)
         cells = F.one_hot(labels * classes + logits.argmax(dim=-1), classes * classes).T.float()
-        return {"loss": F.cross_entropy(logits, labels, reduction="none"), **{f"confusion_{i}": cell for i, cell in enumerate(cells)}}
+        return {
+            "loss": F.cross_entropy(logits, labels, reduction="none"),
+            **{f"confusion_{i}": cell for i, cell in enumerate(cells)},
+        }
 
     def eval_metrics(self, sums: dict[str, float], samples: int) -> dict[str, float]:
         classes = len(self.labels)
-        self.confusion = [[round(sums[f"confusion_{true * classes + predicted}"]) for predicted in range(classes)] for true in range(classes)]
+        self.confusion = [
+            [round(sums[f"confusion_{true * classes + predicted}"]) for predicted in range(classes)]
+            for true in range(classes)
+        ]
         report = per_class(self.confusion, self.labels)
         return {"loss": sums["loss"] / samples, "accuracy": report["accuracy"], "macro_f1": report["macro_f1"]}
 
@@ -83,8 +97,9 @@ def balanced_class_weights(labels: list[int], names: list[str]) -> list[float]:
     infinite)."""
     counts = torch.bincount(torch.as_tensor(labels), minlength=len(names)).tolist()
     if 0 in counts:
-        raise ConfigError(f"--class-weights balanced: class {names[counts.index(0)]!r} has no training example to "
-                          "weigh")
+        raise ConfigError(
+            f"--class-weights balanced: class {names[counts.index(0)]!r} has no training example to weigh"
+        )
     return [len(labels) / (len(names) * count) for count in counts]
 
 

@@ -40,29 +40,41 @@ def read_labels(train, eval_rows, column: str, train_where: str, eval_where: str
     feature = train.features[column]
     if hasattr(feature, "names"):  # datasets.ClassLabel: ids with names
         return Labels(list(feature.names), {index: index for index in range(len(feature.names))})
-    values = {where: _checked(rows[column], where, column) for rows, where in ((train, train_where), (eval_rows, eval_where)) if rows is not None}
+    values = {
+        where: _checked(rows[column], where, column)
+        for rows, where in ((train, train_where), (eval_rows, eval_where))
+        if rows is not None
+    }
     kinds = {where: _kind(labels, where, column) for where, labels in values.items()}
     if len(set(kinds.values())) > 1:
-        raise ConfigError(f"--label-column {column!r} holds {kinds[train_where]} labels in {train_where} and {kinds[eval_where]} "
-                          f"labels in {eval_where}: use one kind (class names, or class ids 0..K-1)")
+        raise ConfigError(
+            f"--label-column {column!r} holds {kinds[train_where]} labels in {train_where} and {kinds[eval_where]} "
+            f"labels in {eval_where}: use one kind (class names, or class ids 0..K-1)"
+        )
     trained = sorted(set(values[train_where]))
     if kinds[train_where] == "string":
         ids = {name: index for index, name in enumerate(trained)}
     else:
         if trained != list(range(len(trained))):
             wrong = next(label for index, label in enumerate(trained) if label != index)
-            raise ConfigError(f"--label-column {column!r}: label {wrong} in {train_where} is out of range: the {len(trained)} "
-                              f"integer labels must be the class ids 0..{len(trained) - 1} (or give class names as strings)")
+            raise ConfigError(
+                f"--label-column {column!r}: label {wrong} in {train_where} is out of range: the {len(trained)} "
+                f"integer labels must be the class ids 0..{len(trained) - 1} (or give class names as strings)"
+            )
         ids = {index: index for index in trained}
     if len(ids) < 2:
-        raise ConfigError(f"--label-column {column!r}: {train_where} has a single label, {shorten(trained[0])}: a classifier "
-                          "needs at least 2 classes")
+        raise ConfigError(
+            f"--label-column {column!r}: {train_where} has a single label, {shorten(trained[0])}: a classifier "
+            "needs at least 2 classes"
+        )
     if eval_where is not None:
         unknown = sorted(set(values[eval_where]) - ids.keys(), key=str)
         if unknown:
-            raise ConfigError(f"--label-column {column!r}: {eval_where} has label {shorten(unknown[0])}, which no training row has "
-                              f"(training labels: {', '.join(shorten(label, 40) for label in trained[:10])}"
-                              f"{' ...' if len(trained) > 10 else ''})")
+            raise ConfigError(
+                f"--label-column {column!r}: {eval_where} has label {shorten(unknown[0])}, which no training row has "
+                f"(training labels: {', '.join(shorten(label, 40) for label in trained[:10])}"
+                f"{' ...' if len(trained) > 10 else ''})"
+            )
     return Labels([str(label) for label in ids], ids)
 
 
@@ -75,21 +87,25 @@ def _checked(labels: list, where: str, column: str) -> list:
             label = int(label)
         if label is None or isinstance(label, bool) or not isinstance(label, (int, str)):
             what = "no label" if label is None else f"label {shorten(label)}, a {type(label).__name__}"
-            raise ConfigError(f"--label-column {column!r}: row {row} of {where} has {what}; labels are class names (strings) "
-                              "or class ids (integers)")
+            raise ConfigError(
+                f"--label-column {column!r}: row {row} of {where} has {what}; labels are class names (strings) "
+                "or class ids (integers)"
+            )
         checked.append(label)
     return checked
 
 
 def _kind(labels: list, where: str, column: str) -> str:
-    """"integer" or "string"; in a csv, whose columns are untyped, numbers among names are integers too."""
+    """ "integer" or "string"; in a csv, whose columns are untyped, numbers among names are integers too."""
     kind_of = [int if isinstance(label, int) or _integer_like(label) else str for label in labels]
     kinds = set(kind_of)
     if len(kinds) > 1:
         first = {kind: kind_of.index(kind) for kind in kinds}
-        raise ConfigError(f"--label-column {column!r} of {where} mixes integers and strings (the integer {labels[first[int]]!r} in row "
-                          f"{first[int]}, the string {shorten(labels[first[str]])} in row {first[str]}): use one kind (class names, or "
-                          "class ids)")
+        raise ConfigError(
+            f"--label-column {column!r} of {where} mixes integers and strings (the integer {labels[first[int]]!r} in row "
+            f"{first[int]}, the string {shorten(labels[first[str]])} in row {first[str]}): use one kind (class names, or "
+            "class ids)"
+        )
     return "integer" if {type(label) for label in labels} == {int} else "string"
 
 
@@ -104,12 +120,24 @@ def check_texts(rows, where: str, **columns: str | None) -> None:
         if column is not None:
             missing = next((row for row, value in enumerate(rows[column]) if not isinstance(value, str)), None)
             if missing is not None:
-                raise ConfigError(f"--{flag.replace('_', '-')} {column!r}: row {missing} of {where} has no text "
-                                  f"({shorten(rows[column][missing])})")
+                raise ConfigError(
+                    f"--{flag.replace('_', '-')} {column!r}: row {missing} of {where} has no text "
+                    f"({shorten(rows[column][missing])})"
+                )
 
 
-def encode_classification(rows, tokenizer, labels: Labels, *, text: str, pair: str | None, label: str, max_length: int,
-                          where: str, num_proc: int | None = None):
+def encode_classification(
+    rows,
+    tokenizer,
+    labels: Labels,
+    *,
+    text: str,
+    pair: str | None,
+    label: str,
+    max_length: int,
+    where: str,
+    num_proc: int | None = None,
+):
     """Examples with ``input_ids``, ``attention_mask`` (``token_type_ids``) and ``labels``, and, until
     :func:`classification_examples` takes them off, each one's ``length`` and whether it was ``truncated``."""
     check_texts(rows, where, text_column=text, text_pair_column=pair)
@@ -121,14 +149,29 @@ def encode_classification(rows, tokenizer, labels: Labels, *, text: str, pair: s
         else:
             whole = tokenizer(batch[text], batch[pair] if pair else None)["input_ids"]
             truncated = [len(ids) > max_length for ids in whole]
-        return {**encoded, "labels": [labels.ids[value if not isinstance(value, float) else int(value)] for value in batch[label]],
-                "truncated": truncated, "length": [len(ids) for ids in encoded["input_ids"]]}
+        return {
+            **encoded,
+            "labels": [labels.ids[value if not isinstance(value, float) else int(value)] for value in batch[label]],
+            "truncated": truncated,
+            "length": [len(ids) for ids in encoded["input_ids"]],
+        }
 
-    return on_main_process_first(lambda: rows.map(
-        encode, batched=True, num_proc=num_proc or default_num_proc(len(rows)), remove_columns=rows.column_names, desc="tokenize"))
+    return on_main_process_first(
+        lambda: rows.map(
+            encode,
+            batched=True,
+            num_proc=num_proc or default_num_proc(len(rows)),
+            remove_columns=rows.column_names,
+            desc="tokenize",
+        )
+    )
 
 
 def classification_examples(encoded):
     """(the examples as the model takes them, their lengths, how many were truncated)."""
     lengths, truncated = list(encoded["length"]), sum(encoded["truncated"])
-    return encoded.select_columns([column for column in MODEL_COLUMNS if column in encoded.column_names]), lengths, truncated
+    return (
+        encoded.select_columns([column for column in MODEL_COLUMNS if column in encoded.column_names]),
+        lengths,
+        truncated,
+    )

@@ -28,8 +28,9 @@ class ClassificationReport(Hook):
         summary["per_class_f1"] = {label: figures["f1"] for label, figures in report["per_class"].items()}
         if run.accelerator.is_main_process:
             (run.output_dir / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n")
-            confusion_figure(report["confusion_matrix"], report["labels"], title=f"{run.output_dir.name}, step {run.step}").savefig(
-                run.output_dir / CONFUSION_FILE, dpi=100)
+            confusion_figure(
+                report["confusion_matrix"], report["labels"], title=f"{run.output_dir.name}, step {run.step}"
+            ).savefig(run.output_dir / CONFUSION_FILE, dpi=100)
 
 
 def confusion_figure(confusion: list[list[int]], labels: list[str], title: str):
@@ -51,7 +52,14 @@ def confusion_figure(confusion: list[list[int]], labels: list[str], title: str):
     if len(labels) <= 30:  # beyond, the numbers would not fit their cells
         for true, row in enumerate(confusion):
             for predicted, count in enumerate(row):
-                axis.text(predicted, true, str(count), ha="center", va="center", color="white" if count > brightest / 2 else "black")
+                axis.text(
+                    predicted,
+                    true,
+                    str(count),
+                    ha="center",
+                    va="center",
+                    color="white" if count > brightest / 2 else "black",
+                )
     axis.set_title(title)
     figure.tight_layout()
     return figure

@@ -67,7 +67,9 @@ def expand_text_files(spec: str) -> list[str]:
             except OSError as err:  # a dangling link
                 raise ConfigError(f"--text-files {match!r} cannot be read: {err.strerror}") from None
             if kind == "a directory":
-                raise ConfigError(f"--text-files {match!r} is a directory: name the files, e.g. {os.path.join(match, '*.txt')!r}")
+                raise ConfigError(
+                    f"--text-files {match!r} is a directory: name the files, e.g. {os.path.join(match, '*.txt')!r}"
+                )
             if kind:  # a FIFO would block the reader for good, or read as empty
                 raise ConfigError(f"--text-files {match!r} is {kind}, not a regular file")
             if match not in files:
@@ -77,8 +79,13 @@ def expand_text_files(spec: str) -> list[str]:
     return [os.path.abspath(path) for path in files]
 
 
-def load_text(text_files: str | None, dataset_name: str | None = None, dataset_config: str | None = None, *,
-              streaming: bool = False):
+def load_text(
+    text_files: str | None,
+    dataset_name: str | None = None,
+    dataset_config: str | None = None,
+    *,
+    streaming: bool = False,
+):
     """A ``datasets.Dataset`` with one column, ``text``: the lines of ``text_files`` (line breaks kept)
     or the ``train`` split of the Hub dataset ``dataset_name``; ``streaming``: a ``datasets.IterableDataset``
     read as training goes (one shard per file), nothing loaded or cached up front."""
@@ -91,7 +98,9 @@ def load_text(text_files: str | None, dataset_name: str | None = None, dataset_c
 
         def read():
             try:
-                return datasets.load_dataset("text", data_files=files, split="train", keep_linebreaks=True, streaming=streaming)
+                return datasets.load_dataset(
+                    "text", data_files=files, split="train", keep_linebreaks=True, streaming=streaming
+                )
             except datasets.exceptions.DatasetGenerationError as err:
                 reason = one_line(err.__cause__ or err)
                 raise ConfigError(f"--text-files {text_files!r} cannot be read as UTF-8 text ({reason})") from None
@@ -130,7 +139,9 @@ def load_tokenizer(source: str, flag: str):
     return load_local_or_hub(AutoTokenizer.from_pretrained, source, flag, "a tokenizer")
 
 
-def tokenizer_for_run(source: str | None, flag: str, texts, output_dir: Path, vocab_size: int, *, resuming: bool = False):
+def tokenizer_for_run(
+    source: str | None, flag: str, texts, output_dir: Path, vocab_size: int, *, resuming: bool = False
+):
     """The tokenizer named by ``source``; without one, when ``resuming``, the run's own
     ``<output_dir>/tokenizer.json`` (its checkpoints were trained on that vocabulary), else a byte-level
     BPE trained on ``texts`` by the main process and saved there for the other processes and for
@@ -222,9 +233,13 @@ def token_blocks(texts, tokenizer, *, block_size: int, num_proc: int | None = No
     tokenize, pack = _tokenize_and_pack(tokenizer, block_size)
 
     def build():
-        tokens = texts.map(tokenize, batched=True, num_proc=num_proc, remove_columns=texts.column_names, desc="tokenize")
+        tokens = texts.map(
+            tokenize, batched=True, num_proc=num_proc, remove_columns=texts.column_names, desc="tokenize"
+        )
         # packing runs in one process: batches then start at the same rows whatever num_proc is
-        packed = tokens.with_format("numpy").map(pack, batched=True, batch_size=PACK_ROWS, desc=f"pack into blocks of {block_size}")
+        packed = tokens.with_format("numpy").map(
+            pack, batched=True, batch_size=PACK_ROWS, desc=f"pack into blocks of {block_size}"
+        )
         return packed, tokens
 
     blocks, tokens = on_main_process_first(build)
@@ -279,6 +294,11 @@ def split_blocks(blocks, *, eval_fraction: float, seed: int):
     one when the fraction is not 0), the rest for training; eval is None when the fraction is 0."""
     from .tables import hold_out
 
-    train, held_out = hold_out(blocks, eval_fraction, seed, unit="blocks in the text",
-                               remedy="more text, a smaller --block-size or a smaller --eval-fraction")
+    train, held_out = hold_out(
+        blocks,
+        eval_fraction,
+        seed,
+        unit="blocks in the text",
+        remedy="more text, a smaller --block-size or a smaller --eval-fraction",
+    )
     return train.with_format("torch"), held_out.with_format("torch") if held_out is not None else None

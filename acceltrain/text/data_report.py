@@ -17,8 +17,13 @@ class DataReport(Hook):
         self.entries = entries
 
     def on_fit_start(self, run) -> None:
-        logger.info("data: " + "; ".join(f"{key.replace('_', ' ')} {_shown(value, key.endswith('_fraction'))}"
-                                         for key, value in self.entries.items()))
+        logger.info(
+            "data: "
+            + "; ".join(
+                f"{key.replace('_', ' ')} {_shown(value, key.endswith('_fraction'))}"
+                for key, value in self.entries.items()
+            )
+        )
 
     def on_fit_end(self, run, summary: dict) -> None:
         summary.update(self.entries)

@@ -31,8 +31,10 @@ def text_fingerprint(files: list[str]) -> str:
                 file.seek(size - FINGERPRINT_END_BYTES)
                 digest.update(file.read())
     if not whole:
-        logger.info(f"the text's fingerprint covers each file's size and first and last MiB ({sum(sizes) / 2**30:.1f} GiB "
-                    "in all): a change elsewhere with the same size would not be noticed on resume")
+        logger.info(
+            f"the text's fingerprint covers each file's size and first and last MiB ({sum(sizes) / 2**30:.1f} GiB "
+            "in all): a change elsewhere with the same size would not be noticed on resume"
+        )
     return digest.hexdigest()
 
 

@@ -56,14 +56,19 @@ class LengthGrouped(Dataset):
     def _grouped(self, epoch: int) -> torch.Tensor:
         shuffled = torch.randperm(len(self), generator=torch.Generator().manual_seed(mix_seed(self.seed, epoch, 0x1E6)))
         group = GROUP_BATCHES * self.batch_size
-        groups = [indices[torch.argsort(self.lengths[indices], descending=True, stable=True)] for indices in shuffled.split(group)]
+        groups = [
+            indices[torch.argsort(self.lengths[indices], descending=True, stable=True)]
+            for indices in shuffled.split(group)
+        ]
         return torch.cat(groups)
 
 
 def first_epoch_padding(train_set, lengths: list[int], *, batch_size: int, seed: int) -> float:
     """The share of padding tokens in the first epoch's batches of ``batch_size`` as the loop draws them (grouped
     by length when ``train_set`` is :class:`LengthGrouped`): what padding per batch still costs."""
-    order = train_set.order(0) if isinstance(train_set, LengthGrouped) else EpochSampler(len(train_set), seed=seed).order(0)
-    batches = [order[start:start + batch_size] for start in range(0, len(order) - batch_size + 1, batch_size)]
+    order = (
+        train_set.order(0) if isinstance(train_set, LengthGrouped) else EpochSampler(len(train_set), seed=seed).order(0)
+    )
+    batches = [order[start : start + batch_size] for start in range(0, len(order) - batch_size + 1, batch_size)]
     padded = sum(len(batch) * max(lengths[index] for index in batch) for batch in batches)
     return 1 - sum(lengths[index] for batch in batches for index in batch) / padded if padded else 0.0

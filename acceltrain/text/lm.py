@@ -16,7 +16,9 @@ from .names import ARCHITECTURES, MODEL_PRESETS, MODEL_SIZES
 IGNORE_INDEX = -100  # a target position that is not predicted (padding, masked tokens)
 
 
-def build_causal_lm(preset: str, *, vocab_size: int, block_size: int, dropout: float = 0.0, end_of_text_id: int | None = None):
+def build_causal_lm(
+    preset: str, *, vocab_size: int, block_size: int, dropout: float = 0.0, end_of_text_id: int | None = None
+):
     """A freshly initialised ``<arch>-<size>`` model (see ``MODEL_PRESETS``) for ``vocab_size`` tokens and
     contexts of ``block_size``. Both architectures tie the output projection to the token embedding."""
     from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
@@ -28,15 +30,29 @@ def build_causal_lm(preset: str, *, vocab_size: int, block_size: int, dropout: f
     tokens = {"bos_token_id": end_of_text_id, "eos_token_id": end_of_text_id}
     if arch == "gpt2":
         config = GPT2Config(
-            vocab_size=vocab_size, n_positions=block_size, n_embd=size.width, n_layer=size.layers, n_head=size.heads,
-            resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout, **tokens,
+            vocab_size=vocab_size,
+            n_positions=block_size,
+            n_embd=size.width,
+            n_layer=size.layers,
+            n_head=size.heads,
+            resid_pdrop=dropout,
+            embd_pdrop=dropout,
+            attn_pdrop=dropout,
+            **tokens,
         )
     else:
         hidden = 64 * math.ceil(8 * size.width / 3 / 64)  # the SwiGLU width of the Llama papers, rounded up to 64
         config = LlamaConfig(
-            vocab_size=vocab_size, hidden_size=size.width, intermediate_size=hidden, num_hidden_layers=size.layers,
-            num_attention_heads=size.heads, num_key_value_heads=size.heads, max_position_embeddings=block_size,
-            attention_dropout=dropout, tie_word_embeddings=True, **tokens,
+            vocab_size=vocab_size,
+            hidden_size=size.width,
+            intermediate_size=hidden,
+            num_hidden_layers=size.layers,
+            num_attention_heads=size.heads,
+            num_key_value_heads=size.heads,
+            max_position_embeddings=block_size,
+            attention_dropout=dropout,
+            tie_word_embeddings=True,
+            **tokens,
         )
     return AutoModelForCausalLM.from_config(config)
 
@@ -62,7 +78,9 @@ def load_causal_lm(name_or_path: str, *, vocab_size: int, block_size: int | None
 def matmul_parameters(model: nn.Module) -> int:
     """Parameters that take part in matrix products: all of them except the input embedding tables
     (token and position lookups cost no FLOPs), with a tied output projection counted once as a matmul."""
-    lookups = {id(param) for module in model.modules() if isinstance(module, nn.Embedding) for param in module.parameters()}
+    lookups = {
+        id(param) for module in model.modules() if isinstance(module, nn.Embedding) for param in module.parameters()
+    }
     count = sum(param.numel() for param in model.parameters() if id(param) not in lookups)
     output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if output is not None and id(output.weight) in lookups:
@@ -76,7 +94,9 @@ def flops_per_block(model: nn.Module, block_size: int) -> int:
     width d. The second term is attention (scores and weighted sum), counted over the full T x T
     square although the causal mask makes half of it unnecessary, as in those references."""
     config = model.config
-    return 6 * matmul_parameters(model) * block_size + 12 * config.num_hidden_layers * config.hidden_size * block_size**2
+    return (
+        6 * matmul_parameters(model) * block_size + 12 * config.num_hidden_layers * config.hidden_size * block_size**2
+    )
 
 
 class CausalLMTask(Task):
@@ -102,9 +122,15 @@ class CausalLMTask(Task):
     def token_losses(self, model: nn.Module, batch) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-position cross-entropy [B, T-1] in float32 (0 where not predicted) and the mask of predicted positions.
         A batch padded per batch (SFT) brings its ``attention_mask``."""
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"), use_cache=False).logits[:, :-1].float()
+        logits = (
+            model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"), use_cache=False)
+            .logits[:, :-1]
+            .float()
+        )
         targets = self.targets(batch)
-        losses = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="none")
+        losses = F.cross_entropy(
+            logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="none"
+        )
         return losses.view_as(targets), targets != IGNORE_INDEX
 
     def train_loss(self, model: nn.Module, batch) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,8 +13,8 @@ from accelerate.logging import get_logger
 from ..distributed import on_main_process_first
 from ..hub import _few
 from ..logs import quiet_model_loading
-from ..options import ConfigError
 from ..network import load_local_or_hub, one_line
+from ..options import ConfigError
 from .corpus import load_tokenizer
 
 logger = get_logger(__name__)
@@ -39,26 +39,42 @@ def load_pretrained(auto_class: str, name_or_path: str, **settings):
 
     def load():
         with quiet_model_loading():  # its LOAD REPORT table: the lines below say what it means
-            return load_local_or_hub(lambda path: model_class.from_pretrained(path, output_loading_info=True, **settings),
-                                     source, flag, "a model")
+            return load_local_or_hub(
+                lambda path: model_class.from_pretrained(path, output_loading_info=True, **settings),
+                source,
+                flag,
+                "a model",
+            )
 
     model, info = on_main_process_first(load)
     reshaped = sorted(key for key, *_ in info.get("mismatched_keys", ()))
     if reshaped:
-        logger.info(f"{FLAG} {name_or_path!r}: {len(reshaped)} tensors of another shape ({_few(reshaped)}) start "
-                    "afresh: a head for other labels")
+        logger.info(
+            f"{FLAG} {name_or_path!r}: {len(reshaped)} tensors of another shape ({_few(reshaped)}) start "
+            "afresh: a head for other labels"
+        )
     new = sorted(set(info["missing_keys"]) - set(reshaped))
     if new:
-        logger.info(f"{FLAG} {name_or_path!r}: {len(new)} tensors the checkpoint lacks ({_few(new)}) start from random "
-                    "values (a new head)")
+        logger.info(
+            f"{FLAG} {name_or_path!r}: {len(new)} tensors the checkpoint lacks ({_few(new)}) start from random "
+            "values (a new head)"
+        )
     missing = set(info["missing_keys"]) | set(reshaped)
-    embeddings = next(f"{name}.weight" for name, module in model.named_modules() if module is model.get_input_embeddings())
+    embeddings = next(
+        f"{name}.weight" for name, module in model.named_modules() if module is model.get_input_embeddings()
+    )
     if embeddings in missing:
         unexpected = sorted(info["unexpected_keys"])
-        found = f"; it holds {', '.join(repr(key) for key in unexpected[:2])}{' ...' if len(unexpected) > 2 else ''}" if unexpected else ""
-        raise ConfigError(f"{FLAG} {name_or_path!r}: its weights do not fit its config.json ({len(missing)} of the model's tensors "
-                          f"missing, {embeddings!r} among them{found}): a PEFT model's weights saved as a model's? Give the base "
-                          "model's folder here (an adapter loads onto it with peft)")
+        found = (
+            f"; it holds {', '.join(repr(key) for key in unexpected[:2])}{' ...' if len(unexpected) > 2 else ''}"
+            if unexpected
+            else ""
+        )
+        raise ConfigError(
+            f"{FLAG} {name_or_path!r}: its weights do not fit its config.json ({len(missing)} of the model's tensors "
+            f"missing, {embeddings!r} among them{found}): a PEFT model's weights saved as a model's? Give the base "
+            "model's folder here (an adapter loads onto it with peft)"
+        )
     if base:
         model = continue_adapter(model, name_or_path, missing)
     return model, sorted(missing)
@@ -78,8 +94,10 @@ def adapter_base(name_or_path: str) -> str | None:
 
     adapter = load_local_or_hub(PeftConfig.from_pretrained, name_or_path, FLAG, "a PEFT adapter's config")
     if not adapter.base_model_name_or_path:
-        raise ConfigError(f"{FLAG} {name_or_path!r} is a PEFT adapter folder whose adapter_config.json names no base "
-                          "model (base_model_name_or_path)")
+        raise ConfigError(
+            f"{FLAG} {name_or_path!r} is a PEFT adapter folder whose adapter_config.json names no base "
+            "model (base_model_name_or_path)"
+        )
     return adapter.base_model_name_or_path
 
 
@@ -95,19 +113,26 @@ def continue_adapter(base, name_or_path: str, missing: set[str]):
     try:
         model = PeftModel.from_pretrained(base, name_or_path, is_trainable=True)
     except (RuntimeError, ValueError, KeyError) as err:
-        raise ConfigError(f"{FLAG} {name_or_path!r}: its LoRA adapter does not load onto its base model "
-                          f"({one_line(err, 400)})") from None
-    trained = {name.removeprefix("base_model.model.").replace(".base_layer.", "."): param.requires_grad
-               for name, param in model.named_parameters()}
+        raise ConfigError(
+            f"{FLAG} {name_or_path!r}: its LoRA adapter does not load onto its base model ({one_line(err, 400)})"
+        ) from None
+    trained = {
+        name.removeprefix("base_model.model.").replace(".base_layer.", "."): param.requires_grad
+        for name, param in model.named_parameters()
+    }
     random = sorted(name for name in missing if trained.get(name) is False)
     if random:
         more = " ..." if len(random) > 3 else ""
-        raise ConfigError(f"{FLAG} {name_or_path!r}: its LoRA adapter does not carry {', '.join(random[:3])}{more}, "
-                          "which its base model lacks too: they would train frozen at random values (an adapter saved "
-                          "without its new head?)")
+        raise ConfigError(
+            f"{FLAG} {name_or_path!r}: its LoRA adapter does not carry {', '.join(random[:3])}{more}, "
+            "which its base model lacks too: they would train frozen at random values (an adapter saved "
+            "without its new head?)"
+        )
     trainable, total = parameter_counts(model)
-    logger.info(f"continues training the LoRA adapter of {FLAG} {name_or_path!r} ({describe(model)}): "
-                f"{trainable:,} trainable of {total:,} parameters")
+    logger.info(
+        f"continues training the LoRA adapter of {FLAG} {name_or_path!r} ({describe(model)}): "
+        f"{trainable:,} trainable of {total:,} parameters"
+    )
     return model
 
 
@@ -120,15 +145,21 @@ def pretrained_tokenizer(tokenizer: str | None, model_name_or_path: str, *, flag
         source = model_name_or_path
         folder = Path(source).expanduser()
         if folder.is_dir() and not any((folder / name).is_file() for name in TOKENIZER_FILES):
-            raise ConfigError(f"{flag} {source!r} has no tokenizer (no {' or '.join(TOKENIZER_FILES)}): save the "
-                              "model's tokenizer there, or give one with --tokenizer")
+            raise ConfigError(
+                f"{flag} {source!r} has no tokenizer (no {' or '.join(TOKENIZER_FILES)}): save the "
+                "model's tokenizer there, or give one with --tokenizer"
+            )
     loaded = on_main_process_first(lambda: load_tokenizer(source, flag))
     if loaded.pad_token is None:
         if loaded.eos_token is None:
-            raise ConfigError(f"{flag} {source!r}: the tokenizer has neither a pad token nor an end-of-text token to pad batches "
-                              "with: add a pad token (tokenizer.add_special_tokens) and save it")
+            raise ConfigError(
+                f"{flag} {source!r}: the tokenizer has neither a pad token nor an end-of-text token to pad batches "
+                "with: add a pad token (tokenizer.add_special_tokens) and save it"
+            )
         loaded.pad_token = loaded.eos_token
-        logger.info(f"tokenizer: no pad token; batches are padded with the end-of-text token {loaded.eos_token!r} (masked out)")
+        logger.info(
+            f"tokenizer: no pad token; batches are padded with the end-of-text token {loaded.eos_token!r} (masked out)"
+        )
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # map and loader workers fork after the tokenizer ran
     return loaded
 
@@ -171,5 +202,7 @@ def check_vocabulary(model, tokenizer, name_or_path: str) -> None:
     """A tokenizer with more tokens than the model embeds would index past its embedding table."""
     embedded = embedded_tokens(model)
     if len(tokenizer) > embedded:
-        raise ConfigError(f"{FLAG} {name_or_path!r} embeds {embedded} tokens but the tokenizer has {len(tokenizer)}: use the "
-                          "model's own tokenizer (--tokenizer)")
+        raise ConfigError(
+            f"{FLAG} {name_or_path!r} embeds {embedded} tokens but the tokenizer has {len(tokenizer)}: use the "
+            "model's own tokenizer (--tokenizer)"
+        )

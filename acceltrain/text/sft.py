@@ -20,17 +20,32 @@ from .lm import IGNORE_INDEX
 KEPT, TRUNCATED, DROPPED = 0, 1, 2  # what happened to an example at block_size
 
 
-def sft_examples(rows, tokenizer, *, block_size: int, where: str, prompt: str, response: str, messages: str | None,
-                 num_proc: int | None = None):
+def sft_examples(
+    rows,
+    tokenizer,
+    *,
+    block_size: int,
+    where: str,
+    prompt: str,
+    response: str,
+    messages: str | None,
+    num_proc: int | None = None,
+):
     """Examples with ``input_ids`` and ``labels``, and, until :func:`sft_kept` takes them off, each one's ``length``
     and ``status`` (kept, truncated or dropped at ``block_size``). ``messages``: the conversation column, rendered by
     the chat template, when ``rows`` has it; else ``prompt`` and ``response`` columns. Every row is encoded before
     any is held out for evaluation, so that a message's row number is the file's."""
     chat = messages is not None
     if chat and not tokenizer.chat_template:
-        raise ConfigError(f"{where} has a {messages!r} column but the tokenizer has no chat template to render it: give a tokenizer "
-                          "with one (--tokenizer), or prompt and response columns")
-    pieces = _conversation_pieces(tokenizer, messages, where) if chat else _prompt_response_pieces(tokenizer, prompt, response, where)
+        raise ConfigError(
+            f"{where} has a {messages!r} column but the tokenizer has no chat template to render it: give a tokenizer "
+            "with one (--tokenizer), or prompt and response columns"
+        )
+    pieces = (
+        _conversation_pieces(tokenizer, messages, where)
+        if chat
+        else _prompt_response_pieces(tokenizer, prompt, response, where)
+    )
 
     def encode(batch, indices):
         encoded = {"input_ids": [], "labels": [], "status": [], "length": []}
@@ -50,9 +65,16 @@ def sft_examples(rows, tokenizer, *, block_size: int, where: str, prompt: str, r
             encoded["length"].append(len(ids))
         return encoded
 
-    return on_main_process_first(lambda: rows.map(
-        encode, batched=True, with_indices=True, num_proc=num_proc or default_num_proc(len(rows)), remove_columns=rows.column_names,
-        desc="tokenize"))
+    return on_main_process_first(
+        lambda: rows.map(
+            encode,
+            batched=True,
+            with_indices=True,
+            num_proc=num_proc or default_num_proc(len(rows)),
+            remove_columns=rows.column_names,
+            desc="tokenize",
+        )
+    )
 
 
 def sft_kept(encoded, *, block_size: int, where: str):
@@ -61,8 +83,10 @@ def sft_kept(encoded, *, block_size: int, where: str):
     statuses, lengths = list(encoded["status"]), list(encoded["length"])
     counts = {"truncated": statuses.count(TRUNCATED), "dropped": statuses.count(DROPPED)}
     if counts["dropped"] == len(encoded):
-        raise ConfigError(f"--block-size {block_size}: every example of {where} has a prompt that fills it, leaving no response "
-                          "token to train on: raise --block-size")
+        raise ConfigError(
+            f"--block-size {block_size}: every example of {where} has a prompt that fills it, leaving no response "
+            "token to train on: raise --block-size"
+        )
     kept = [index for index, status in enumerate(statuses) if status != DROPPED]
     examples = encoded.remove_columns(["status", "length"])
     if counts["dropped"]:
@@ -74,7 +98,9 @@ def _prompt_response_pieces(tokenizer, prompt: str, response: str, where: str):
     """Row -> [(prompt, not trained, with the tokenizer's special tokens: a BOS), (response, trained), (EOS, trained)]."""
     end = tokenizer.eos_token_id
     if end is None:
-        raise ConfigError("the tokenizer has no end-of-text token to end each response with: give one that has (--tokenizer)")
+        raise ConfigError(
+            "the tokenizer has no end-of-text token to end each response with: give one that has (--tokenizer)"
+        )
 
     def pieces(row, index):
         question, answer = row[prompt], row[response]
@@ -82,7 +108,9 @@ def _prompt_response_pieces(tokenizer, prompt: str, response: str, where: str):
             if not isinstance(value, str):
                 raise ConfigError(f"row {index} of {where}: the {column!r} column holds {shorten(value)}, not text")
         if not answer.strip():
-            raise ConfigError(f"row {index} of {where}: the response ({response!r} column) is empty: nothing to train on")
+            raise ConfigError(
+                f"row {index} of {where}: the response ({response!r} column) is empty: nothing to train on"
+            )
         return [(question, False, True), (answer, True, False), ([end], True, False)]
 
     return pieces
@@ -98,29 +126,37 @@ def _conversation_pieces(tokenizer, column: str, where: str):
         try:
             return tokenizer.apply_chat_template(messages, tokenize=False, **options)
         except TemplateError as err:  # the template's own raise_exception("Conversation roles must be ...")
-            raise ConfigError(f"row {index} of {where}: the tokenizer's chat template refuses the conversation: "
-                              f"{first_line(err)}") from None
+            raise ConfigError(
+                f"row {index} of {where}: the tokenizer's chat template refuses the conversation: {first_line(err)}"
+            ) from None
 
     def pieces(row, index):
         messages = row[column]
-        if not isinstance(messages, list) or not all(isinstance(m, dict) and isinstance(m.get("content"), str) and m.get("role")
-                                                     for m in messages):
-            raise ConfigError(f"row {index} of {where}: the {column!r} column holds {shorten(messages)}, not a list of "
-                              "{'role': ..., 'content': ...} messages")
+        if not isinstance(messages, list) or not all(
+            isinstance(m, dict) and isinstance(m.get("content"), str) and m.get("role") for m in messages
+        ):
+            raise ConfigError(
+                f"row {index} of {where}: the {column!r} column holds {shorten(messages)}, not a list of "
+                "{'role': ..., 'content': ...} messages"
+            )
         turns = [turn for turn, message in enumerate(messages) if message["role"] == "assistant"]
         if not turns:
             raise ConfigError(f"row {index} of {where}: the conversation has no assistant message to train on")
         if turns[0] == 0:  # its generation prompt would be that of an empty conversation, which templates refuse
-            raise ConfigError(f"row {index} of {where}: the conversation starts with an assistant message, which no "
-                              "prompt precedes to train it on: start it with a user (or system) message")
+            raise ConfigError(
+                f"row {index} of {where}: the conversation starts with an assistant message, which no "
+                "prompt precedes to train it on: start it with a user (or system) message"
+            )
         whole, cuts = render(messages, index), []
         for turn in turns:
             if not messages[turn]["content"].strip():
                 raise ConfigError(f"row {index} of {where}: assistant message {turn} is empty: nothing to train on")
             start, end = render(messages[:turn], index, add_generation_prompt=True), render(messages[: turn + 1], index)
             if not (whole.startswith(end) and end.startswith(start)):
-                raise ConfigError("the tokenizer's chat template does not render a conversation's beginning as the beginning of the "
-                                  "whole, so its assistant tokens cannot be told apart: use prompt and response columns")
+                raise ConfigError(
+                    "the tokenizer's chat template does not render a conversation's beginning as the beginning of the "
+                    "whole, so its assistant tokens cannot be told apart: use prompt and response columns"
+                )
             cuts.append((len(start), len(end)))
         result, done = [], 0
         for start, end in cuts:

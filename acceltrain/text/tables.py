@@ -14,8 +14,8 @@ import torch
 
 from ..data import mix_seed
 from ..distributed import on_main_process_first
-from ..options import ConfigError, file_kind
 from ..network import one_line
+from ..options import ConfigError, file_kind
 
 TABLE_KINDS = {".csv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 EVAL_SPLITS = ("validation", "test")  # a Hub dataset's split for evaluation, the first there is
@@ -34,7 +34,9 @@ def load_rows(train_file: str | None, eval_file: str | None, dataset_name: str |
             raise ConfigError(f"--dataset-name {dataset_name!r} has no 'train' split (splits: {', '.join(splits)})")
         train, train_where = splits["train"], f"--dataset-name {dataset_name!r} (split train)"
         split = next((name for name in EVAL_SPLITS if name in splits), None)
-        eval_rows, eval_where = (splits[split], f"--dataset-name {dataset_name!r} (split {split})") if split else (None, None)
+        eval_rows, eval_where = (
+            (splits[split], f"--dataset-name {dataset_name!r} (split {split})") if split else (None, None)
+        )
     if eval_file is not None:
         eval_rows, eval_where = load_table(eval_file, "--eval-file"), f"--eval-file {eval_file!r}"
     return train, eval_rows, train_where, eval_where
@@ -83,8 +85,10 @@ def _hub_splits(name: str, config: str | None) -> dict:
             with _quiet("datasets"):
                 return datasets.load_dataset(name, config)
         except (OSError, ValueError, datasets.exceptions.DatasetsError) as err:
-            raise ConfigError(f"--dataset-name {name!r} could not be loaded from the Hugging Face Hub ({one_line(err)}); "
-                              "offline, use --train-file with a local copy") from None
+            raise ConfigError(
+                f"--dataset-name {name!r} could not be loaded from the Hugging Face Hub ({one_line(err)}); "
+                "offline, use --train-file with a local copy"
+            ) from None
 
     return dict(on_main_process_first(fetch))
 
@@ -106,18 +110,24 @@ def check_columns(rows, where: str, **columns: str | None) -> None:
     """Each ``flag=column`` (``text_column="text"``) names a column of ``rows``; else one line with the columns there are."""
     for flag, column in columns.items():
         if column is not None and column not in rows.column_names:
-            raise ConfigError(f"--{flag.replace('_', '-')} {column!r} is not a column of {where}: its columns are "
-                              f"{', '.join(rows.column_names)}")
+            raise ConfigError(
+                f"--{flag.replace('_', '-')} {column!r} is not a column of {where}: its columns are "
+                f"{', '.join(rows.column_names)}"
+            )
 
 
-def hold_out(rows, fraction: float, seed: int, *, unit: str = "rows", remedy: str = "more data or a smaller --eval-fraction"):
+def hold_out(
+    rows, fraction: float, seed: int, *, unit: str = "rows", remedy: str = "more data or a smaller --eval-fraction"
+):
     """(train, held out): a seeded ``fraction`` of ``rows`` held out (at least one when it is not 0; None when it
     is), both in their original order."""
     if fraction == 0:
         return rows, None
     held = max(1, round(fraction * len(rows)))
     if held >= len(rows):
-        raise ConfigError(f"--eval-fraction {fraction} leaves no training data: there are only {len(rows)} {unit}; use {remedy}")
+        raise ConfigError(
+            f"--eval-fraction {fraction} leaves no training data: there are only {len(rows)} {unit}; use {remedy}"
+        )
     order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(mix_seed(seed, 0xE7A1))).tolist()
     eval_rows, train_rows = sorted(order[:held]), sorted(order[held:])
     return rows.select(train_rows, keep_in_memory=True), rows.select(eval_rows, keep_in_memory=True)

@@ -53,7 +53,9 @@ class CropFlip:
         if flip not in FLIPS:
             raise ConfigError(f"flip {flip!r} is invalid: choose one of {', '.join(FLIPS)}")
         if padding_mode not in PADDING_MODES:
-            raise ConfigError(f"crop padding mode {padding_mode!r} is invalid: choose one of {', '.join(PADDING_MODES)}")
+            raise ConfigError(
+                f"crop padding mode {padding_mode!r} is invalid: choose one of {', '.join(PADDING_MODES)}"
+            )
         self.padding = padding
         self.flip = flip
         self.padding_mode = padding_mode
@@ -99,8 +101,12 @@ class CropFlip:
         columns = torch.where(flip.view(-1, 1).bool(), width - 1 - columns, columns) + left.view(-1, 1) - pad
         if self.padding_mode == "reflect":  # what F.pad(mode="reflect") puts there: the edge pixel is not repeated
             rows, columns = _reflect(rows, height), _reflect(columns, width)
-        inside = ((rows >= 0) & (rows < height)).view(batch, 1, height, 1) & ((columns >= 0) & (columns < width)).view(batch, 1, 1, width)
-        source = rows.clamp(0, height - 1).view(batch, height, 1) * width + columns.clamp(0, width - 1).view(batch, 1, width)
+        inside = ((rows >= 0) & (rows < height)).view(batch, 1, height, 1) & ((columns >= 0) & (columns < width)).view(
+            batch, 1, 1, width
+        )
+        source = rows.clamp(0, height - 1).view(batch, height, 1) * width + columns.clamp(0, width - 1).view(
+            batch, 1, width
+        )
         cropped = images.flatten(2).gather(2, source.view(batch, 1, -1).expand(batch, channels, -1))
         return cropped.view(batch, channels, height, width).masked_fill_(~inside, 0)
 

@@ -58,7 +58,9 @@ class ImageClassification(Dataset):
         self.seed = seed
         self.mean = torch.tensor(mean).view(-1, 1, 1) * 255
         self.std = torch.tensor(std).view(-1, 1, 1) * 255
-        self.cache_dir = cache_dir  # where --data-on-device caches decoded files; None: $ACCELTRAIN_CACHE, else ~/.cache/acceltrain
+        self.cache_dir = (
+            cache_dir  # where --data-on-device caches decoded files; None: $ACCELTRAIN_CACHE, else ~/.cache/acceltrain
+        )
         self.progress = progress
 
     def __len__(self) -> int:
@@ -81,14 +83,23 @@ class ImageClassification(Dataset):
             image = self.augment(image, self.seed, epoch, index)
         return self._normalise(image), self.labels[index]
 
-    def device_loader(self, *, batch_size: int, seed: int, device, process_index: int, num_processes: int, channels_last: bool):
+    def device_loader(
+        self, *, batch_size: int, seed: int, device, process_index: int, num_processes: int, channels_last: bool
+    ):
         """``--data-on-device``: the whole set on ``device``, batches gathered and augmented there (see
         :class:`acceltrain.vision.DeviceImageLoader`)."""
         from .device_loader import DeviceImageLoader
 
         return DeviceImageLoader.from_dataset(
-            self, batch_size=batch_size, seed=seed, device=device, process_index=process_index,
-            num_processes=num_processes, channels_last=channels_last, cache_dir=self.cache_dir, progress=self.progress,
+            self,
+            batch_size=batch_size,
+            seed=seed,
+            device=device,
+            process_index=process_index,
+            num_processes=num_processes,
+            channels_last=channels_last,
+            cache_dir=self.cache_dir,
+            progress=self.progress,
         )
 
     def decoded(self) -> "ImageClassification":
@@ -153,7 +164,9 @@ def scan_image_folder(
     for split in ("train", "test"):
         split_dir = root / split
         if not split_dir.is_dir():
-            raise ConfigError(f"--data-dir {data_dir!r} has no {split}/ folder (expected train/<class>/* and test/<class>/*)")
+            raise ConfigError(
+                f"--data-dir {data_dir!r} has no {split}/ folder (expected train/<class>/* and test/<class>/*)"
+            )
         classes = sorted(p.name for p in split_dir.iterdir() if p.is_dir())
         if not classes:
             raise ConfigError(f"--data-dir {data_dir!r}: {split}/ has no class folders (expected {split}/<class>/*)")
@@ -166,7 +179,9 @@ def scan_image_folder(
         for label, name in enumerate(classes):
             files = sorted(str(p) for p in (split_dir / name).iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
             if not files:
-                raise ConfigError(f"--data-dir {data_dir!r}: {split}/{name}/ holds no images ({', '.join(IMAGE_SUFFIXES)})")
+                raise ConfigError(
+                    f"--data-dir {data_dir!r}: {split}/{name}/ holds no images ({', '.join(IMAGE_SUFFIXES)})"
+                )
             paths += files
             labels += [label] * len(files)
         splits[split] = (paths, labels, classes)
@@ -192,8 +207,10 @@ def _without_bad_images(splits: dict, root: Path, skip: bool, progress: bool | N
     named = ", ".join(f"{os.path.relpath(path, root)} ({reason})" for path, reason in list(bad.items())[:3])
     count = f"{len(bad)} unreadable image file{'s' if len(bad) > 1 else ''}"
     if not skip:
-        raise ConfigError(f"--data-dir {str(root)!r}: {count}: {named}{', ...' if len(bad) > 3 else ''}; "
-                          "remove or replace them, or pass --skip-bad-images to train without them")
+        raise ConfigError(
+            f"--data-dir {str(root)!r}: {count}: {named}{', ...' if len(bad) > 3 else ''}; "
+            "remove or replace them, or pass --skip-bad-images to train without them"
+        )
     if os.environ.get("RANK", "0") == "0":
         logger.warning(f"--skip-bad-images: skipped {count} in {str(root)!r}: {named}{', ...' if len(bad) > 3 else ''}")
     kept = {}
@@ -224,7 +241,9 @@ def image_datasets(
     augment = CropFlip() if augment is None else augment
     if is_hub_dataset(name):
         if data_dir:
-            raise ConfigError(f"--data-dir is not used by the Hub dataset {name!r}, which lives in the HF cache (HF_HOME): leave it out")
+            raise ConfigError(
+                f"--data-dir is not used by the Hub dataset {name!r}, which lives in the HF cache (HF_HOME): leave it out"
+            )
         (train_images, train_labels, classes), (eval_images, eval_labels, _) = hub_image_arrays(name, image_size)
     elif name == "cifar10":
         root = data_dir or "data"

@@ -144,7 +144,9 @@ class DeviceImageLoader(LoaderStateMixin):
         mine = order[: count * processes * size].view(count, processes, size)[:, self.process_index]
         return mine.to(self.images.device, non_blocking=True)
 
-    def make_batch(self, indices: torch.Tensor, draws: tuple[torch.Tensor, ...] | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def make_batch(
+        self, indices: torch.Tensor, draws: tuple[torch.Tensor, ...] | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Gather, crop/flip, lay out and normalise one batch: uint8 until the last step (4x less traffic)."""
         images = self.images.index_select(0, indices)  # on CPU 30x faster than images[indices]
         if draws is not None:
@@ -216,16 +218,28 @@ def decoded_images(
             return cached
         if mismatch is None:
             megabytes = len(paths) * 3 * image_size**2 / 1e6
-            logger.info(f"decoding {len(paths)} image files once into {cache_file} ({megabytes:.1f} MB; {CACHE_ENV} sets the folder)")
+            logger.info(
+                f"decoding {len(paths)} image files once into {cache_file} ({megabytes:.1f} MB; {CACHE_ENV} sets the folder)"
+            )
         else:
-            logger.warning(f"the decoded-image cache {cache_file} does not match ({mismatch}): decoding the {len(paths)} images again")
+            logger.warning(
+                f"the decoded-image cache {cache_file} does not match ({mismatch}): decoding the {len(paths)} images again"
+            )
         images = torch.empty(shape, dtype=torch.uint8)
-        bar = tqdm(paths, desc="decoding images", unit="file", leave=False, dynamic_ncols=True,
-                   disable=not (state.is_main_process and show_progress(progress)))
+        bar = tqdm(
+            paths,
+            desc="decoding images",
+            unit="file",
+            leave=False,
+            dynamic_ncols=True,
+            disable=not (state.is_main_process and show_progress(progress)),
+        )
         for position, path in enumerate(bar):
             images[position] = decode_image_file(path, image_size)
         partial = cache_file.with_name(f".{cache_file.name}.{os.getpid()}.tmp")
-        save_file({"images": images}, str(partial), metadata={"fingerprint": fingerprint, "sha256": _content_hash(images)})
+        save_file(
+            {"images": images}, str(partial), metadata={"fingerprint": fingerprint, "sha256": _content_hash(images)}
+        )
         os.replace(partial, cache_file)  # readers never see a half-written cache
         return images
 

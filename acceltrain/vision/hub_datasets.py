@@ -37,13 +37,17 @@ def _load(name: str, image_size: int):
         raise ConfigError(f"--dataset {name!r} has no train split (it has {', '.join(splits)})")
     eval_split = next((split for split in EVAL_SPLITS if split in splits), None)
     if eval_split is None:
-        raise ConfigError(f"--dataset {name!r} has no test or validation split to evaluate on (it has {', '.join(splits)})")
+        raise ConfigError(
+            f"--dataset {name!r} has no test or validation split to evaluate on (it has {', '.join(splits)})"
+        )
     features = splits["train"].features
     image_column = _only_column(name, features, datasets.Image, "image")
     label_column = _only_column(name, features, datasets.ClassLabel, "ClassLabel label")
     classes = list(features[label_column].names)
-    return tuple(_pixels(name, splits[split], split, image_column, label_column, image_size) + (classes,)
-                 for split in ("train", eval_split))
+    return tuple(
+        _pixels(name, splits[split], split, image_column, label_column, image_size) + (classes,)
+        for split in ("train", eval_split)
+    )
 
 
 def _only_column(name: str, features, kind: type, what: str) -> str:
@@ -51,21 +55,31 @@ def _only_column(name: str, features, kind: type, what: str) -> str:
     if len(found) != 1:
         listed = ", ".join(f"{column} ({type(feature).__name__})" for column, feature in features.items())
         count = "no" if not found else f"{len(found)}"
-        raise ConfigError(f"--dataset {name!r} has {count} {what} columns, and acceltrain needs exactly one: its columns are {listed}")
+        raise ConfigError(
+            f"--dataset {name!r} has {count} {what} columns, and acceltrain needs exactly one: its columns are {listed}"
+        )
     return found[0]
 
 
-def _pixels(name: str, split_set, split: str, image_column: str, label_column: str, image_size: int) -> tuple[torch.Tensor, list[int]]:
+def _pixels(
+    name: str, split_set, split: str, image_column: str, label_column: str, image_size: int
+) -> tuple[torch.Tensor, list[int]]:
     """The split's images as uint8 (N, 3, S, S), decoded by ``Dataset.map`` (cached in the HF cache), and its labels."""
     import datasets
 
     labels = list(split_set[label_column])
     if min(labels, default=0) < 0:
-        raise ConfigError(f"--dataset {name!r}: its {split} split has unlabelled samples (label -1); it cannot be trained or evaluated on")
+        raise ConfigError(
+            f"--dataset {name!r}: its {split} split has unlabelled samples (label -1); it cannot be trained or evaluated on"
+        )
     features = datasets.Features({"pixels": datasets.Array3D((3, image_size, image_size), "uint8")})
     decoded = split_set.map(
-        _to_pixels, batched=True, fn_kwargs={"column": image_column, "image_size": image_size},
-        remove_columns=split_set.column_names, features=features, desc=f"decoding {split} images",
+        _to_pixels,
+        batched=True,
+        fn_kwargs={"column": image_column, "image_size": image_size},
+        remove_columns=split_set.column_names,
+        features=features,
+        desc=f"decoding {split} images",
     )
     images = decoded.with_format("torch", dtype=torch.uint8)[:]["pixels"]  # torch's default for integers is int64
     return images, labels

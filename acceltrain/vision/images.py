@@ -29,7 +29,9 @@ def decode_image_file(path: str, image_size: int) -> torch.Tensor:
         with Image.open(path) as image:
             return torch.from_numpy(rgb_chw(image, image_size))
     except (OSError, SyntaxError, ValueError) as err:  # PIL reports damaged data as any of these
-        raise UnreadableImage(f"image file {path!r} cannot be decoded ({first_line(err)}): remove or replace it") from None
+        raise UnreadableImage(
+            f"image file {path!r} cannot be decoded ({first_line(err)}): remove or replace it"
+        ) from None
 
 
 def rgb_chw(image, image_size: int):

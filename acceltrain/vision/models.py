@@ -18,7 +18,9 @@ class TinyResNet(nn.Module):
 
     def __init__(self, num_classes: int = 10, width: int = 16):
         super().__init__()
-        self.stem = nn.Sequential(nn.Conv2d(3, width, 3, padding=1, bias=False), nn.BatchNorm2d(width), nn.ReLU(inplace=True))
+        self.stem = nn.Sequential(
+            nn.Conv2d(3, width, 3, padding=1, bias=False), nn.BatchNorm2d(width), nn.ReLU(inplace=True)
+        )
         stages, channels = [], width
         for stage_index in range(3):
             out_channels = width * 2**stage_index
@@ -54,7 +56,9 @@ def build_resnet(name: str, num_classes: int = 10, stem: str = "cifar") -> nn.Mo
     return model
 
 
-@loadable("acceltrain.vision.build_model", pipeline_tag="image-classification")  # acceltrain.hub.load_model() rebuilds it
+@loadable(
+    "acceltrain.vision.build_model", pipeline_tag="image-classification"
+)  # acceltrain.hub.load_model() rebuilds it
 def build_model(name: str, num_classes: int = 10, stem: str = "cifar") -> nn.Module:
     """Any of ``MODELS``, freshly initialised: a ResNet (:func:`build_resnet`) or the fast CIFAR net, which
     has its own stem."""
@@ -63,5 +67,7 @@ def build_model(name: str, num_classes: int = 10, stem: str = "cifar") -> nn.Mod
     if name in RESNETS:
         return build_resnet(name, num_classes, stem)
     if stem != "cifar":
-        raise ConfigError(f"--stem {stem!r} is invalid for --model {name}, which has its own stem: --stem applies to the ResNets")
+        raise ConfigError(
+            f"--stem {stem!r} is invalid for --model {name}, which has its own stem: --stem applies to the ResNets"
+        )
     return FastCifarNet(num_classes)

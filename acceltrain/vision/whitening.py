@@ -21,12 +21,16 @@ def whitening_images(dataset, count: int, *, seed: int) -> torch.Tensor:
     return torch.stack([dataset[i][0] for i in indices.tolist()])
 
 
-def patch_moments(images: torch.Tensor, kernel_size: tuple[int, int], dilation: tuple[int, int] = (1, 1)) -> tuple[torch.Tensor, torch.Tensor]:
+def patch_moments(
+    images: torch.Tensor, kernel_size: tuple[int, int], dilation: tuple[int, int] = (1, 1)
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(mean, covariance) in float64 of every ``kernel_size`` patch of ``images`` (N, C, H, W), flattened
     in a conv weight's (C, kh, kw) order; accumulated over chunks so memory stays bounded."""
     channels = images.shape[1]
     dimension = channels * kernel_size[0] * kernel_size[1]
-    positions = (images.shape[2] - dilation[0] * (kernel_size[0] - 1)) * (images.shape[3] - dilation[1] * (kernel_size[1] - 1))
+    positions = (images.shape[2] - dilation[0] * (kernel_size[0] - 1)) * (
+        images.shape[3] - dilation[1] * (kernel_size[1] - 1)
+    )
     chunk = max(1, 2**23 // max(1, positions * dimension))
     total = torch.zeros(dimension, dtype=torch.float64)
     products = torch.zeros(dimension, dimension, dtype=torch.float64)

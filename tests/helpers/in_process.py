@@ -7,7 +7,6 @@ import contextlib
 from pathlib import Path
 
 import torch
-
 from conftest import reset_accelerate_state
 
 

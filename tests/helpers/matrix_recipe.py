@@ -17,7 +17,17 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from acceltrain import ClassificationTask, Hook, LoraOptions, TrainConfig, apply_lora, build_optimizer, fit, option, run_recipe
+from acceltrain import (
+    ClassificationTask,
+    Hook,
+    LoraOptions,
+    TrainConfig,
+    apply_lora,
+    build_optimizer,
+    fit,
+    option,
+    run_recipe,
+)
 from acceltrain.vision import ImageClassification, synthetic_images
 
 VOCAB, BLOCK = 64, 8
@@ -28,8 +38,12 @@ class MatrixConfig(LoraOptions, TrainConfig):
     kind: str = option("cnn", "the model", choices=("cnn", "lm", "lora"))
     base: str | None = option(None, "--kind lora: the base model's folder")
     sigterm_at: int | None = option(None, "every process sends itself SIGTERM after this step", free_on_resume=True)
-    die_mid_save: int | None = option(None, "every process SIGKILLs itself inside the save of this step", free_on_resume=True)
-    peaking_metric: bool = option(False, "the primary metric of the evaluations is 0.1, 0.5, 0.3, 0.2, ...: best at the 2nd")
+    die_mid_save: int | None = option(
+        None, "every process SIGKILLs itself inside the save of this step", free_on_resume=True
+    )
+    peaking_metric: bool = option(
+        False, "the primary metric of the evaluations is 0.1, 0.5, 0.3, 0.2, ...: best at the 2nd"
+    )
 
 
 PEAK = (0.1, 0.5, 0.3, 0.2)
@@ -68,10 +82,13 @@ def die_inside_the_save_of(step: int) -> None:
             if f"step_{step:08d}" in str(args[1] if len(args) > 1 else args[0]):
                 os.kill(os.getpid(), signal.SIGKILL)
             return result
+
         return wrapped
 
     manager.save_loop_state = dying(manager.save_loop_state)  # (accelerator, folder): every process, every engine
-    writers.write_part = dying(writers.write_part)  # (part, folder): the model and optimizer files, in the writer thread
+    writers.write_part = dying(
+        writers.write_part
+    )  # (part, folder): the model and optimizer files, in the writer thread
 
 
 class TokenBlocks(torch.utils.data.Dataset):
@@ -119,8 +136,10 @@ class SentenceTask(ClassificationTask):
 
     def eval_values(self, model, batch):
         logits = model(input_ids=batch["input_ids"]).logits
-        return {"loss": nn.functional.cross_entropy(logits, batch["labels"], reduction="none"),
-                "accuracy": (logits.argmax(dim=1) == batch["labels"]).float()}
+        return {
+            "loss": nn.functional.cross_entropy(logits, batch["labels"], reduction="none"),
+            "accuracy": (logits.argmax(dim=1) == batch["labels"]).float(),
+        }
 
 
 def build(cfg: MatrixConfig):
@@ -129,15 +148,35 @@ def build(cfg: MatrixConfig):
     if cfg.kind == "cnn":
         (x, y), (x_eval, y_eval) = synthetic_images(64, 16, seed=cfg.seed)
         classes = [str(i) for i in range(10)]
-        model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
-                              nn.Linear(8, 10))
-        return model, ImageClassification(x, y, classes), ImageClassification(x_eval, y_eval, classes), ClassificationTask()
+        model = nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1),
+            nn.BatchNorm2d(8),
+            nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
+            nn.Linear(8, 10),
+        )
+        return (
+            model,
+            ImageClassification(x, y, classes),
+            ImageClassification(x_eval, y_eval, classes),
+            ClassificationTask(),
+        )
     if cfg.kind == "lm":
         from transformers import GPT2Config, GPT2LMHeadModel
 
-        config = GPT2Config(vocab_size=VOCAB, n_positions=BLOCK, n_embd=16, n_layer=1, n_head=2, bos_token_id=0, eos_token_id=0,
-                            resid_pdrop=0.0, embd_pdrop=0.0,
-                            attn_pdrop=0.0)
+        config = GPT2Config(
+            vocab_size=VOCAB,
+            n_positions=BLOCK,
+            n_embd=16,
+            n_layer=1,
+            n_head=2,
+            bos_token_id=0,
+            eos_token_id=0,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        )
         model = GPT2LMHeadModel(config)
         assert model.lm_head.weight is model.transformer.wte.weight, "tied"
         return model, TokenBlocks(64, cfg.seed), TokenBlocks(16, cfg.seed + 1), NextToken()

@@ -36,7 +36,11 @@ def reviews(count: int, seed: int = 0, labels=("neg", "pos"), words: tuple[int, 
     rows = []
     for index in range(count):
         label = labels[index % len(labels)]
-        text = review(rng, label, words) if label in ("pos", "neg") else " ".join(rng.choice(NEUTRAL) for _ in range(rng.randint(*words)))
+        text = (
+            review(rng, label, words)
+            if label in ("pos", "neg")
+            else " ".join(rng.choice(NEUTRAL) for _ in range(rng.randint(*words)))
+        )
         rows.append({"text": text, "label": label})
     return rows
 
@@ -80,42 +84,86 @@ def bert_folder(path: Path, *, with_tokenizer: bool = True) -> Path:
     tokenizer.normalizer = normalizers.BertNormalizer(lowercase=True)
     tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     tokenizer.post_processor = processors.TemplateProcessing(
-        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
-    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="[PAD]", unk_token="[UNK]", cls_token="[CLS]",
-                                   sep_token="[SEP]", mask_token="[MASK]")
-    config = BertConfig(vocab_size=len(fast), hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-                        max_position_embeddings=128, pad_token_id=fast.pad_token_id, hidden_dropout_prob=0.0,
-                        attention_probs_dropout_prob=0.0)
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[("[CLS]", 2), ("[SEP]", 3)]
+    )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        pad_token="[PAD]",
+        unk_token="[UNK]",
+        cls_token="[CLS]",
+        sep_token="[SEP]",
+        mask_token="[MASK]",
+    )
+    config = BertConfig(
+        vocab_size=len(fast),
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=128,
+        pad_token_id=fast.pad_token_id,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
     _seeded(BertForMaskedLM, config).save_pretrained(path)
     if with_tokenizer:
         fast.save_pretrained(path)
     return path
 
 
-def causal_lm_folder(path: Path, *, arch: str = "gpt2", pad_token: bool = False, chat_template: bool = False,
-                     positions: int = 256) -> Path:
+def causal_lm_folder(
+    path: Path, *, arch: str = "gpt2", pad_token: bool = False, chat_template: bool = False, positions: int = 256
+) -> Path:
     """A 2-layer GPT-2 (or Llama) causal LM of ``positions`` positions with a word-level tokenizer that has
     <|endoftext|> (and, if asked, a pad token and a chat template with <|im_start|> and <|im_end|>)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-    specials = ["<unk>", "<|endoftext|>", *(["<|pad|>"] if pad_token else []), *(["<|im_start|>", "<|im_end|>"] if chat_template else [])]
+    specials = [
+        "<unk>",
+        "<|endoftext|>",
+        *(["<|pad|>"] if pad_token else []),
+        *(["<|im_start|>", "<|im_end|>"] if chat_template else []),
+    ]
     tokenizer = Tokenizer(models.WordLevel(_vocabulary(specials), unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", eos_token="<|endoftext|>",
-                                   pad_token="<|pad|>" if pad_token else None,
-                                   additional_special_tokens=["<|im_start|>", "<|im_end|>"] if chat_template else None)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        unk_token="<unk>",
+        eos_token="<|endoftext|>",
+        pad_token="<|pad|>" if pad_token else None,
+        additional_special_tokens=["<|im_start|>", "<|im_end|>"] if chat_template else None,
+    )
     if chat_template:
         fast.chat_template = CHAT_TEMPLATE
     eos = fast.eos_token_id
     if arch == "gpt2":
-        config = GPT2Config(vocab_size=len(fast), n_positions=positions, n_embd=32, n_layer=2, n_head=2,
-                            bos_token_id=eos, eos_token_id=eos, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        config = GPT2Config(
+            vocab_size=len(fast),
+            n_positions=positions,
+            n_embd=32,
+            n_layer=2,
+            n_head=2,
+            bos_token_id=eos,
+            eos_token_id=eos,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        )
         model = _seeded(GPT2LMHeadModel, config)
     else:
-        config = LlamaConfig(vocab_size=len(fast), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                             num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=positions,
-                             bos_token_id=eos, eos_token_id=eos, tie_word_embeddings=True)
+        config = LlamaConfig(
+            vocab_size=len(fast),
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            max_position_embeddings=positions,
+            bos_token_id=eos,
+            eos_token_id=eos,
+            tie_word_embeddings=True,
+        )
         model = _seeded(LlamaForCausalLM, config)
     model.save_pretrained(path)
     fast.save_pretrained(path)
@@ -144,8 +192,14 @@ def conversations(count: int, seed: int = 0) -> list[dict]:
     """``{"messages": [...]}`` rows of a user turn and an assistant turn (sometimes two of each)."""
     rows = []
     for index, row in enumerate(instructions(2 * count, seed)[:count]):
-        messages = [{"role": "user", "content": row["prompt"]}, {"role": "assistant", "content": row["response"].strip()}]
+        messages = [
+            {"role": "user", "content": row["prompt"]},
+            {"role": "assistant", "content": row["response"].strip()},
+        ]
         if index % 3 == 0:
-            messages += [{"role": "user", "content": "again"}, {"role": "assistant", "content": row["response"].strip()}]
+            messages += [
+                {"role": "user", "content": "again"},
+                {"role": "assistant", "content": row["response"].strip()},
+            ]
         rows.append({"messages": messages})
     return rows

@@ -25,11 +25,18 @@ class TinyConfig(TrainConfig):
     masked_loss: bool = option(False, "train on classes 0-4 only, as (loss sum, target count): like padded tokens")
     count_allreduce: bool = option(False, "count DDP gradient all-reduces (a comm hook) into rank<N>.json")
     ema_decay: float | None = option(None, "add the EMA hook with this decay (exported as model.safetensors)")
-    die_at_step: int | None = option(None, "every process kills itself (SIGKILL) at this step, on torchrun's first attempt only")
-    sleep_per_step: float = option(0.0, "seconds to sleep after each optimizer step: a slow run to signal (the maths unchanged)")
+    die_at_step: int | None = option(
+        None, "every process kills itself (SIGKILL) at this step, on torchrun's first attempt only"
+    )
+    sleep_per_step: float = option(
+        0.0, "seconds to sleep after each optimizer step: a slow run to signal (the maths unchanged)"
+    )
     stream: str | None = option(None, "train on the images as a stream", choices=("torch", "hf"))
-    stream_drop: str = option("0", "with --stream torch: comma list, by rank, of samples each process's stream leaves out at "
-                                   "its end (a stream sharded unevenly across processes)")
+    stream_drop: str = option(
+        "0",
+        "with --stream torch: comma list, by rank, of samples each process's stream leaves out at "
+        "its end (a stream sharded unevenly across processes)",
+    )
 
 
 class ImageStream(torch.utils.data.IterableDataset):
@@ -56,7 +63,9 @@ def hf_stream(images: ImageClassification, seed: int):
     """The same images as a Hugging Face streaming dataset (4 shards, shuffled per pass), stateful itself."""
     import datasets
 
-    plain = datasets.Dataset.from_dict({"image": [images[i][0].numpy() for i in range(len(images))], "label": images.labels.tolist()})
+    plain = datasets.Dataset.from_dict(
+        {"image": [images[i][0].numpy() for i in range(len(images))], "label": images.labels.tolist()}
+    )
     return plain.with_format("torch").to_iterable_dataset(num_shards=4).shuffle(seed=seed, buffer_size=16)
 
 
@@ -142,7 +151,9 @@ def build_net(batchnorm: bool) -> nn.Module:
 
 
 def main(cfg: TinyConfig, hooks=(), task=None) -> None:
-    (train_images, train_labels), (eval_images, eval_labels) = synthetic_images(cfg.num_train, cfg.num_eval, seed=cfg.seed)
+    (train_images, train_labels), (eval_images, eval_labels) = synthetic_images(
+        cfg.num_train, cfg.num_eval, seed=cfg.seed
+    )
     classes = [str(i) for i in range(10)]
     train_set = ImageClassification(train_images, train_labels, classes, augment=CropFlip(), seed=cfg.seed)
     eval_set = ImageClassification(eval_images, eval_labels, classes)
@@ -167,7 +178,9 @@ def main(cfg: TinyConfig, hooks=(), task=None) -> None:
     rank = int(os.environ.get("RANK", "0"))
     out = Path(summary["config"]["output_dir"])
     weights = model.state_dict()
-    if not any(hasattr(v, "full_tensor") for v in weights.values()):  # FSDP's shards: model.safetensors holds them gathered
+    if not any(
+        hasattr(v, "full_tensor") for v in weights.values()
+    ):  # FSDP's shards: model.safetensors holds them gathered
         save_file({k: v.contiguous() for k, v in weights.items()}, str(out / f"rank{rank}.safetensors"))
     counts = {"steps": optimizer.steps, "zero_grads": optimizer.zero_grads, "lrs": optimizer.lrs, **allreduce_counter}
     (out / f"rank{rank}.json").write_text(json.dumps(counts))
