@@ -16,7 +16,6 @@ import functools
 import inspect
 import json
 import os
-import shlex
 import sys
 from collections.abc import Callable
 from importlib import import_module
@@ -31,9 +30,7 @@ from torch.nn.modules.module import (
 
 from . import __version__
 from .auto_classes import auto_class
-from .config import TrainConfig
 from .logs import quiet_model_loading
-from .network import check_reachable
 from .options import ConfigError, first_line, parse_json, shorten
 from .run_folder import (
     ADAPTER_CONFIG_FILE,
@@ -45,8 +42,6 @@ from .run_folder import (
 )
 
 BUILD_ATTRIBUTE = "acceltrain_build"  # set on a built model: {"builder": key, "kwargs": {...}}
-# what a repo gets from the run folder: top-level files only (no checkpoints/, wandb/, logs/, .lock)
-HUB_FILES = ["README.md", "*.json", "*.jsonl", "*.safetensors", "*.yaml", "*.txt", "*.png"]
 _BUILDERS: dict[str, tuple[Callable[..., nn.Module], str]] = {}  # key -> (builder, Hub pipeline tag)
 # every module that defines a @loadable builder: load_model imports them, so that the allow-list is complete in any
 # process (the packages import their modules lazily: ``import acceltrain.vision`` registers nothing)
@@ -408,66 +403,3 @@ def check_fits_own_config(model: nn.Module, shapes: dict[str, tuple[int, ...]] |
             f"the {own_class(model).__name__}'s weights would not load into the model its own {CONFIG_FILE} builds, so "
             f"from_pretrained would leave them random: {problem}; keep its modules as its config builds them"
         )
-
-
-# --------------------------------------------------------------------------- --push-to-hub
-
-
-def upload_command(repo_id: str, folder: Path | str) -> str:
-    """The CLI line that uploads a run folder as ``--push-to-hub`` does: its top-level files only."""
-    return shlex.join(["hf", "upload", repo_id, str(folder), "--exclude", "*/*"])
-
-
-WITHOUT_PUSH = (
-    f"or drop --push-to-hub (the run folder is Hub-ready: upload it later with `{upload_command('REPO', 'RUN_DIR')}`)"
-)
-
-
-def prepare_repo(cfg: TrainConfig, output_dir: Path) -> str:
-    """Before training: a token, the Hub online and answering, and the repo created (or already there)
-    with write access; returns its id. Every failure is one line."""
-    import huggingface_hub
-    from huggingface_hub.errors import HfHubHTTPError, HFValidationError
-    from huggingface_hub.utils import validate_repo_id
-
-    name = cfg.hub_model_id or output_dir.name
-    try:
-        validate_repo_id(name)
-    except HFValidationError as err:
-        raise ConfigError(f"--hub-model-id {name!r} is invalid: {first_line(err)}") from None
-    if huggingface_hub.is_offline_mode():
-        raise ConfigError(f"--push-to-hub cannot work with HF_HUB_OFFLINE set: unset it, {WITHOUT_PUSH}")
-    if huggingface_hub.get_token() is None:
-        raise ConfigError(
-            f"--push-to-hub needs a Hugging Face token with write access: `hf auth login` or HF_TOKEN, {WITHOUT_PUSH}"
-        )
-    api = huggingface_hub.HfApi()
-    check_reachable(api.endpoint, "the Hugging Face Hub", WITHOUT_PUSH.removeprefix("or "))
-    try:
-        return api.create_repo(name, private=cfg.hub_private or None, exist_ok=True).repo_id
-    except HfHubHTTPError as err:
-        status = err.response.status_code if err.response is not None else None
-        if status == 401:
-            raise ConfigError(
-                f"the Hugging Face Hub at {api.endpoint} rejected the token (check it: `hf auth whoami`), {WITHOUT_PUSH}"
-            ) from None
-        raise ConfigError(
-            f"the Hugging Face Hub refused to create repo {name!r} ({status}: {first_line(err, 200)}), {WITHOUT_PUSH}"
-        ) from None
-
-
-def push_folder(repo_id: str, output_dir: Path, summary: dict) -> str:
-    """Upload the run folder's top-level files (weights, configs, card, summary, metrics); returns the commit URL."""
-    from huggingface_hub import HfApi
-
-    metric = next(
-        (f"{k} {summary[k]:.4g}" for k in ("eval_accuracy", "eval_loss") if summary.get(k) is not None), "no eval"
-    )
-    commit = HfApi().upload_folder(
-        repo_id=repo_id,
-        folder_path=output_dir,
-        allow_patterns=HUB_FILES,
-        ignore_patterns=["*/*"],
-        commit_message=f"acceltrain run {output_dir.name}: {summary['steps']} steps, {metric}",
-    )
-    return commit.commit_url

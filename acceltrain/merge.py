@@ -217,10 +217,10 @@ def _merge_adapter(tensors: dict, checkpoint: Path, out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .config import _OneLineParser
+    from .config_parser import OneLineParser
     from .run_folder import CONFIG_FILE
 
-    parser = _OneLineParser(prog="acceltrain merge", description=__doc__, allow_abbrev=False)
+    parser = OneLineParser(prog="acceltrain merge", description=__doc__, allow_abbrev=False)
     parser.add_argument("checkpoint", help="a checkpoint folder, e.g. runs/NAME/checkpoints/step_00001000")
     parser.add_argument("out", help="a new folder for model.safetensors, its config and the run's tokenizer files")
     try:

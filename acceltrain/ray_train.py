@@ -81,9 +81,9 @@ def _bad_input_line(error_file: str, recipe: str) -> str:
 def build_parser() -> argparse.ArgumentParser:
     """Bad flags raise ConfigError (one line); an abbreviation is refused as the recipes refuse one (--num-w is a
     typo); --num-workers is checked by :func:`_check`, so that a mistyped flag is named before a missing one."""
-    from .config import _OneLineParser
+    from .config_parser import OneLineParser
 
-    parser = _OneLineParser(
+    parser = OneLineParser(
         prog="acceltrain ray",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,

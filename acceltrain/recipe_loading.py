@@ -84,10 +84,10 @@ def unrecognized_arguments(
 ) -> Exception:
     """The one line for the tokens no parser took (``acceltrain bench`` and ``acceltrain ray``): each flag with the
     closest one ``parser`` or ``more_flags`` knows (a typo's likely meaning), then ``hint``: where flags are listed."""
-    from .config import _with_suggestion
+    from .config_parser import with_suggestion
     from .options import ConfigError
 
     flags = [flag for action in parser._actions for flag in action.option_strings] + more_flags
     return ConfigError(
-        "unrecognized arguments: " + " ".join(_with_suggestion(token, flags) for token in tokens) + f" ({hint})"
+        "unrecognized arguments: " + " ".join(with_suggestion(token, flags) for token in tokens) + f" ({hint})"
     )

@@ -10,7 +10,7 @@ import sys
 import pytest
 from conftest import REPO, subprocess_env
 
-PARSER_CALL = re.compile(r"\b(ArgumentParser|_OneLineParser|add_parser)\(")
+PARSER_CALL = re.compile(r"\b(ArgumentParser|OneLineParser|add_parser)\(")
 
 # Builds every parser of each entry point by asking for its --help (nothing runs), and records each one made
 # with the file that made it; the benchmarks are scripts with work at import: they run in this child alone.

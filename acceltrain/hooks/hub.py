@@ -15,11 +15,9 @@ from ..hub import (
     check_fits_own_config,
     describe_checkpoints,
     is_transformers_model,
-    prepare_repo,
-    push_folder,
-    upload_command,
     write_model_files,
 )
+from ..hub_upload import prepare_repo, push_folder, upload_command
 from ..lora import check_backend, is_peft_model, merge_requested, parameter_counts
 from ..model_card import model_card, write_train_config
 from ..options import HubOptions, first_line
