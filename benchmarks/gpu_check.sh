@@ -11,7 +11,10 @@
 #      accelerate launch on one GPU, evaluated every epoch until 94% (target: <= 2.5 s, <= 10 epochs);
 #   6. airbench94's own code on the same GPU, the ratio's baseline (benchmarks/peers.py --rows airbench);
 #   7. FSDP2's sharded checkpoints on the GPU (issue 32): GPT-2 small under fsdp.yaml, a save every 10 steps,
-#      synchronous vs --async-checkpoint: the seconds saving blocked training (target: async <= 0.2x).
+#      synchronous vs --async-checkpoint: the seconds saving blocked training (target: async <= 0.2x);
+#   8. checkpoints that always resume, on the GPU (issue 36): README's own FSDP example (fsdp.yaml, bf16, a BatchNorm
+#      ResNet), stopped at step 10 with --async-checkpoint and resumed, against the run never stopped (target: the
+#      same model.safetensors bytes).
 # Prepare once on a machine with network: bash benchmarks/gpu_wheels.sh  (wheels into .device/wheels)
 # Then, with the device tool:  run(command="bash benchmarks/gpu_check.sh", carry=[".device"], timeout_s=590)
 # Results: $OUT (the device tool's output folder) or benchmarks/results/gpu/.
@@ -88,3 +91,12 @@ for mode in sync async; do
 done
 python3 -c "import json, sys; s = [json.load(open(p)) for p in sys.argv[1:]]; print({'sync_checkpoint_seconds': s[0]['checkpoint_seconds'], 'async_checkpoint_seconds': s[1]['checkpoint_seconds'], 'ratio': round(s[1]['checkpoint_seconds'] / s[0]['checkpoint_seconds'], 3), 'tokens_per_second': [x.get('tokens_per_second') for x in s]})" \
     "$RESULTS/fsdp_sync/summary.json" "$RESULTS/fsdp_async/summary.json" 2>/dev/null | tee "$RESULTS/fsdp_checkpoints.txt"
+
+echo "== 8. FSDP2 + bf16 + BatchNorm on one GPU: async checkpoint, stop, resume = the run never stopped"
+ARGS="--model resnet_tiny --dataset synthetic --batch-size 64 --max-steps 20 --save-every-steps 5 --mixed-precision bf16 --report-to none --no-progress"
+LAUNCH="python3 -m accelerate.commands.launch --config_file accelerate_configs/fsdp.yaml --num_processes 1 recipes/resnet_cifar.py"
+timeout 100 $LAUNCH $ARGS --output-dir "$RESULTS/resume_full" --overwrite > "$RESULTS/resume_full.log" 2>&1 || echo "resume full: failed"
+timeout 100 $LAUNCH $ARGS --async-checkpoint --stop-after-steps 10 --output-dir "$RESULTS/resume_cut" --overwrite > "$RESULTS/resume_cut.log" 2>&1
+timeout 100 $LAUNCH $ARGS --async-checkpoint --resume auto --output-dir "$RESULTS/resume_cut" > "$RESULTS/resume_cut2.log" 2>&1 || echo "resume: failed"
+cmp -s "$RESULTS/resume_full/model.safetensors" "$RESULTS/resume_cut/model.safetensors" && echo "resumed: the same bytes" \
+    | tee "$RESULTS/resume.txt" || echo "resumed: DIFFERENT bytes" | tee "$RESULTS/resume.txt"
