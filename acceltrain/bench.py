@@ -348,7 +348,8 @@ def main(argv: list[str] | None = None) -> int:
     load = {"before": load_before, "after": os.getloadavg(), "cores": os.cpu_count()}
     table = (
         render(rows, machine) + f"\n\nLoad average (1, 5, 15 min) on {load['cores']} cores: {_loads(load['before'])} "
-        f"before, {_loads(load['after'])} after (a load near the core count before the bench: other work shared the machine)."
+        f"before, {_loads(load['after'])} after (a load near the core count before the bench: other work shared the "
+        "machine)."
     )
     print(table)
     (out / "bench.md").write_text(table + "\n")

@@ -25,7 +25,8 @@ def render(rows: list[Row], machine: str) -> str:
     lines = [
         f"Machine: {machine}",
         "",
-        "| configuration | processes | batch | samples/s | ms/step | speed-up | peak memory (MB) | MFU | note | flags |",
+        "| configuration | processes | batch | samples/s | ms/step | speed-up | peak memory (MB) | MFU | note "
+        "| flags |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |",
     ]
     for row in rows:
@@ -44,8 +45,9 @@ def render(rows: list[Row], machine: str) -> str:
         note = "; ".join(notes)
         mfu = "" if f["mfu"] is None else f"{f['mfu']:.1%}"
         lines.append(
-            f"| {row.name} | {row.processes} | {f['batch_size']} | {f['samples_per_second']:.1f} | {f['ms_per_step']:.1f} | "
-            f"{speedup:.2f}x | {f['peak_memory_mb']:.0f} | {mfu} | {note} | `{' '.join(row.flags)}` |"
+            f"| {row.name} | {row.processes} | {f['batch_size']} | {f['samples_per_second']:.1f} | "
+            f"{f['ms_per_step']:.1f} | {speedup:.2f}x | {f['peak_memory_mb']:.0f} | {mfu} | {note} | "
+            f"`{' '.join(row.flags)}` |"
         )
     return "\n".join(lines)
 

@@ -88,8 +88,8 @@ class LoopOptions(Options):
     # -- optimizer and schedule
     optimizer: Optimizer = option(
         "sgd",
-        "sgd (Nesterov momentum), adamw (torch's fused kernel), or muon: torch.optim.Muon on the hidden weight matrices and conv kernels, "
-        "SGD on embeddings, the head, biases and normalisation (airbench94_muon)",
+        "sgd (Nesterov momentum), adamw (torch's fused kernel), or muon: torch.optim.Muon on the hidden weight "
+        "matrices and conv kernels, SGD on embeddings, the head, biases and normalisation (airbench94_muon)",
     )
     lr: float = option(0.1, "peak learning rate")
     momentum: float = option(0.9, "SGD momentum")
@@ -178,12 +178,14 @@ class LoopOptions(Options):
     output_dir: str | None = option(None, "where outputs go (default: runs/<recipe>-<timestamp>)", free_on_resume=True)
     overwrite: bool = option(
         False,
-        "start a new run in an --output-dir that holds an earlier one; that one is moved aside to <dir>.overwritten-<time>",
+        "start a new run in an --output-dir that holds an earlier one; that one is moved aside to "
+        "<dir>.overwritten-<time>",
         free_on_resume=True,
     )
     allow_config_change: bool = option(
         False,
-        "with --resume: apply settings that differ from the checkpoint's (recorded as config_changes) instead of refusing",
+        "with --resume: apply settings that differ from the checkpoint's (recorded as config_changes) instead of "
+        "refusing",
         free_on_resume=True,
     )
     timing_warmup_steps: int = option(

@@ -281,7 +281,8 @@ def deepspeed_config(cfg: TrainConfig) -> dict | None:
     path = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")
     if path == "none":
         raise ConfigError(
-            "the accelerate config asks for DeepSpeed without deepspeed_config_file: use accelerate_configs/deepspeed_zero{2,3}.yaml"
+            "the accelerate config asks for DeepSpeed without deepspeed_config_file: use "
+            "accelerate_configs/deepspeed_zero{2,3}.yaml"
         )
     try:
         config = parse_json(read_small_file(path, "DeepSpeed config"))
@@ -294,12 +295,14 @@ def deepspeed_config(cfg: TrainConfig) -> dict | None:
     stage = _section(config, "zero_optimization", path).get("stage", "auto")
     if stage != "auto" and (type(stage) is not int or not 0 <= stage <= 3):
         raise ConfigError(
-            f'DeepSpeed config {path!r}: zero_optimization.stage {shorten(stage)} is invalid: must be 0, 1, 2 or 3 (the ZeRO stage) or "auto"'
+            f"DeepSpeed config {path!r}: zero_optimization.stage {shorten(stage)} is invalid: must be 0, 1, 2 or 3 "
+            '(the ZeRO stage) or "auto"'
         )
     for section in ("optimizer", "scheduler"):
         if section in config:
             raise ConfigError(
-                f"DeepSpeed config {path!r} defines an {section}: acceltrain builds it from the flags; remove that section"
+                f"DeepSpeed config {path!r} defines an {section}: acceltrain builds it from the flags; remove that "
+                "section"
             )
     processes = int(os.environ.get("WORLD_SIZE", "1"))
     wanted = {
@@ -312,7 +315,8 @@ def deepspeed_config(cfg: TrainConfig) -> dict | None:
         current = config.get(key, "auto")
         if current != "auto" and not _same_number(current, value):
             raise ConfigError(
-                f'DeepSpeed config {path!r} sets {key}={shorten(current)} but {_DEEPSPEED_OWNED[key]} gives {value}: set it to "auto" or make them agree'
+                f"DeepSpeed config {path!r} sets {key}={shorten(current)} but {_DEEPSPEED_OWNED[key]} gives {value}: "
+                'set it to "auto" or make them agree'
             )
         config[key] = value
     precision = cfg.mixed_precision or os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
@@ -320,7 +324,8 @@ def deepspeed_config(cfg: TrainConfig) -> dict | None:
         enabled = _section(config, name, path).get("enabled", "auto")
         if enabled != "auto" and bool(enabled) != (precision == name):
             raise ConfigError(
-                f'DeepSpeed config {path!r} sets {name}.enabled={shorten(enabled)} but --mixed-precision is {precision}: set it to "auto" or make them agree'
+                f"DeepSpeed config {path!r} sets {name}.enabled={shorten(enabled)} but --mixed-precision is "
+                f'{precision}: set it to "auto" or make them agree'
             )
         config.setdefault(name, {})["enabled"] = precision == name
     return config

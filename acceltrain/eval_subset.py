@@ -24,7 +24,8 @@ def eval_subset_indices(
     total = len(labels) if labels is not None else size
     if count > total:
         raise ConfigError(
-            f"--eval-samples {count} is invalid: the eval set has only {total} samples; give at most {total} or leave it unset"
+            f"--eval-samples {count} is invalid: the eval set has only {total} samples; give at most {total} or leave "
+            "it unset"
         )
     generator = torch.Generator().manual_seed(mix_seed(seed, EVAL_SUBSET_STREAM))
     if labels is None:

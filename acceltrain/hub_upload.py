@@ -50,7 +50,8 @@ def prepare_repo(cfg: TrainConfig, output_dir: Path) -> str:
         status = err.response.status_code if err.response is not None else None
         if status == 401:
             raise ConfigError(
-                f"the Hugging Face Hub at {api.endpoint} rejected the token (check it: `hf auth whoami`), {WITHOUT_PUSH}"
+                f"the Hugging Face Hub at {api.endpoint} rejected the token (check it: `hf auth whoami`), "
+                f"{WITHOUT_PUSH}"
             ) from None
         raise ConfigError(
             f"the Hugging Face Hub refused to create repo {name!r} ({status}: {first_line(err, 200)}), {WITHOUT_PUSH}"

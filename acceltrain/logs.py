@@ -91,7 +91,8 @@ def set_log_level(level: str) -> None:
     CONSOLE.setFormatter(DEBUG_FORMAT if debug else PLAIN_FORMAT)
     for name in LIBRARY_LOGGERS:
         logging.getLogger(name).setLevel(logging.NOTSET if debug else logging.ERROR)
-    # DeepSpeed sets its logger's level when it is imported, typically mid-run (after both calls): its records are filtered
+    # DeepSpeed sets its logger's level when it is imported, typically mid-run (after both calls): its records are
+    # filtered
     deepspeed = logging.getLogger("DeepSpeed")
     if debug:
         deepspeed.removeFilter(_errors_only)

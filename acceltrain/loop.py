@@ -1,7 +1,7 @@
-"""The training loop: a short core, the same on a CPU, one GPU, N GPUs or nodes. Everything optional
-(logging, evaluation, checkpoints, preemption, profiling, trackers, your own) is a hook that the core
-calls at fixed points (:mod:`acceltrain.hooks`); the prepare step is :mod:`acceltrain.prepare`, where training
-stands is :class:`~acceltrain.progress.Progress`, and checkpoints are the :class:`~acceltrain.checkpoint.Checkpointer`'s.
+"""The training loop: a short core, the same on a CPU, one GPU, N GPUs or nodes. Everything optional (logging,
+evaluation, checkpoints, preemption, profiling, trackers, your own) is a hook that the core calls at fixed points
+(:mod:`acceltrain.hooks`); the prepare step is :mod:`acceltrain.prepare`, where training stands is
+:class:`~acceltrain.progress.Progress`, and checkpoints are the :class:`~acceltrain.checkpoint.Checkpointer`'s.
 
 Gradient accumulation. ``Accelerator.accumulate`` syncs gradients every ``grad_accum`` micro-batches
 and at the end of the epoch. When an epoch's batch count is not a multiple of ``grad_accum``, its last

@@ -60,7 +60,8 @@ class LoraOptions(Options):
 
     lora_r: int | None = option(
         None,
-        "train a LoRA adapter of this rank (peft) instead of every weight; the run folder is then a PEFT adapter folder",
+        "train a LoRA adapter of this rank (peft) instead of every weight; the run folder is then a PEFT adapter "
+        "folder",
     )
     lora_alpha: float | None = option(
         None, "LoRA scale numerator: the adapter's update is scaled by alpha / r (default: 2 x --lora-r)"
@@ -147,7 +148,8 @@ def apply_lora(model, options: LoraOptions, *, missing_keys: Iterable[str] | Non
             peft_model = get_peft_model(model, config)
     except ValueError as err:  # no default target modules for this architecture, a module peft cannot adapt
         raise ConfigError(
-            f"LoRA cannot adapt this {type(model).__name__}: {first_line(err)} (--lora-target-modules names the modules)"
+            f"LoRA cannot adapt this {type(model).__name__}: {first_line(err)} (--lora-target-modules names the "
+            "modules)"
         ) from None
     adapter_config = peft_model.peft_config["default"]
     adapter_config.base_model_name_or_path = _portable_base(adapter_config.base_model_name_or_path)
@@ -322,8 +324,8 @@ def _not_reproduced(model) -> set[str]:
             "base weights: LoRA adapts a pretrained model (load it with from_pretrained)"
         )
     _log(
-        f"LoRA: loading {model.name_or_path} again to find the weights its checkpoint does not hold (pass missing_keys= "
-        "from from_pretrained(..., output_loading_info=True) to skip this)"
+        f"LoRA: loading {model.name_or_path} again to find the weights its checkpoint does not hold (pass "
+        "missing_keys= from from_pretrained(..., output_loading_info=True) to skip this)"
     )
     again = dict(
         type(model).from_pretrained(model.name_or_path, config=model.config).named_parameters(remove_duplicate=False)

@@ -38,7 +38,8 @@ def merge(checkpoint: Path, out: Path) -> Path:
     engine = checkpoint_engine(checkpoint)
     if engine == "DeepSpeed":
         raise ConfigError(
-            f"checkpoint {str(checkpoint)!r} holds DeepSpeed state: DeepSpeed's zero_to_fp32.py in that folder merges it"
+            f"checkpoint {str(checkpoint)!r} holds DeepSpeed state: DeepSpeed's zero_to_fp32.py in that folder merges "
+            "it"
         )
     if engine == "FSDP" and not (checkpoint / "pytorch_model_fsdp_0").is_dir():
         raise ConfigError(
@@ -233,8 +234,8 @@ def main(argv: list[str] | None = None) -> int:
         ""
         if (weights.parent / CONFIG_FILE).is_file()
         else (
-            f", without a {CONFIG_FILE}: no config describes the checkpoint's model (a module its recipe builds: load the "
-            "weights into it)"
+            f", without a {CONFIG_FILE}: no config describes the checkpoint's model (a module its recipe builds: load "
+            "the weights into it)"
         )
     )
     print(f"wrote {weights}{alone}")

@@ -91,8 +91,14 @@ def model_card(run, model: nn.Module, summary: dict, pipeline_tag: str | None, r
         made = f"`{model_class.__name__}` from `{build['builder']}({arguments})`"
         load = f'from acceltrain.hub import load_model\nmodel = load_model("{where}")'
     else:
-        made = f"`{model_class.__name__}`, built by the recipe (no registered builder: rebuild it, then load `model.safetensors`)"
-        load = f'from safetensors.torch import load_model\nload_model(model, "{where}/model.safetensors")  # model: the recipe\'s own'
+        made = (
+            f"`{model_class.__name__}`, built by the recipe (no registered builder: rebuild it, then load "
+            "`model.safetensors`)"
+        )
+        load = (
+            "from safetensors.torch import load_model\n"
+            f'load_model(model, "{where}/model.safetensors")  # model: the recipe\'s own'
+        )
     own_fields = [f for f in type(cfg).__dataclass_fields__ if f not in TrainConfig.__dataclass_fields__]
     resolved = {**cfg.to_dict(), **cfg.resolved()}  # as the run used them (--lora-alpha unset: 2 x --lora-r)
     samples = [f"training samples: {run.train_samples or 'a stream'}"]
@@ -165,8 +171,9 @@ def _adapter_description(model: nn.Module, where: str) -> tuple[str, str]:
     loader, settings = adapter_loading(model)
     base = model.get_base_model()
     made = (
-        f"A LoRA adapter (peft; {describe(model)}) for `{own_class(base).__name__}` (Transformers, `{base.config.model_type}`) on "
-        f"the base model `{model.peft_config['default'].base_model_name_or_path}`, which must be there to load it"
+        f"A LoRA adapter (peft; {describe(model)}) for `{own_class(base).__name__}` (Transformers, "
+        f"`{base.config.model_type}`) on the base model `{model.peft_config['default'].base_model_name_or_path}`, "
+        "which must be there to load it"
     )
 
     arguments = "".join(f", {key}={value!r}" for key, value in settings.items())
@@ -217,4 +224,7 @@ def _weights_step(summary: dict) -> str:
     step = summary.get("weights_step")
     if step is None:
         return ""
-    return f" Its weights are step {step}'s, the best evaluation (`--load-best-at-end`), of {summary['steps']} steps trained."
+    return (
+        f" Its weights are step {step}'s, the best evaluation (`--load-best-at-end`), of {summary['steps']} steps "
+        "trained."
+    )

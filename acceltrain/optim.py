@@ -15,13 +15,12 @@ NORMALISATIONS = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
-    """SGD (Nesterov) or AdamW (fused: :func:`fused_adamw`) at ``cfg.lr``; or Muon on the hidden matrices (:class:`MuonWithSGD`) with
-    SGD on the rest. Weight decay applies to weight matrices and conv kernels
-    only, not to biases and normalisation scales (the usual choice), unless ``cfg.decay_all_parameters``:
-    then every parameter decays by the same fraction per step (airbench94), so the group with the scaled
-    lr gets the weight decay divided by that scale. The normalisation layers' parameters take
-    ``cfg.norm_bias_lr_scale`` times the lr (airbench94 trains its BatchNorm biases 64x faster; other
-    biases, such as its whitening conv's, keep the base lr)."""
+    """SGD (Nesterov) or AdamW (fused: :func:`fused_adamw`) at ``cfg.lr``; or Muon on the hidden matrices
+    (:class:`MuonWithSGD`) with SGD on the rest. Weight decay applies to weight matrices and conv kernels only, not to
+    biases and normalisation scales (the usual choice), unless ``cfg.decay_all_parameters``: then every parameter decays
+    by the same fraction per step (airbench94), so the group with the scaled lr gets the weight decay divided by that
+    scale. The normalisation layers' parameters take ``cfg.norm_bias_lr_scale`` times the lr (airbench94 trains its
+    BatchNorm biases 64x faster; other biases, such as its whitening conv's, keep the base lr)."""
     norm = {id(p) for m in model.modules() if isinstance(m, NORMALISATIONS) for p in m.parameters(recurse=False)}
     decay, other, scaled = [], [], []
     for param in model.parameters():

@@ -90,8 +90,8 @@ class Options:
     def __setattr__(self, name: str, value: Any) -> None:
         if self.__dict__.get("_read_only"):
             raise dataclasses.FrozenInstanceError(
-                f"cannot set {name!r}: the run's config is read-only once training starts (settings change before fit(), "
-                "or on --resume with --allow-config-change)"
+                f"cannot set {name!r}: the run's config is read-only once training starts (settings change before "
+                "fit(), or on --resume with --allow-config-change)"
             )
         super().__setattr__(name, value)
 
@@ -198,7 +198,8 @@ class EvaluationOptions(Options):
     )
     target_metric: float | None = option(
         None,
-        "finish as soon as the task's primary metric reaches this (accuracy: >=, loss: <=); records time_to_target_seconds",
+        "finish as soon as the task's primary metric reaches this (accuracy: >=, loss: <=); records "
+        "time_to_target_seconds",
         free_on_resume=True,
     )
     target_accuracy: float | None = option(
@@ -223,7 +224,8 @@ class EvaluationOptions(Options):
 
 @dataclasses.dataclass
 class EarlyStoppingOptions(Options):
-    """``EarlyStopping``'s patience: evaluations without improvement of the task's primary metric before the run finishes."""
+    """``EarlyStopping``'s patience: evaluations without improvement of the task's primary metric
+    before the run finishes."""
 
     early_stopping_patience: int | None = option(
         None,
@@ -242,7 +244,8 @@ class EarlyStoppingOptions(Options):
         if self.early_stopping_patience is None:
             if self.early_stopping_threshold != 0.0:
                 raise ConfigError(
-                    "--early-stopping-threshold needs --early-stopping-patience (the evaluations to wait for an improvement)"
+                    "--early-stopping-threshold needs --early-stopping-patience (the evaluations to wait for an "
+                    "improvement)"
                 )
             return
         require(
@@ -266,7 +269,8 @@ class TimeBudgetOptions(Options):
     time_budget_minutes: float | None = option(
         None,
         "finish when the next step and the final evaluation would pass this much wall clock (from the first step, "
-        "evaluations included); the LR schedule decays over the budget, or over --epochs/--max-steps when they end first",
+        "evaluations included); the LR schedule decays over the budget, or over --epochs/--max-steps when they end "
+        "first",
     )
 
     def validate(self) -> None:
@@ -419,7 +423,8 @@ class HubOptions(Options):
 
     push_to_hub: bool = option(
         False,
-        "upload the finished run folder (weights, config.json, model card, summary) to the Hub; token and repo checked before training",
+        "upload the finished run folder (weights, config.json, model card, summary) to the Hub; token and repo checked "
+        "before training",
         free_on_resume=True,
     )
     hub_model_id: str | None = option(

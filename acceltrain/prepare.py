@@ -230,7 +230,7 @@ def _loaders(cfg: TrainConfig, accelerator, train_set, eval_set, collate_fn):
     if cfg.data_on_device:
         if not hasattr(train_set, "device_loader"):
             raise ConfigError(
-                f"--data-on-device needs a dataset with a device_loader() method (acceltrain.vision.ImageClassification "
+                "--data-on-device needs a dataset with a device_loader() method (acceltrain.vision.ImageClassification "
                 f"has one); {type(train_set).__name__} has none"
             )
         eval_set = eval_set.decoded() if hasattr(eval_set, "decoded") else eval_set  # decode eval files once too

@@ -177,9 +177,9 @@ class Progress:
             if not (self.stream and resumed_at and isinstance(err.__cause__, StopIteration)):
                 raise
             raise ConfigError(
-                f"the training stream ended before the checkpoint's place in it (batch {resumed_at} of pass {self.state.epoch} "
-                "on each process): it holds less data than when the checkpoint was written; restore it, or start a new "
-                "--output-dir"
+                f"the training stream ended before the checkpoint's place in it (batch {resumed_at} of pass "
+                f"{self.state.epoch} on each process): it holds less data than when the checkpoint was written; "
+                "restore it, or start a new --output-dir"
             ) from None
 
     def _agree_on_pass_ends(self, iterator, batch) -> bool:

@@ -169,7 +169,10 @@ def keep_norms_in_fp32(accelerator, model: nn.Module, optimizer) -> str | None:
         )
     for group in optimizer.param_groups:
         group["params"] = [getattr(*before[id(p)]) if id(p) in before else p for p in group["params"]]
-    return f"FSDP keeps the {len(norms)} normalisation layers with running statistics in fp32 under {accelerator.mixed_precision}"
+    return (
+        f"FSDP keeps the {len(norms)} normalisation layers with running statistics in fp32 under "
+        f"{accelerator.mixed_precision}"
+    )
 
 
 def share_norm_statistics(accelerator, model: nn.Module) -> str | None:

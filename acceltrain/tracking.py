@@ -39,7 +39,8 @@ def active_trackers(cfg: TrainConfig) -> list[str]:
     for name in names:
         if importlib.util.find_spec(TRACKER_PACKAGES[name]) is None:
             raise ConfigError(
-                f"--report-to {cfg.report_to} needs the {TRACKER_PACKAGES[name]!r} package: pip install {TRACKER_PACKAGES[name]}"
+                f"--report-to {cfg.report_to} needs the {TRACKER_PACKAGES[name]!r} package: pip install "
+                f"{TRACKER_PACKAGES[name]}"
             )
     if "wandb" in names:
         check_wandb_dir()
@@ -71,7 +72,8 @@ def _check_wandb_online(base_url: str) -> None:
     except wandb.errors.AuthenticationError as err:
         reason = first_line(err).removeprefix(f"Failed to verify credentials with {base_url}: ")
         raise ConfigError(
-            f"W&B at {base_url} rejected {_credentials_source()} ({reason[:200]}); check it (wandb login --relogin), or {OFFLINE_WAYS}"
+            f"W&B at {base_url} rejected {_credentials_source()} ({reason[:200]}); check it (wandb login --relogin), "
+            f"or {OFFLINE_WAYS}"
         ) from None
     except wandb.errors.UsageError as err:  # --wandb-mode online without any credentials
         raise ConfigError(
@@ -114,7 +116,8 @@ def wandb_mode(cfg: TrainConfig) -> str:
         del os.environ["WANDB_MODE"]
     elif env is not None and env not in (*allowed, "dryrun"):
         raise ConfigError(
-            f"WANDB_MODE={shorten(env)} is invalid: must be one of {', '.join(allowed)} (as --wandb-mode), or empty for unset"
+            f"WANDB_MODE={shorten(env)} is invalid: must be one of {', '.join(allowed)} (as --wandb-mode), or empty "
+            "for unset"
         )
     mode = cfg.wandb_mode or env
     if mode == "dryrun":

@@ -11,7 +11,8 @@ Peak memory is the run's summary.json figure: ``peak_rss_mb`` on CPU (the proces
 which also holds torch itself), ``peak_allocated_mb`` on CUDA. Each configuration runs ``--repeats``
 times, alternating the order; medians are compared. Target: (2)/(1) <= 1.05.
 
-    python benchmarks/accumulation.py [--batch-size 32] [--steps 3] [--repeats 2]   # -> benchmarks/results/accumulation.json
+    python benchmarks/accumulation.py [--batch-size 32] [--steps 3] [--repeats 2] \\
+        # -> benchmarks/results/accumulation.json
 """
 
 from __future__ import annotations

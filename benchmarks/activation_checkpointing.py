@@ -11,7 +11,8 @@ and cost on ResNet-50 with the CIFAR stem, batch 32, 32x32 inputs?
 
 Targets: (a) with/without <= 0.70 (at least 30% less); (b) with/without <= 1.35.
 
-    python benchmarks/activation_checkpointing.py [--batch-size 32] [--steps 6]   # -> benchmarks/results/activation_checkpointing.json
+    python benchmarks/activation_checkpointing.py [--batch-size 32] [--steps 6] \\
+        # -> benchmarks/results/activation_checkpointing.json
 """
 
 from __future__ import annotations
@@ -124,8 +125,9 @@ def main() -> None:
         m = memory[name]
         print(
             f"{name:7} checkpointing: saved activations {mb(m['total_bytes']):8.1f} MB "
-            f"(autograd-saved {mb(m['autograd_saved_bytes']):.1f} MB, checkpointed-block inputs {mb(m['checkpoint_input_bytes']):.1f} MB), "
-            f"step {1000 * median(times[name]):7.1f} ms (median of {len(times[name])})"
+            f"(autograd-saved {mb(m['autograd_saved_bytes']):.1f} MB, checkpointed-block inputs "
+            f"{mb(m['checkpoint_input_bytes']):.1f} MB), step {1000 * median(times[name]):7.1f} ms (median of "
+            f"{len(times[name])})"
         )
     print(
         f"saved-activation bytes with/without: {memory_ratio:.3f} ({1 - memory_ratio:.0%} less; "
@@ -136,7 +138,10 @@ def main() -> None:
         "activation_checkpointing",
         info,
         {
-            "what": "activation bytes kept for backward and forward+backward step time, with/without activation checkpointing",
+            "what": (
+                "activation bytes kept for backward and forward+backward step time, with/without activation "
+                "checkpointing"
+            ),
             "model": "resnet50 (cifar stem)",
             "device": str(DEVICE),
             "batch_size": args.batch_size,

@@ -130,8 +130,8 @@ def leg(name: str, flags: list[str], data_dir: Path, tmp: Path, args: argparse.N
     if "linear" in flags:
         extra += ["--warmup-steps", str(round(WARMUP_FRACTION * steps))]
     print(
-        f"{name}: probe {probe['samples_per_second']:.0f} samples/s, {1000 * step_s:.0f} ms/step, one eval {eval_s:.1f} s "
-        f"-> --max-steps {steps} --eval-every {eval_every}",
+        f"{name}: probe {probe['samples_per_second']:.0f} samples/s, {1000 * step_s:.0f} ms/step, one eval "
+        f"{eval_s:.1f} s -> --max-steps {steps} --eval-every {eval_every}",
         flush=True,
     )
     summary, process_s = run(args.model, data_dir, tmp / name, flags, extra)

@@ -126,10 +126,12 @@ def main() -> None:
     for row in rows:
         row["vs_torchvision"] = row["images_per_second"] / baseline
         print(
-            f"{row['loader']:40} {row['num_workers']:>7} {row['images_per_second']:>10,.0f} {row['vs_torchvision']:>7.1f}x"
+            f"{row['loader']:40} {row['num_workers']:>7} {row['images_per_second']:>10,.0f} "
+            f"{row['vs_torchvision']:>7.1f}x"
         )
     print(
-        f"device loader one-off: decode + write cache {seconds['cold']:.1f} s (cold), read cache {seconds['warm']:.2f} s (warm)"
+        f"device loader one-off: decode + write cache {seconds['cold']:.1f} s (cold), "
+        f"read cache {seconds['warm']:.2f} s (warm)"
     )
     ratio = rows[2]["vs_torchvision"]
     print(f"device loader / torchvision = {ratio:.1f}x; {verdict(ratio, TARGET, at_least=True)}")

@@ -128,7 +128,8 @@ def main() -> None:
     paired = median([a / b for a, b in zip(rates["acceltrain"], rates["plain"])])  # robust to slow drifts in load
     print(f"median samples/s: acceltrain {acc:.1f}, plain loop {plain:.1f}")
     print(
-        f"ratio acceltrain/plain: {ratio:.3f}  ({verdict(ratio, TARGET, at_least=True)}); median of per-round ratios {paired:.3f}"
+        f"ratio acceltrain/plain: {ratio:.3f}  ({verdict(ratio, TARGET, at_least=True)}); median of per-round ratios "
+        f"{paired:.3f}"
     )
     write_result(
         "overhead",

@@ -626,8 +626,8 @@ def trainer_row(args, work: Path) -> dict:
     preset = yaml.safe_load(LM_PRESET.read_text())
     warmup = min(preset["warmup_steps"], args.steps // 4)
     print(
-        f"{ROWS['trainer']}: {preset['model']}, batch {preset['batch_size']} x {preset['block_size']} tokens, {args.steps} "
-        f"steps ({warmup} warm-up), {args.rounds} rounds, transformers {transformers.__version__}",
+        f"{ROWS['trainer']}: {preset['model']}, batch {preset['batch_size']} x {preset['block_size']} tokens, "
+        f"{args.steps} steps ({warmup} warm-up), {args.rounds} rounds, transformers {transformers.__version__}",
         flush=True,
     )
     tokenizer = lm_tokenizer(work / "tokenizer", preset["vocab_size"])
@@ -868,7 +868,7 @@ def trainer_classifier_leg(spec: dict) -> dict:
     def encode(rows):
         return {
             **tokenizer(rows["text"], truncation=True, max_length=settings["max_length"]),
-            "labels": [names.index(l) for l in rows["label"]],
+            "labels": [names.index(label) for label in rows["label"]],
         }
 
     rows = datasets.load_dataset("csv", data_files={"train": spec["train"], "eval": spec["eval"]})
@@ -1056,9 +1056,9 @@ def lora_row(args, work: Path) -> dict:
     steps = sizes["epochs"] * steps_per_epoch
     warmup = round(LORA["warmup_fraction"] * steps)
     print(
-        f"{ROWS['lora']}: BERT-style {sizes['width']} x {sizes['layers']}, LoRA r={LORA['r']} on {LORA['targets']}, {sizes['rows']} "
-        f"reviews, batch {LORA['batch_size']}, {steps} steps, {args.rounds} rounds, transformers {transformers.__version__}, "
-        f"peft {peft.__version__}",
+        f"{ROWS['lora']}: BERT-style {sizes['width']} x {sizes['layers']}, LoRA r={LORA['r']} on {LORA['targets']}, "
+        f"{sizes['rows']} reviews, batch {LORA['batch_size']}, {steps} steps, {args.rounds} rounds, transformers "
+        f"{transformers.__version__}, peft {peft.__version__}",
         flush=True,
     )
     spec = {
@@ -1202,8 +1202,8 @@ def table(rows: dict) -> list[str]:
             seeds = ",".join(str(seed) for seed in loss["peer"]["by_seed"])
             noise = f"noise {loss['noise']:.4f}" if loss["noise"] is not None else "< 3 seeds"
             lines.append(
-                f"{'':22} {f'eval loss (seeds {seeds})':26} {loss['peer']['mean']:10.4f} {loss['acceltrain']['mean']:10.4f}  "
-                f"{loss['difference']:+.4f} ({noise}){'':4} {verdicts[1]}"
+                f"{'':22} {f'eval loss (seeds {seeds})':26} {loss['peer']['mean']:10.4f} "
+                f"{loss['acceltrain']['mean']:10.4f}  {loss['difference']:+.4f} ({noise}){'':4} {verdicts[1]}"
             )
     return lines
 

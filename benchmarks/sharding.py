@@ -172,16 +172,18 @@ def main() -> None:
     }
     print(machine_line(info))
     print(
-        f"{model}: {rows[0]['parameters'] / 1e6:.1f}M parameters, {rows[0]['parameters_per_process'] / 1e6:.1f}M held per "
-        "process under DDP"
+        f"{model}: {rows[0]['parameters'] / 1e6:.1f}M parameters, {rows[0]['parameters_per_process'] / 1e6:.1f}M held "
+        "per process under DDP"
     )
     print(
-        f"(a) peak memory per process while training, FSDP/DDP: {memory:.3f} ({verdict(memory, MEMORY_TARGET, at_least=False)})"
+        f"(a) peak memory per process while training, FSDP/DDP: {memory:.3f} "
+        f"({verdict(memory, MEMORY_TARGET, at_least=False)})"
     )
     print(f"(b) step time FSDP/DDP: {step_time:.3f}")
     for engine, ratio in blocking.items():
         print(
-            f"(c) {engine}: seconds a save blocked training, async/sync: {ratio:.3f} ({verdict(ratio, BLOCKING_TARGET, at_least=False)})"
+            f"(c) {engine}: seconds a save blocked training, async/sync: {ratio:.3f} "
+            f"({verdict(ratio, BLOCKING_TARGET, at_least=False)})"
         )
     write_result("sharding_quick" if args.quick else "sharding", info, result)
 

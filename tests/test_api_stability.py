@@ -41,7 +41,10 @@ def test_a_name_moved_out_of_a_module_imports_with_a_warning(old, name, new):
 )
 def test_a_moved_module_imports_with_a_warning_at_the_importers_line(old, new, name):
     """A fresh process, as a recipe imports it: the warning points at the recipe's line, not importlib's."""
-    code = f"import warnings; warnings.simplefilter('always')\nfrom {old} import {name}\nimport {new}; assert {name} is {new}.{name}"
+    code = (
+        f"import warnings; warnings.simplefilter('always')\nfrom {old} import {name}\n"
+        f"import {new}; assert {name} is {new}.{name}"
+    )
     result = subprocess.run(
         [sys.executable, "-c", code], env=subprocess_env(), capture_output=True, text=True, timeout=120
     )

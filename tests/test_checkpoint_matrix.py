@@ -7,9 +7,10 @@ and model; a combination that cannot work is refused in one line, itself asserte
 - models (tests/helpers/matrix_recipe.py): a BatchNorm CNN, a GPT-2 with tied embeddings, a LoRA adapter;
 - stops: ``--stop-after-steps``, SIGTERM, SIGKILL inside a save.
 
-Every engine x writer pair runs in the default suite, each with one model and one stop (rotated so that every model
-and every stop meets several engines); the rest of the cross is the ``sweep`` tier (``pytest -m sweep``: about 40 minutes on 2 cores). The
-references are module fixtures, one launch per engine and model, shared by all the cases that need them."""
+Every engine x writer pair runs in the default suite, each with one model and one stop (rotated so that every model and
+every stop meets several engines); the rest of the cross is the ``sweep`` tier (``pytest -m sweep``: about 40 minutes on
+2 cores). The references are module fixtures, one launch per engine and model, shared by all the cases that need
+them."""
 
 from __future__ import annotations
 

@@ -85,7 +85,8 @@ STATES = [
     # round 4 (issue 31, items 4, 6-8): the fields must agree with each other and the config be whole
     (
         {"step": 100},
-        "contradicts itself: step 100 does not follow from epoch 0 and batch_in_epoch 2 (4 optimizer steps per epoch make step 2)",
+        "contradicts itself: step 100 does not follow from epoch 0 and batch_in_epoch 2 (4 optimizer steps per epoch "
+        "make step 2)",
     ),
     ({"step": 10**30}, "contradicts itself: step 1000000000000000000000000000000 does not follow"),
     (

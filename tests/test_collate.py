@@ -87,7 +87,8 @@ def pair(samples):
         ),
         (
             without_labels,
-            "returned a mapping of input_ids; TextClassificationTask takes a mapping of the model's inputs and 'labels'",
+            "returned a mapping of input_ids; TextClassificationTask takes a mapping of the model's inputs and "
+            "'labels'",
         ),
         (string_labels, "returned labels as a list of 2 items: class labels must be an integer tensor"),
     ],

@@ -34,7 +34,8 @@ BAD_INPUTS = [
     (["--model", "resnet9000"], "--model 'resnet9000' is invalid: choose one of resnet18, resnet34, resnet50"),
     (
         ["--dataset", "mnist"],
-        "--dataset 'mnist' is invalid: must be one of cifar10, imagefolder, synthetic, or a Hub dataset as namespace/name",
+        "--dataset 'mnist' is invalid: must be one of cifar10, imagefolder, synthetic, or a Hub dataset as "
+        "namespace/name",
     ),
     (["--mixed-precision", "fp8"], "--mixed-precision 'fp8' is invalid"),
     (["--target-accuracy", "94"], "--target-accuracy 94.0 is invalid: must be a fraction in (0, 1]"),

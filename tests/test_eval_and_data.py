@@ -324,6 +324,9 @@ def test_data_dir_with_a_hub_dataset_is_refused(tmp_path):
 
 
 def test_an_unknown_dataset_name_names_the_choices():
-    expected = r"^--dataset 'cifar100' is invalid: choose one of cifar10, imagefolder, synthetic, or a Hub dataset as namespace/name"
+    expected = (
+        r"^--dataset 'cifar100' is invalid: choose one of cifar10, imagefolder, synthetic, or a Hub dataset as "
+        r"namespace/name"
+    )
     with pytest.raises(ConfigError, match=expected):
         image_datasets("cifar100", None, seed=0)

@@ -285,7 +285,8 @@ def text(tmp_path_factory) -> tuple[Path, dict[str, str]]:
 
 @pytest.mark.slow
 def test_the_language_model_shards_per_block_and_keeps_its_token_normalised_loss(tmp_path, text):
-    """Uneven target counts per micro-batch and process, SGD: FSDP on 2 processes equals one process at twice the batch."""
+    """Uneven target counts per micro-batch and process, SGD:
+    FSDP on 2 processes equals one process at twice the batch."""
     from test_causal_lm import EXACT, UNEVEN_RECIPE
 
     text_file, env = text
@@ -352,7 +353,8 @@ def test_bf16_and_activation_checkpointing_run_sharded_and_the_weights_load_with
         "import sys, json; from transformers import AutoModelForCausalLM; from safetensors.torch import load_file\n"
         "model, info = AutoModelForCausalLM.from_pretrained(sys.argv[1], output_loading_info=True)\n"
         "saved = load_file(sys.argv[1] + '/model.safetensors')\n"
-        "print(json.dumps({'missing': sorted(info['missing_keys']), 'unexpected': sorted(info['unexpected_keys']), 'class': type(model).__name__,\n"
+        "print(json.dumps({'missing': sorted(info['missing_keys']), 'unexpected': sorted(info['unexpected_keys']), "
+        "'class': type(model).__name__,\n"
         "                  'same': all(model.state_dict()[k].equal(v) for k, v in saved.items())}))"
     )
     for folder in (out, merged):

@@ -321,9 +321,9 @@ class OnlyLossAndValues:
 def test_a_task_without_primary_metric_fails_before_training_with_one_line(tmp_path, capsys):
     assert run_tiny(tmp_path / "run", task=OnlyLossAndValues()) == 2
     err = capsys.readouterr().err.strip()
-    assert (
-        err
-        == "error: task OnlyLossAndValues has no 'primary_metric': a task needs train_loss, eval_values, primary_metric, higher_is_better (see acceltrain.Task)"
+    assert err == (
+        "error: task OnlyLossAndValues has no 'primary_metric': a task needs train_loss, eval_values, "
+        "primary_metric, higher_is_better (see acceltrain.Task)"
     )
     assert not (tmp_path / "run").exists()
 
@@ -357,13 +357,14 @@ def test_target_accuracy_on_a_task_without_accuracy_is_a_one_line_error(tmp_path
     assert run_tiny(tmp_path / "run", "--target-accuracy", "0.5", task=LowerLossIsTheGoal()) == 2
     err = capsys.readouterr().err.strip()
     assert (
-        "--target-accuracy 0.5 needs a task whose primary metric is accuracy; LowerLossIsTheGoal's is 'loss': use --target-metric"
-        in err
-    )
+        "--target-accuracy 0.5 needs a task whose primary metric is accuracy; LowerLossIsTheGoal's is 'loss': use "
+        "--target-metric"
+    ) in err
 
 
 def test_the_final_checkpoint_records_the_position_inside_the_epoch(tmp_path):
-    """Before: the end-of-run save always wrote batch_in_epoch=0 (then batches_in_epoch), so resuming it replayed the epoch's start."""
+    """Before: the end-of-run save always wrote batch_in_epoch=0 (then batches_in_epoch),
+    so resuming it replayed the epoch's start."""
     out = tmp_path / "run"
     assert run_tiny(out, "--max-steps", "5", "--save-every-steps", "3") == 0
     state = json.loads((out / "checkpoints" / "step_00000005" / "trainer_state.json").read_text())

@@ -202,7 +202,10 @@ class ClashingConfig(ClashingOptions, TrainConfig):
 
 def test_an_option_group_that_redeclares_another_groups_flag_is_refused():
     """Before: the hook's max_steps silently took over --max-steps, its help text and its default of 999."""
-    message = "option groups LoopOptions and ClashingOptions both declare max_steps (--max-steps): rename the field of ClashingOptions"
+    message = (
+        "option groups LoopOptions and ClashingOptions both declare max_steps (--max-steps): rename the field of "
+        "ClashingOptions"
+    )
     with pytest.raises(ConfigError, match=re.escape(message)):
         parse_config(ClashingConfig, [])
     with pytest.raises(ConfigError, match=re.escape(message)):

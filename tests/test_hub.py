@@ -404,7 +404,7 @@ def test_an_invalid_repo_id_is_one_line(tmp_path, hub_hooks, monkeypatch, hub_st
     assert err.startswith("error: --hub-model-id 'a/b/c' is invalid: ") and "\n" not in err, err
 
 
-# --------------------------------------------------------------------------- folders of any Transformers model (issue 33 item 4)
+# ------------------------------------------------------------------ folders of any Transformers model (issue 33 item 4)
 
 
 @pytest.fixture(scope="module")
@@ -501,9 +501,9 @@ def test_a_model_whose_weights_would_load_as_random_is_refused_before_training(t
     with pytest.raises(ConfigError) as caught:
         fit_classifier(out, model)
     assert str(caught.value) == (
-        "the BertForSequenceClassification's weights would not load into the model its own config.json builds, so from_pretrained "
-        "would leave them random: missing 'classifier.bias', 'classifier.weight'; unexpected 'classifier.1.bias', "
-        "'classifier.1.weight'; keep its modules as its config builds them"
+        "the BertForSequenceClassification's weights would not load into the model its own config.json builds, so "
+        "from_pretrained would leave them random: missing 'classifier.bias', 'classifier.weight'; unexpected "
+        "'classifier.1.bias', 'classifier.1.weight'; keep its modules as its config builds them"
     )
     assert not out.exists(), "refused before training, nothing written"
 

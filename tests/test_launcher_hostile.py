@@ -37,7 +37,10 @@ probes = {}
 for entry, argv, probe in entries:
     sys.argv = [entry, *argv]
     with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):
-        runpy.run_path(entry, run_name="__main__") if entry.endswith(".py") else runpy.run_module(entry, run_name="__main__")
+        if entry.endswith(".py"):
+            runpy.run_path(entry, run_name="__main__")
+        else:
+            runpy.run_module(entry, run_name="__main__")
     if probe:  # the tokens the parser just made leaves unparsed (nothing runs: parse only)
         probes[entry] = made[-1][1].parse_known_args(probe)[1]
 parsers = [[str(Path(file).resolve().relative_to(repo)), parser.prog, parser.allow_abbrev]

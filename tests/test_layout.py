@@ -36,7 +36,8 @@ def graph() -> dict[str, set[str]]:
     modules = {module_name(path): path for path in PACKAGE.rglob("*.py")}
     edges = {}
     for name, path in modules.items():
-        # a name imported from a package resolves to its module when there is one; a package's __init__ re-exports lazily
+        # a name imported from a package resolves to its module when there is one; a package's __init__ re-exports
+        # lazily
         edges[name] = {target for target in imports(path) if target in modules and target != name}
     return edges
 

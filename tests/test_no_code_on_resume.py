@@ -127,8 +127,9 @@ def test_deepspeed_checkpoint_files_with_a_planted_pickle_are_refused_and_never_
         (checkpoint / name).write_bytes(data)
     without = launch(RECIPE, [*args, "--output-dir", str(out), "--resume", "auto"])  # no DeepSpeed (issue 31, item 2)
     assert without.returncode == 2 and without.stderr.strip().splitlines()[-1] == (
-        f"error: checkpoint {str(checkpoint)!r} holds DeepSpeed model and optimizer state and this run is NO: resume it under "
-        "DeepSpeed, as it was written (its weights alone: DeepSpeed's zero_to_fp32.py in that folder), or start a new --output-dir"
+        f"error: checkpoint {str(checkpoint)!r} holds DeepSpeed model and optimizer state and this run is NO: resume "
+        "it under DeepSpeed, as it was written (its weights alone: DeepSpeed's zero_to_fp32.py in that folder), or "
+        "start a new --output-dir"
     ), without.stderr[-2000:]
     check(
         launch(

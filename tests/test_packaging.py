@@ -30,7 +30,8 @@ def test_recipe_help_imports_no_torch(target):
     """--help used to take 3 s here (torch, torchvision, Accelerate imported first); now ~0.1 s."""
     run = "run_module" if target in RECIPE_MODULES else "run_path"
     code = (
-        f"import runpy, sys\nsys.argv = [{target!r}, '--help']\ntry:\n    runpy.{run}({target!r}, run_name='__main__')\n"
+        f"import runpy, sys\nsys.argv = [{target!r}, '--help']\n"
+        f"try:\n    runpy.{run}({target!r}, run_name='__main__')\n"
         "except SystemExit as stop:\n    assert stop.code in (0, None), stop.code\n"
         "heavy = sorted({'torch', 'torchvision', 'accelerate', 'transformers', 'datasets'} & set(sys.modules))\n"
         "assert not heavy, heavy\n"

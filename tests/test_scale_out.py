@@ -246,6 +246,7 @@ def test_slurm_script_launches_each_node_with_its_rank_and_requeues_until_done(t
     for rank, line in enumerate(launches):
         assert f"--machine_rank {rank}" in line and "--num_processes 8" in line and "--main_process_ip node-a" in line
         assert line.endswith(
-            "recipes/resnet_cifar.py --output-dir runs/demo --save-every-minutes 30 --resume auto --lr 0.2 --run-name two words"
+            "recipes/resnet_cifar.py --output-dir runs/demo --save-every-minutes 30 --resume auto --lr 0.2 --run-name "
+            "two words"
         )
     assert lines[-1] == "scontrol requeue 42"

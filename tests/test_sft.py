@@ -212,7 +212,8 @@ namespace = {}
 exec(open(folder + "/README.md").read().split("```python\\n")[1].split("```")[0], namespace)  # the card's own call
 model = namespace["model"].eval()
 with torch.no_grad():
-    torch.save(model(**AutoTokenizer.from_pretrained(folder)([text], return_tensors="pt")).logits, folder + "/reloaded_logits.pt")
+    logits = model(**AutoTokenizer.from_pretrained(folder)([text], return_tensors="pt")).logits
+    torch.save(logits, folder + "/reloaded_logits.pt")
 print(type(model).__name__)
 """
 
@@ -343,7 +344,8 @@ BAD_INPUTS = [
     ),
     (
         ["--model-name-or-path", "{gpt2}", "--train-file", "{long_prompts}"],
-        "--block-size 64: every example of --train-file '{long_prompts}' has a prompt that fills it, leaving no response token",
+        "--block-size 64: every example of --train-file '{long_prompts}' has a prompt that fills it, leaving no "
+        "response token",
     ),
     (
         ["--model-name-or-path", "{gpt2}", "--train-file", "{chat}"],
@@ -356,8 +358,8 @@ BAD_INPUTS = [
     # issue 38 items 9 and 10: a jinja2 TemplateError through the tokenising pool; ValueError: ... an empty conversation
     (
         ["--model-name-or-path", "{strict}", "--train-file", "{bot_role}", "--num-proc", "2"],
-        "row 5 of --train-file '{bot_role}': the tokenizer's chat template refuses the conversation: Conversation roles "
-        "must be user, assistant or system",
+        "row 5 of --train-file '{bot_role}': the tokenizer's chat template refuses the conversation: Conversation "
+        "roles must be user, assistant or system",
     ),
     (
         ["--model-name-or-path", "{llama}", "--train-file", "{assistant_first}"],

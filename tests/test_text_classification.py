@@ -141,7 +141,8 @@ def test_a_lora_run_folder_is_a_peft_adapter_folder_with_its_fresh_modules(runs)
     )
     names = tensor_names(out / "adapter_model.safetensors")
     assert any("lora_A" in name for name in names)
-    # the pooler the masked-LM checkpoint did not hold was trained in full and is saved: it would reload random otherwise
+    # the pooler the masked-LM checkpoint did not hold was trained in full and is saved: it would reload random
+    # otherwise
     assert "base_model.model.bert.pooler.dense.weight" in names and "base_model.model.classifier.weight" in names
     assert 0 < summary["trainable_parameters"] < summary["parameters"] and summary["weights"].endswith(
         "adapter_model.safetensors"
@@ -384,8 +385,10 @@ def test_presets_are_valid(preset):
 @pytest.mark.slow
 def test_help_imports_no_torch():
     code = (
-        "import runpy, sys\nsys.argv = ['x', '--help']\ntry:\n    runpy.run_module('acceltrain.recipes.text_classification', "
-        "run_name='__main__')\nexcept SystemExit:\n    pass\nassert not {'torch', 'transformers', 'peft'} & set(sys.modules)\n"
+        "import runpy, sys\nsys.argv = ['x', '--help']\n"
+        "try:\n    runpy.run_module('acceltrain.recipes.text_classification', run_name='__main__')\n"
+        "except SystemExit:\n    pass\n"
+        "assert not {'torch', 'transformers', 'peft'} & set(sys.modules)\n"
     )
     result = subprocess.run(
         [sys.executable, "-c", code], cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=60
@@ -479,8 +482,8 @@ BAD_INPUTS = [
     (["--model-name-or-path", "{peft_names}"], "its weights do not fit its config.json ("),
     (
         ["--lora-r", "4", "--lora-target-modules", "query,valeu"],
-        "--lora-target-modules 'valeu' is not a module of BertForSequenceClassification: close names: value; its linear "
-        "layers to adapt: ",
+        "--lora-target-modules 'valeu' is not a module of BertForSequenceClassification: close names: value; its "
+        "linear layers to adapt: ",
     ),
     (["--merge-lora"], "--merge-lora needs --lora-r"),
     (["--max-length", "1"], "--max-length 1 is invalid: must be an integer >= 2"),
@@ -488,7 +491,8 @@ BAD_INPUTS = [
     (["--max-length", "512"], "--max-length 512 is longer than --model-name-or-path '{bert}' supports (128 positions)"),
     (
         ["--model-name-or-path", "google-bert/bert-base-uncased"],
-        "--model-name-or-path 'google-bert/bert-base-uncased': could not load a tokenizer from the Hugging Face Hub (offline? pass a local folder instead)",
+        "--model-name-or-path 'google-bert/bert-base-uncased': could not load a tokenizer from the Hugging Face Hub "
+        "(offline? pass a local folder instead)",
     ),
     (
         ["--dataset-name", "stanfordnlp/imdb", "--train-file", "x.csv"],

@@ -208,7 +208,8 @@ def test_alternating_flip_whitening_and_tta_train_the_same_on_one_and_two_proces
 
 
 def correlated_images(count: int = 64) -> torch.Tensor:
-    """Smooth colour images (noise upsampled 4x, channels mixed): neighbouring pixels and channels strongly correlated."""
+    """Smooth colour images (noise upsampled 4x, channels mixed):
+    neighbouring pixels and channels strongly correlated."""
     generator = torch.Generator().manual_seed(1)
     coarse = torch.randn(count, 3, 8, 8, generator=generator)
     mixing = torch.tensor([[1.0, 0.8, 0.6], [0.0, 0.6, 0.5], [0.0, 0.0, 0.4]])

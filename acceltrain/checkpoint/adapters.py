@@ -24,7 +24,10 @@ def describe(frozen: frozenset[str]) -> str | None:
     """The start-up note for the log, or None for a run that checkpoints every weight."""
     if not frozen:
         return None
-    return f"checkpoints hold the adapter's trainable weights; the {len(frozen)} frozen base tensors come from the pretrained folder"
+    return (
+        f"checkpoints hold the adapter's trainable weights; the {len(frozen)} frozen base tensors come from the "
+        "pretrained folder"
+    )
 
 
 def load_arguments(accelerator, model, frozen: frozenset[str], checkpoint: Path) -> dict:

@@ -54,7 +54,8 @@ def staging_folder(accelerator, output_dir: Path, step: int) -> tuple[Path, Path
 
 @contextlib.contextmanager
 def failed_save_refused(final: Path, staging: Path):
-    """A save that fails (a full disk) removes its temporary folder and is one line: the previous checkpoints are intact."""
+    """A save that fails (a full disk) removes its temporary folder and is one line:
+    the previous checkpoints are intact."""
     try:
         yield
     except CheckpointError:  # the writer's own verdict, agreed by every process

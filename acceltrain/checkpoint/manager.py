@@ -172,14 +172,15 @@ class Checkpointer:
             if saved.step >= finished and not changes:
                 return False
             raise ConfigError(
-                f"--output-dir {str(self.output_dir)!r} holds a finished run ({finished} steps): resuming the checkpoint of "
-                f"step {saved.step} there would overwrite it; give another --output-dir to continue from that checkpoint into it"
+                f"--output-dir {str(self.output_dir)!r} holds a finished run ({finished} steps): resuming the "
+                f"checkpoint of step {saved.step} there would overwrite it; give another --output-dir to continue from "
+                "that checkpoint into it"
             )
         described = ", ".join(f"{name} {old} -> {new}" for name, (old, new) in changes.items())
         if changes and not self.cfg.allow_config_change:
             raise ConfigError(
-                f"checkpoint {str(path)!r} was written with other settings: {described}; resume with the same settings, "
-                "or pass --allow-config-change to apply the new ones"
+                f"checkpoint {str(path)!r} was written with other settings: {described}; resume with the same "
+                "settings, or pass --allow-config-change to apply the new ones"
             )
         if saved.step > self.trainer.total_steps:
             raise CheckpointError(
@@ -216,8 +217,8 @@ class Checkpointer:
         return True
 
     def load_model_of(self, path: Path) -> None:
-        """At the end of a run: the model of checkpoint ``path`` (one this run wrote: ``--load-best-at-end``) loaded into
-        the model, to be exported as the run's weights."""
+        """At the end of a run: the model of checkpoint ``path`` (one this run wrote: ``--load-best-at-end``) loaded
+        into the model, to be exported as the run's weights."""
         check_loadable_without_code(path, digests_required=True)
         self._load(path)
         logger.info(f"the run folder's weights are those of {path}")
@@ -265,8 +266,8 @@ class Checkpointer:
             shown = "DDP or single-process" if wrote == "DDP" else wrote
             raise CheckpointError(
                 f"checkpoint {str(path)!r} holds {shown} model and optimizer state and this run is "
-                f"{self.accelerator.distributed_type.value}: resume it under {shown}, as it was written{weights}, or start a new "
-                "--output-dir"
+                f"{self.accelerator.distributed_type.value}: resume it under {shown}, as it was written{weights}, or "
+                "start a new --output-dir"
             )
 
     def _check_shards_fit(self, path: Path) -> None:
@@ -289,9 +290,9 @@ class Checkpointer:
         if differ:
             name = differ[0]
             raise CheckpointError(
-                f"checkpoint {str(path)!r} holds another model than this run's: {len(differ)} tensors differ (e.g. {name}: "
-                f"{_shape(saved.get(name))} in the checkpoint, {_shape(mine.get(name))} here); resume with the model it was "
-                "written with, or start a new --output-dir"
+                f"checkpoint {str(path)!r} holds another model than this run's: {len(differ)} tensors differ (e.g. "
+                f"{name}: {_shape(saved.get(name))} in the checkpoint, {_shape(mine.get(name))} here); resume with the "
+                "model it was written with, or start a new --output-dir"
             )
 
     def _check_relayout_supported(self, saved: RunState, current: RunState, path: Path) -> None:
@@ -302,10 +303,10 @@ class Checkpointer:
             and saved.num_processes != current.num_processes
         ):
             raise CheckpointError(
-                f"checkpoint {str(path)!r} holds DeepSpeed ZeRO state partitioned over {saved.num_processes} processes and this "
-                f"run has {current.num_processes}: resume on {saved.num_processes} processes (or convert it with DeepSpeed's "
-                "ds_to_universal.py and load it with its universal-checkpoint support, outside acceltrain; a run trained under "
-                "DDP or FSDP resumes on another process count)"
+                f"checkpoint {str(path)!r} holds DeepSpeed ZeRO state partitioned over {saved.num_processes} processes "
+                f"and this run has {current.num_processes}: resume on {saved.num_processes} processes (or convert it "
+                "with DeepSpeed's ds_to_universal.py and load it with its universal-checkpoint support, outside "
+                "acceltrain; a run trained under DDP or FSDP resumes on another process count)"
             )
 
     def _continue_in_layout(self, saved: RunState, current: RunState) -> RunState:
@@ -344,7 +345,8 @@ class Checkpointer:
 
 
 def check_async_supported(accelerator) -> None:
-    """DeepSpeed and FSDP's full state dicts write their own files at the save, so nothing can be copied and written later."""
+    """DeepSpeed and FSDP's full state dicts write their own files at the save,
+    so nothing can be copied and written later."""
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         raise ConfigError(
             "--async-checkpoint works under DDP and FSDP; DeepSpeed writes its checkpoints itself: drop the flag"

@@ -105,8 +105,8 @@ def _refusing(file: Path):
         yield
     except Exception as err:  # noqa: BLE001 - UnpicklingError, EOFError, RuntimeError: all the same verdict
         raise CheckpointError(
-            f"checkpoint file {str(file)!r} cannot be loaded without running code or is unreadable ({first_line(err, 200)}); "
-            "refusing to resume from it"
+            f"checkpoint file {str(file)!r} cannot be loaded without running code or is unreadable "
+            f"({first_line(err, 200)}); refusing to resume from it"
         ) from None
 
 
@@ -131,8 +131,9 @@ def _check_dcp_folder(metadata_file: Path, digests: dict[str, str] | None) -> No
         key = _item_key(folder, index)
         if digests is not None and digests.get(key) != hashlib.sha256(data).hexdigest():
             raise CheckpointError(
-                f"checkpoint file {str(file)!r} does not hold what its DCP metadata says at {info.offset} ({index.fqn}): "
-                f"its bytes differ from those written there ({SHARD_DIGESTS_FILE}); refusing to resume from it"
+                f"checkpoint file {str(file)!r} does not hold what its DCP metadata says at {info.offset} "
+                f"({index.fqn}): its bytes differ from those written there ({SHARD_DIGESTS_FILE}); refusing to resume "
+                "from it"
             )
 
 

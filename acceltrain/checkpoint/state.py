@@ -73,9 +73,10 @@ class RunState:
             and self.data_fingerprint != current.data_fingerprint
         ):
             raise CheckpointError(
-                f"checkpoint {str(path)!r} was trained on data whose fingerprint is {shorten(self.data_fingerprint, 24)}, this "
-                f"run's training data has {shorten(current.data_fingerprint, 24)}: its content changed since; resuming would not "
-                "continue the same run: restore the data, or start a new --output-dir"
+                f"checkpoint {str(path)!r} was trained on data whose fingerprint is "
+                f"{shorten(self.data_fingerprint, 24)}, this run's training data has "
+                f"{shorten(current.data_fingerprint, 24)}: its content changed since; resuming would not continue the "
+                "same run: restore the data, or start a new --output-dir"
             )
         for name in ("seed", "train_samples"):
             saved, now = getattr(self, name), getattr(current, name)
@@ -140,7 +141,10 @@ class RunState:
         micro_batches = self.step * self.grad_accum
         if not self.batches_per_epoch:  # a stream: every step a full window; a pass holds at least one batch
             if self.samples_seen != self.step * self.samples_per_step:
-                return f"samples_seen {self.samples_seen} is not step {self.step} x {self.samples_per_step} samples per step"
+                return (
+                    f"samples_seen {self.samples_seen} is not step {self.step} x {self.samples_per_step} samples per "
+                    "step"
+                )
             if max(self.epoch, self.batch_in_epoch) > micro_batches:
                 return (
                     f"epoch {self.epoch} and batch_in_epoch {self.batch_in_epoch} lie beyond the {micro_batches} "
@@ -220,7 +224,8 @@ _FIELD_CHECKS = {
     "engine": (lambda v: v in ENGINE_NAMES, f"one of {', '.join(map(repr, ENGINE_NAMES))}"),
 }
 # Every trainer_state.json since acceltrain 0.1 holds these (0.2 added num_processes and batches_per_epoch, whose
-# 0 means "not recorded", 0.3 data_fingerprint): a missing one is tampering, never a default (a step-4 checkpoint "at step 0").
+# 0 means "not recorded", 0.3 data_fingerprint): a missing one is tampering, never a default (a step-4 checkpoint
+# "at step 0").
 REQUIRED_FIELDS = tuple(
     name
     for name in (field.name for field in dataclasses.fields(RunState))
@@ -258,7 +263,8 @@ def read_state(state_file: Path) -> tuple[RunState, dict[str, dict]]:
     unknown = sorted(set(fields) - set(_FIELD_CHECKS))
     if unknown:
         raise CheckpointError(
-            f"checkpoint file {str(state_file)!r} has unknown fields: {', '.join(shorten(name, 40) for name in unknown[:5])}"
+            f"checkpoint file {str(state_file)!r} has unknown fields: "
+            f"{', '.join(shorten(name, 40) for name in unknown[:5])}"
         )
     for name, value in fields.items():
         valid, allowed = _FIELD_CHECKS[name]
@@ -275,7 +281,8 @@ def read_state(state_file: Path) -> tuple[RunState, dict[str, dict]]:
     missing = [name for name in REQUIRED_FIELDS if name not in named]
     if missing:
         raise CheckpointError(
-            f"checkpoint file {str(state_file)!r} lacks {', '.join(missing)}: every checkpoint since acceltrain 0.1 holds them"
+            f"checkpoint file {str(state_file)!r} lacks {', '.join(missing)}: every checkpoint since acceltrain 0.1 "
+            "holds them"
         )
     missing = [name for name in REQUIRED_CONFIG if name not in fields["config"]]
     if missing:

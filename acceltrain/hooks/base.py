@@ -29,12 +29,11 @@ Events, in the order a run meets them:
 - ``on_exception(run, error)``: ``fit()`` is raising ``error`` (a divergence, a crash) after
   ``on_fit_start``: give back what ``on_fit_start`` took (signal handlers, files); the error propagates.
 
-At each event your hooks run first, in the order given to ``fit(hooks=[...])``, then the built-in ones
-in the order of :func:`acceltrain.hooks.builtin_hooks`; ``on_fit_start`` alone runs the built-in ones
-first, so that yours may log and call ``run.evaluate()`` there (a baseline before step 1). Every process calls the same hooks at the same
-points, so a hook may use collectives. A hook asks for a checkpoint with ``run.request_save()`` and
-for an early end with ``run.request_stop(reason, finish=...)``; the loop agrees on the requests across
-processes once per optimizer step.
+At each event your hooks run first, in the order given to ``fit(hooks=[...])``, then the built-in ones in the order of
+:func:`acceltrain.hooks.builtin_hooks`; ``on_fit_start`` alone runs the built-in ones first, so that yours may log and
+call ``run.evaluate()`` there (a baseline before step 1). Every process calls the same hooks at the same points, so a
+hook may use collectives. A hook asks for a checkpoint with ``run.request_save()`` and for an early end with
+``run.request_stop(reason, finish=...)``; the loop agrees on the requests across processes once per optimizer step.
 
 A stateful hook returns its state from ``state_dict()``: a dict (or None) of tensors, str, int, float
 (NaN and infinities too), bool and None, nested in lists, tuples and dicts whose keys are such scalars
@@ -137,8 +136,8 @@ def _state_name(hook) -> str:
     name = hook_name(hook)
     if not (isinstance(name, str) and _FILE_NAME.fullmatch(name)):
         raise ConfigError(
-            f"hook name {first_line(repr(name), 120)} is not usable as a file name (its state is saved as hooks/<name>.json): "
-            "use 1 to 100 letters, digits, '_', '-' and '.', not starting with '.'"
+            f"hook name {first_line(repr(name), 120)} is not usable as a file name (its state is saved as "
+            "hooks/<name>.json): use 1 to 100 letters, digits, '_', '-' and '.', not starting with '.'"
         )
     return name
 
@@ -214,7 +213,8 @@ class Hooks:
             if have - held:
                 said.append(f"has no state for this run's stateful hooks [{', '.join(sorted(have - held))}]")
             raise ConfigError(
-                f"checkpoint {str(folder)!r} {' and '.join(said)}: resume with the same hooks, or start a new --output-dir"
+                f"checkpoint {str(folder)!r} {' and '.join(said)}: resume with the same hooks, or start a new "
+                "--output-dir"
             )
         for name in saved:
             try:

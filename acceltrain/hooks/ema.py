@@ -45,7 +45,8 @@ class EMA(Hook):
         source = self._restored if self._restored is not None else self.live
         if set(source) != set(self.live):
             raise ConfigError(
-                f"the checkpoint's {type(self).__name__} weights do not match this model's parameters: resume with the same model"
+                f"the checkpoint's {type(self).__name__} weights do not match this model's parameters: resume with the "
+                "same model"
             )
         self.average = {
             k: source[k].detach().to(self.live[k].device, torch.float32 if v.is_floating_point() else v.dtype).clone()

@@ -80,8 +80,8 @@ class HubReady(Hook):
             reason = first_line(err)
             summary["hub_push_error"] = reason if reason == type(err).__name__ else f"{type(err).__name__}: {reason}"
             logger.warning(
-                f"--push-to-hub: the upload to {self.repo_id} failed ({summary['hub_push_error']}); the run is complete "
-                f"in {run.output_dir}: upload it with `{upload_command(self.repo_id, run.output_dir)}`"
+                f"--push-to-hub: the upload to {self.repo_id} failed ({summary['hub_push_error']}); the run is "
+                f"complete in {run.output_dir}: upload it with `{upload_command(self.repo_id, run.output_dir)}`"
             )
         else:
             logger.info(f"pushed {run.output_dir} to the Hub: {summary['hub_commit']}")

@@ -52,8 +52,8 @@ class CausalLMConfig(LoraOptions, TrainConfig):
     dataset_name: str | None = option(None, "Hub dataset with a 'text' column, instead of --text-files (online only)")
     train_file: str | None = option(
         None,
-        "supervised fine-tuning (SFT) rows instead of --text-files: a .jsonl, .json, .csv or .parquet file of prompt and "
-        "response columns, or of a messages column (a conversation, rendered by the tokenizer's chat template)",
+        "supervised fine-tuning (SFT) rows instead of --text-files: a .jsonl, .json, .csv or .parquet file of prompt "
+        "and response columns, or of a messages column (a conversation, rendered by the tokenizer's chat template)",
     )
     eval_file: str | None = option(
         None, "SFT rows for evaluation, in the same format (default: --eval-fraction of the --train-file rows)"
@@ -69,7 +69,8 @@ class CausalLMConfig(LoraOptions, TrainConfig):
     dataset_config: str | None = option(None, "configuration of --dataset-name (e.g. wikitext-103-raw-v1)")
     tokenizer: str | None = option(
         None,
-        "tokenizer.json, tokenizer folder or Hub name; default: the --model-name-or-path folder's, else a BPE trained on the text",
+        "tokenizer.json, tokenizer folder or Hub name; default: the --model-name-or-path folder's, else a BPE trained "
+        "on the text",
     )
     vocab_size: int = option(8192, "vocabulary of the BPE trained when there is no --tokenizer")
     block_size: int | None = option(
@@ -79,7 +80,8 @@ class CausalLMConfig(LoraOptions, TrainConfig):
     )
     eval_fraction: float = option(
         0.05,
-        "fraction of the blocks (with --train-file: of the rows) held out for evaluation, chosen by --seed (0: no evaluation)",
+        "fraction of the blocks (with --train-file: of the rows) held out for evaluation, chosen by --seed (0: no "
+        "evaluation)",
     )
     streaming: bool = option(
         False, "read, tokenise and pack the text as training goes (text larger than memory); needs --max-steps"

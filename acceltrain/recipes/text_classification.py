@@ -4,7 +4,8 @@ acceltrain loop.
     acceltrain-text-classification --config text_classification_cpu --model-name-or-path path/to/bert \\
         --train-file train.csv --eval-file test.csv
     accelerate launch --config_file accelerate_configs/single_gpu.yaml -m acceltrain.recipes.text_classification \\
-        --config text_classification_gpu --model-name-or-path google-bert/bert-base-uncased --dataset-name stanfordnlp/imdb
+        --config text_classification_gpu --model-name-or-path google-bert/bert-base-uncased \\
+        --dataset-name stanfordnlp/imdb
 
 Rows come from csv, json/jsonl or parquet files (or a Hub dataset, online); labels are class names or class ids
 0..K-1, recorded as id2label/label2id in config.json; batches are padded per batch. The output folder loads
@@ -92,7 +93,8 @@ class TextClassificationConfig(LoraOptions, TrainConfig):
         super().validate()
         if self.model_name_or_path is None:
             raise ConfigError(
-                "give the pretrained model to fine-tune with --model-name-or-path (a local folder, or a Hub name online)"
+                "give the pretrained model to fine-tune with --model-name-or-path (a local folder, or a Hub name "
+                "online)"
             )
         if (self.train_file is None) == (self.dataset_name is None):
             raise ConfigError("give the training rows with exactly one of --train-file FILE and --dataset-name NAME")

@@ -18,7 +18,8 @@ from ..tasks import Task, describe, labels_problem
 
 
 def _is_pair(batch) -> bool:
-    """An ``(inputs, labels)`` tuple (a list is taken for a list of samples: a collate function that collated nothing)."""
+    """An ``(inputs, labels)`` tuple (a list is taken for a list of samples:
+    a collate function that collated nothing)."""
     return isinstance(batch, tuple) and len(batch) == 2 and isinstance(batch[0], Mapping)
 
 

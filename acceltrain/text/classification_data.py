@@ -102,9 +102,9 @@ def _kind(labels: list, where: str, column: str) -> str:
     if len(kinds) > 1:
         first = {kind: kind_of.index(kind) for kind in kinds}
         raise ConfigError(
-            f"--label-column {column!r} of {where} mixes integers and strings (the integer {labels[first[int]]!r} in row "
-            f"{first[int]}, the string {shorten(labels[first[str]])} in row {first[str]}): use one kind (class names, or "
-            "class ids)"
+            f"--label-column {column!r} of {where} mixes integers and strings (the integer {labels[first[int]]!r} in "
+            f"row {first[int]}, the string {shorten(labels[first[str]])} in row {first[str]}): use one kind (class "
+            "names, or class ids)"
         )
     return "integer" if {type(label) for label in labels} == {int} else "string"
 

@@ -246,7 +246,8 @@ def token_blocks(texts, tokenizer, *, block_size: int, num_proc: int | None = No
     if len(blocks) == 0:
         total = sum(len(ids) for ids in tokens["input_ids"])
         raise ConfigError(
-            f"--block-size {block_size} is too long for the text: it holds {total} tokens, packed {PACK_ROWS} lines at a time"
+            f"--block-size {block_size} is too long for the text: it holds {total} tokens, packed {PACK_ROWS} lines at "
+            "a time"
         )
     return blocks
 

@@ -100,12 +100,12 @@ def flops_per_block(model: nn.Module, block_size: int) -> int:
 
 
 class CausalLMTask(Task):
-    """Next-token prediction on batches ``{"input_ids": [B, T]}`` (optionally ``"labels"``, -100 where not
-    predicted, as SFT leaves the prompt and the padding, and ``"attention_mask"``). Training returns ``(summed token loss, target count)`` so that the loop divides the
-    gradient by the targets of the whole accumulation window on all processes: the loss of every target
-    token weighs the same however the targets fall across micro-batches and processes. Evaluation
-    sums token losses and counts per sequence; ``eval_metrics`` turns the totals into the mean token
-    loss and its perplexity."""
+    """Next-token prediction on batches ``{"input_ids": [B, T]}`` (optionally ``"labels"``, -100 where not predicted, as
+    SFT leaves the prompt and the padding, and ``"attention_mask"``). Training returns
+    ``(summed token loss, target count)`` so that the loop divides the gradient by the targets of the whole accumulation
+    window on all processes: the loss of every target token weighs the same however the targets fall across
+    micro-batches and processes. Evaluation sums token losses and counts per sequence; ``eval_metrics`` turns the totals
+    into the mean token loss and its perplexity."""
 
     primary_metric = "loss"
     higher_is_better = False

@@ -95,7 +95,8 @@ def sft_kept(encoded, *, block_size: int, where: str):
 
 
 def _prompt_response_pieces(tokenizer, prompt: str, response: str, where: str):
-    """Row -> [(prompt, not trained, with the tokenizer's special tokens: a BOS), (response, trained), (EOS, trained)]."""
+    """Row -> [(prompt, not trained, with the tokenizer's special tokens: a BOS),
+    (response, trained), (EOS, trained)]."""
     end = tokenizer.eos_token_id
     if end is None:
         raise ConfigError(

@@ -107,7 +107,8 @@ def _quiet(library: str):
 
 
 def check_columns(rows, where: str, **columns: str | None) -> None:
-    """Each ``flag=column`` (``text_column="text"``) names a column of ``rows``; else one line with the columns there are."""
+    """Each ``flag=column`` (``text_column="text"``) names a column of ``rows``;
+    else one line with the columns there are."""
     for flag, column in columns.items():
         if column is not None and column not in rows.column_names:
             raise ConfigError(

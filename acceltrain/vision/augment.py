@@ -87,7 +87,8 @@ class CropFlip:
         """ConfigError unless the padding fits these images: reflect padding needs ``padding < min(height, width)``."""
         if self.padding_mode == "reflect" and self.padding >= min(height, width):
             raise ConfigError(
-                f"crop padding {self.padding} is invalid for reflect padding of {height}x{width} images: must be < {min(height, width)}"
+                f"crop padding {self.padding} is invalid for reflect padding of {height}x{width} images: must be < "
+                f"{min(height, width)}"
             )
 
     def apply(self, images: torch.Tensor, top: torch.Tensor, left: torch.Tensor, flip: torch.Tensor) -> torch.Tensor:

@@ -242,7 +242,8 @@ def image_datasets(
     if is_hub_dataset(name):
         if data_dir:
             raise ConfigError(
-                f"--data-dir is not used by the Hub dataset {name!r}, which lives in the HF cache (HF_HOME): leave it out"
+                f"--data-dir is not used by the Hub dataset {name!r}, which lives in the HF cache (HF_HOME): leave it "
+                "out"
             )
         (train_images, train_labels, classes), (eval_images, eval_labels, _) = hub_image_arrays(name, image_size)
     elif name == "cifar10":
@@ -262,8 +263,8 @@ def image_datasets(
         classes = [f"class{i}" for i in range(10)]
     else:
         raise ConfigError(
-            f"--dataset {name!r} is invalid: choose one of {', '.join(IMAGE_DATASETS)}, or a Hub dataset as namespace/name "
-            "(e.g. uoft-cs/cifar10)"
+            f"--dataset {name!r} is invalid: choose one of {', '.join(IMAGE_DATASETS)}, or a Hub dataset as "
+            "namespace/name (e.g. uoft-cs/cifar10)"
         )
     common = {"image_size": image_size, "seed": seed, "progress": progress}
     return (

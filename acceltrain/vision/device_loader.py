@@ -39,9 +39,9 @@ CACHE_ENV = "ACCELTRAIN_CACHE"
 class DeviceImageLoader(LoaderStateMixin):
     """Ready training batches ``(float32 normalised images, int64 labels)`` made on ``device``.
 
-    Subclasses Accelerate's loader state (``accelerate_compat.LoaderStateMixin``) and registers itself with ``GradientState`` while
-    iterated, exactly as a prepared ``DataLoaderShard`` does, so ``Accelerator.accumulate`` syncs at the
-    end of each epoch without this loader going through ``accelerator.prepare``.
+    Subclasses Accelerate's loader state (``accelerate_compat.LoaderStateMixin``) and registers itself with
+    ``GradientState`` while iterated, exactly as a prepared ``DataLoaderShard`` does, so ``Accelerator.accumulate``
+    syncs at the end of each epoch without this loader going through ``accelerator.prepare``.
     """
 
     def __init__(
@@ -197,10 +197,10 @@ def decoded_images(
     ``cache_dir`` (default: :func:`decode_cache_dir`).
 
     The main process decodes while the others wait (:func:`on_main_process_first`), then they read its
-    cache; it says where the cache goes and, if ``progress`` (``--progress``, see :func:`acceltrain.show_progress`)
-    says so, shows a bar while it decodes (CIFAR-10's 60,000 JPEGs: about 40 s, 184 MB). The cache file is
-    named after the folder and image size and holds a fingerprint of every file's path, size and mtime: a
-    changed, added or removed file makes it stale, and it is rewritten; so is one that fails :func:`_read_cache`'s checks.
+    cache; it says where the cache goes and, if ``progress`` (``--progress``, see :func:`acceltrain.show_progress`) says
+    so, shows a bar while it decodes (CIFAR-10's 60,000 JPEGs: about 40 s, 184 MB). The cache file is named after the
+    folder and image size and holds a fingerprint of every file's path, size and mtime: a changed, added or removed file
+    makes it stale, and it is rewritten; so is one that fails :func:`_read_cache`'s checks.
     """
     from accelerate import PartialState
     from safetensors.torch import save_file
@@ -219,11 +219,13 @@ def decoded_images(
         if mismatch is None:
             megabytes = len(paths) * 3 * image_size**2 / 1e6
             logger.info(
-                f"decoding {len(paths)} image files once into {cache_file} ({megabytes:.1f} MB; {CACHE_ENV} sets the folder)"
+                f"decoding {len(paths)} image files once into {cache_file} ({megabytes:.1f} MB; {CACHE_ENV} sets the "
+                "folder)"
             )
         else:
             logger.warning(
-                f"the decoded-image cache {cache_file} does not match ({mismatch}): decoding the {len(paths)} images again"
+                f"the decoded-image cache {cache_file} does not match ({mismatch}): decoding the {len(paths)} images "
+                "again"
             )
         images = torch.empty(shape, dtype=torch.uint8)
         bar = tqdm(
@@ -296,7 +298,8 @@ def _read_cache(cache_file: Path, fingerprint: str, shape: tuple[int, ...]) -> t
 
 
 def _content_hash(images: torch.Tensor) -> str:
-    """sha256 of every byte, no sample: about 0.13 s for CIFAR-10's 150 MB train set, nothing next to decoding it (40 s)."""
+    """sha256 of every byte, no sample: about 0.13 s for CIFAR-10's 150 MB train set, nothing next to decoding it
+    (40 s)."""
     return hashlib.sha256(images.contiguous().numpy()).hexdigest()
 
 

@@ -1,9 +1,9 @@
 """Image classification datasets from the Hugging Face Hub (``--dataset uoft-cs/cifar10``) through ``datasets``.
 
-``datasets.load_dataset`` keeps the download in the HF cache (``HF_HOME``, ``HF_DATASETS_CACHE``), so after
-one run online ``HF_DATASETS_OFFLINE=1`` runs work from it; a local folder in the Hub's layout (``data/train-*.parquet``)
-or one written by ``save_to_disk`` loads the same way. The images are decoded once into uint8 pixels with
-``Dataset.map``, which the HF cache also keeps, so later runs skip the decoding too.
+``datasets.load_dataset`` keeps the download in the HF cache (``HF_HOME``, ``HF_DATASETS_CACHE``), so after one run
+online ``HF_DATASETS_OFFLINE=1`` runs work from it; a local folder in the Hub's layout (``data/train-*.parquet``) or one
+written by ``save_to_disk`` loads the same way. The images are decoded once into uint8 pixels with ``Dataset.map``,
+which the HF cache also keeps, so later runs skip the decoding too.
 """
 
 from __future__ import annotations
@@ -30,8 +30,9 @@ def _load(name: str, image_size: int):
         splits = datasets.load_dataset(name)
     except (OSError, ValueError) as err:  # offline and not cached, unknown repo, no data files, bad id
         raise ConfigError(
-            f"--dataset {name!r} cannot be loaded ({first_line(err)}): download it once online (it is then kept in the HF cache, "
-            "and HF_DATASETS_OFFLINE=1 runs use it), or use --dataset imagefolder --data-dir DIR, or --dataset synthetic"
+            f"--dataset {name!r} cannot be loaded ({first_line(err)}): download it once online (it is then kept in the "
+            "HF cache, and HF_DATASETS_OFFLINE=1 runs use it), or use --dataset imagefolder --data-dir DIR, or "
+            "--dataset synthetic"
         ) from None
     if "train" not in splits:
         raise ConfigError(f"--dataset {name!r} has no train split (it has {', '.join(splits)})")
@@ -70,7 +71,8 @@ def _pixels(
     labels = list(split_set[label_column])
     if min(labels, default=0) < 0:
         raise ConfigError(
-            f"--dataset {name!r}: its {split} split has unlabelled samples (label -1); it cannot be trained or evaluated on"
+            f"--dataset {name!r}: its {split} split has unlabelled samples (label -1); it cannot be trained or "
+            "evaluated on"
         )
     features = datasets.Features({"pixels": datasets.Array3D((3, image_size, image_size), "uint8")})
     decoded = split_set.map(

@@ -55,8 +55,9 @@ def whiten_conv_(conv: nn.Conv2d, images: torch.Tensor, *, eps: float = 5e-4, fr
     dimension = channels * kh * kw
     if conv.groups != 1 or conv.out_channels % 2 or conv.out_channels > 2 * dimension:
         raise ConfigError(
-            f"whitening needs a conv with groups=1 and an even number of output channels, at most 2 x {channels}x{kh}x{kw} = "
-            f"{2 * dimension}; this one is {conv.in_channels}->{conv.out_channels} channels, {kh}x{kw}, groups={conv.groups}"
+            "whitening needs a conv with groups=1 and an even number of output channels, at most 2 x "
+            f"{channels}x{kh}x{kw} = {2 * dimension}; this one is {conv.in_channels}->{conv.out_channels} channels, "
+            f"{kh}x{kw}, groups={conv.groups}"
         )
     mean, covariance = patch_moments(images.to("cpu"), (kh, kw), conv.dilation)
     eigenvalues, eigenvectors = torch.linalg.eigh(covariance)  # ascending

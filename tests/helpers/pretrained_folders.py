@@ -1,5 +1,5 @@
-"""Tiny pretrained folders and data for the fine-tuning tests, made on the fly: ``save_pretrained`` of a small
-model built from its config, next to a tokenizer built here with ``tokenizers`` on a fixed vocabulary. Nothing downloads.
+"""Tiny pretrained folders and data for the fine-tuning tests, made on the fly: ``save_pretrained`` of a small model
+built from its config, next to a tokenizer built here with ``tokenizers`` on a fixed vocabulary. Nothing downloads.
 
 The classification data is learnable in a few steps (the label is which of two word sets dominates) and its
 lengths spread from a few words to a few dozen, so padding per batch and grouping by length matter."""
