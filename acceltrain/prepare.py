@@ -20,17 +20,17 @@ from . import __version__
 from .config import TrainConfig
 from .data import default_num_workers, eval_loader, train_loader
 from .distributed import check_backend_honoured, convert_sync_batchnorm, deepspeed_plugin, use_cpu
-from .eval_subset import eval_subset
-from .optim import ScheduleProgress, build_scheduler
-from .options import ConfigError
-from .sharding import (
+from .engines import (
     build_accelerator,
     choose_wrap_policy,
     guard_gradient_average,
     keep_norms_in_fp32,
-    parameter_counts,
+    parameters_held,
     share_norm_statistics,
 )
+from .eval_subset import eval_subset
+from .optim import ScheduleProgress, build_scheduler
+from .options import ConfigError
 from .speed import (
     apply_batch_size,
     enable_activation_checkpointing,
@@ -135,7 +135,7 @@ def prepare(
         total_steps=total_steps,
         model_flops_per_sample=flops_per_sample,
         peak_flops_per_device=peak_flops,
-        **parameter_counts(model),
+        **parameters_held(model),
     )
     return Prepared(
         cfg,

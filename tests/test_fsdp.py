@@ -262,7 +262,7 @@ def test_fsdp1_on_cpu_is_one_line(monkeypatch):
     from accelerate.utils import DistributedType
 
     from acceltrain import ConfigError
-    from acceltrain.sharding import build_accelerator
+    from acceltrain.engines import build_accelerator
 
     monkeypatch.setattr(
         accelerate, "PartialState", lambda: type("State", (), {"distributed_type": DistributedType.MULTI_CPU})()

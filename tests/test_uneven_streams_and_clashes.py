@@ -1,4 +1,4 @@
-"""Round 4 of hostile inputs (issue 31) on the newest surfaces: streams sharded unevenly across processes,
+"""Hostile inputs (issue 31, round 4): streams sharded unevenly across processes,
 workers whose launcher died, a stream that shrank, hooks that edit the run's config, option groups that
 clash, and a refusal that must come before DeepSpeed starts. (Edited checkpoints: test_checkpoint_tampering;
 changed text: test_causal_lm.)"""
