@@ -8,8 +8,8 @@ and model; a combination that cannot work is refused in one line, itself asserte
 - stops: ``--stop-after-steps``, SIGTERM, SIGKILL inside a save.
 
 Every engine x writer pair runs in the default suite, each with one model and one stop (rotated so that every model and
-every stop meets several engines); the rest of the cross is the ``sweep`` tier (``pytest -m sweep``: about 40 minutes on
-2 cores). The references are module fixtures, one launch per engine and model, shared by all the cases that need
+every stop meets several engines); the other 53 are the ``sweep`` tier (``pytest -m sweep``, outside the full suite).
+The references are module fixtures, one launch per engine and model, shared by all the cases that need
 them."""
 
 from __future__ import annotations
