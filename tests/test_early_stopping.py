@@ -11,7 +11,7 @@ import pytest
 from conftest import read_summary, run_tiny_in_process
 
 from acceltrain import ClassificationTask, ConfigError, TrainConfig, parse_config
-from acceltrain.checkpointing import EXIT_PREEMPTED
+from acceltrain.preemption import EXIT_PREEMPTED
 from acceltrain.hooks import EarlyStopping, Evaluation
 
 QUIET = [
