@@ -11,8 +11,8 @@ import pytest
 from conftest import read_summary, run_tiny_in_process
 
 from acceltrain import ClassificationTask, ConfigError, TrainConfig, parse_config
-from acceltrain.preemption import EXIT_PREEMPTED
 from acceltrain.hooks import EarlyStopping, Evaluation
+from acceltrain.preemption import EXIT_PREEMPTED
 
 QUIET = [
     "--num-train",

@@ -20,8 +20,8 @@ from conftest import REPO, read_summary, subprocess_env
 from test_causal_lm import offline_on_one_thread
 
 from acceltrain import ConfigError, parse_config
-from acceltrain.preemption import EXIT_PREEMPTED
 from acceltrain.config import run_changes
+from acceltrain.preemption import EXIT_PREEMPTED
 
 sys.path.insert(0, str(REPO / "recipes"))
 sys.path.insert(0, str(REPO / "tests" / "helpers"))

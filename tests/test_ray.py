@@ -23,7 +23,7 @@ ARGS = [
     "--batch-size",
     "4",
     "--epochs",
-    "2",
+    "1",
     "--lr",
     "0.05",
     "--no-progress",
@@ -71,12 +71,12 @@ def test_a_ray_run_trains_as_accelerate_launch_does(tmp_path, ray_run):
     reference = tmp_path / "accelerate"
     check(launch(TINY_RECIPE, [*ARGS, "--output-dir", str(reference)], processes=2, launcher="accelerate"))
     summary = read_summary(ray_run)
-    assert (summary["num_processes"], summary["distributed_type"], summary["steps"]) == (2, "MULTI_CPU", 24)
+    assert (summary["num_processes"], summary["distributed_type"], summary["steps"]) == (2, "MULTI_CPU", 12)
     a, b = load_file(str(ray_run / "model.safetensors")), load_file(str(reference / "model.safetensors"))
     for key in b:
         torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-6, msg=key)
     reported = [path for path in (ray_run.parent / "ray").glob("*/checkpoint_*") if path.is_dir()]
-    assert len(reported) == 6, "each published checkpoint reported to Ray"
+    assert len(reported) == 3, "each published checkpoint reported to Ray"
 
 
 @pytest.mark.slow
@@ -85,13 +85,13 @@ def test_a_worker_killed_mid_run_is_restarted_by_ray_and_ends_byte_identical(tmp
     out = tmp_path / "run"
     result = ok(
         ray_launch(
-            tmp_path, "--max-failures", "1", str(TINY_RECIPE), *ARGS, "--die-at-step", "10", "--output-dir", str(out)
+            tmp_path, "--max-failures", "1", str(TINY_RECIPE), *ARGS, "--die-at-step", "6", "--output-dir", str(out)
         )
     )
     assert "resumed from" in result.stdout + result.stderr
-    assert read_summary(out)["resumed_from_step"] == 8
+    assert read_summary(out)["resumed_from_step"] == 4
     assert (out / "model.safetensors").read_bytes() == (ray_run / "model.safetensors").read_bytes()
-    assert [e["step"] for e in read_events(out) if "loss" in e] == list(range(1, 25))
+    assert [e["step"] for e in read_events(out) if "loss" in e] == list(range(1, 13))
 
 
 def test_bad_launcher_input_is_one_line(tmp_path):
