@@ -15,6 +15,9 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "resnet_cifar.py"
 TINY_RECIPE = REPO / "tests" / "helpers" / "tiny_recipe.py"
+# One torch thread in each pytest worker, as in the launched processes (OMP_NUM_THREADS=1 below): two workers
+# on two cores with two threads each oversubscribe the cores, and the tests' models are too small to gain.
+torch.set_num_threads(1)
 
 
 def reset_accelerate_state() -> None:

@@ -47,8 +47,8 @@ def test_summed_loss_is_normalised_by_the_window_target_count(tmp_path):
     common = ["--num-train", "128", "--max-steps", "3", "--lr", "0.2", "--masked-loss", "--lr-schedule", "constant"]
     _, _, accumulated = run_tiny(tmp_path / "accum", *common, "--batch-size", "8", "--grad-accum", "4")
     _, _, big = run_tiny(tmp_path / "big", *common, "--batch-size", "32")
-    for key in big:
-        torch.testing.assert_close(accumulated[key], big[key], rtol=1e-5, atol=1e-6)
+    for key in big:  # rounding of the two sums' orders: up to 4e-6 on one thread; the mean of means is off by 2e-2
+        torch.testing.assert_close(accumulated[key], big[key], rtol=1e-5, atol=1e-5)
 
 
 def test_partial_last_window_applies_the_mean_gradient_of_its_samples(tmp_path):
