@@ -38,7 +38,8 @@ CIFAR = [
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", [2, 3])
+# ZeRO-2's resume: the checkpoint matrix's deepspeed case (a SIGTERM) in the full suite; this one in the sweep tier
+@pytest.mark.parametrize("stage", [pytest.param(2, marks=pytest.mark.sweep), 3])
 def test_deepspeed_runs_saves_resumes_exactly_and_exports_plain_weights(tmp_path, stage):
     pytest.importorskip("deepspeed")
     config = f"deepspeed_zero{stage}.yaml"
