@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO, TINY_RECIPE, check, launch, read_events, read_summary, run_tiny_in_process, subprocess_env
 
-from acceltrain.checkpoint.files import complete_checkpoints, verify_checkpoint
+from acceltrain.checkpoint.files import checkpoint_dir, complete_checkpoints, verify_checkpoint
 from acceltrain.preemption import EXIT_PREEMPTED
 
 # 40 samples, batch 4, accumulate 3: 10 batches an epoch in windows of 3, 3, 3 and 1: 4 steps an epoch.
@@ -100,7 +100,7 @@ def test_two_processes_resume_byte_identical(tmp_path):
             launcher="accelerate",
         )
     )
-    step_5 = full / "checkpoints" / "step_00000005"
+    step_5 = checkpoint_dir(full, 5)
     check(
         launch(
             TINY_RECIPE, [*args, "--output-dir", str(part), "--resume", str(step_5)], processes=2, launcher="accelerate"

@@ -12,6 +12,7 @@ from conftest import RECIPE, REPO, TINY_RECIPE, _free_port, check, launch, read_
 from safetensors.torch import load_file
 
 from acceltrain import ConfigError, TrainConfig
+from acceltrain.checkpoint.files import checkpoint_dir
 from acceltrain.distributed import deepspeed_plugin
 
 pytestmark = pytest.mark.multiprocess
@@ -51,7 +52,7 @@ def test_deepspeed_runs_saves_resumes_exactly_and_exports_plain_weights(tmp_path
     )
     summary = read_summary(full)
     assert summary["distributed_type"] == "DEEPSPEED" and summary["steps"] == 6
-    step_3 = str(full / "checkpoints" / "step_00000003")  # continued into another folder (stops: the matrix's)
+    step_3 = str(checkpoint_dir(full, 3))  # continued into another folder (stops: the matrix's)
     check(launch(RECIPE, [*CIFAR, "--output-dir", str(part), "--resume", step_3], launcher="accelerate", config=config))
     assert (part / "model.safetensors").read_bytes() == (full / "model.safetensors").read_bytes()
     from acceltrain.vision import build_resnet

@@ -13,6 +13,7 @@ import torch
 from conftest import TINY_RECIPE, check, launch, read_events, read_summary, run_tiny_in_process
 from safetensors.torch import load_file
 
+from acceltrain.checkpoint.files import checkpoint_dir
 from acceltrain.preemption import EXIT_PREEMPTED
 
 # 96 samples a pass, batch 8: 12 micro-batches a pass. Accumulating 5, the windows run across the passes'
@@ -127,7 +128,7 @@ def test_two_processes_share_the_stream_without_duplicates_and_resume_exactly(tm
     check(
         launch(
             TINY_RECIPE,
-            [*args, "--output-dir", str(part), "--resume", str(two / "checkpoints" / "step_00000005")],
+            [*args, "--output-dir", str(part), "--resume", str(checkpoint_dir(two, 5))],
             **TWO,
         )
     )

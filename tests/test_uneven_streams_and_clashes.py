@@ -15,6 +15,7 @@ import pytest
 from conftest import REPO, TINY_RECIPE, _free_port, check, launch, read_summary, run_tiny_in_process, subprocess_env
 
 from acceltrain import ConfigError, Hook, Options, TrainConfig, option, parse_config
+from acceltrain.checkpoint.files import checkpoint_dir
 from acceltrain.preemption import EXIT_PREEMPTED
 
 # 96 samples a pass on the first process, 88 on the second: at batch 8 on 2 processes with 2 loader workers each,
@@ -73,11 +74,11 @@ def test_uneven_streams_end_each_pass_together_as_the_shorter_one_does(tmp_path,
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_an_uneven_stream_stopped_where_a_pass_ended_resumes_byte_identically(tmp_path, uneven_run):
+def test_an_uneven_stream_resumed_where_a_pass_ended_continues_byte_identically(tmp_path, uneven_run):
     """The longer stream's loader position is recorded as its pass's end: the resume starts the next pass. The
     checkpoint is the uninterrupted run's own, of step 4, where the shorter stream's first pass ended."""
     out, full = tmp_path / "run", uneven_run[0]
-    step_4 = full / "checkpoints" / "step_00000004"
+    step_4 = checkpoint_dir(full, 4)
     args = [*UNEVEN, "--stream-drop", "0,8", "--output-dir", str(out), "--resume", str(step_4)]
     check(launch(TINY_RECIPE, args, processes=2, launcher="torchrun"))
     assert (out / "model.safetensors").read_bytes() == (full / "model.safetensors").read_bytes()
