@@ -50,11 +50,29 @@ def die_with_launcher() -> None:
     ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
 
 
+def process_state(**kwargs):
+    """Accelerate's shared ``PartialState`` (the first call joins the process group), with the modules that would
+    pin that group imported before it exists.
+
+    torch.distributed.nn's functions and DeepSpeed's ``TorchBackend`` (which Accelerate's ``unwrap_model`` imports
+    when DeepSpeed is installed) take the default group as a default argument, evaluated on import: imported after
+    the group is created, they keep it and its gloo threads alive past ``destroy_process_group``, and a process that
+    exits while another still runs can then abort ("terminate called without an active exception") after a
+    successful run. Imported before, their default is None."""
+    from accelerate import PartialState
+    from accelerate.utils import is_deepspeed_available
+
+    if not dist.is_initialized():
+        import torch.distributed.nn  # noqa: F401
+
+        if is_deepspeed_available():
+            import deepspeed.comm  # noqa: F401
+    return PartialState(**kwargs)
+
+
 def init_process_state(cfg: TrainConfig):
     """Create Accelerate's shared ``PartialState`` once, with the CPU decision, and check that every
     launched process joined it and that the hardware can do what ``cfg`` asks."""
-    from accelerate import PartialState
-
     die_with_launcher()
 
     engine = requested_engine()
@@ -69,7 +87,7 @@ def init_process_state(cfg: TrainConfig):
         raise ConfigError(
             "--mixed-precision fp16 needs a CUDA GPU and this run is on CPU: use --mixed-precision bf16 or no"
         )
-    state = PartialState(cpu=on_cpu)
+    state = process_state(cpu=on_cpu)
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     if launched > 1 and state.num_processes != launched:
         raise ConfigError(
@@ -85,10 +103,9 @@ def on_main_process_first(work: Callable[[], T]) -> T:
     files, a tokenizer). Accelerate's ``main_process_first`` leaves the other processes waiting at its
     barrier for good when the main one raises; here every process always reaches the barrier, and then
     all of them fail when any did: with the main process's one-line ConfigError when that was the cause."""
-    from accelerate import PartialState
     from accelerate.utils import gather_object
 
-    state = PartialState()
+    state = process_state()
     failure: BaseException | None = None
     with state.main_process_first():
         try:
@@ -109,10 +126,9 @@ def on_main_process_first(work: Callable[[], T]) -> T:
 def main_process_only(work: Callable[[], None]) -> None:
     """``work()`` on the main process alone; a ConfigError it raises is raised on every process, so that
     none is left waiting at the next collective."""
-    from accelerate import PartialState
     from accelerate.utils import broadcast_object_list
 
-    state = PartialState()
+    state = process_state()
     error = [None]
     if state.is_main_process:
         try:

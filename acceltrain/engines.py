@@ -24,7 +24,7 @@ from accelerate.utils import DistributedType
 from torch import nn
 
 from .accelerate_compat import building_fsdp_on_cpu
-from .distributed import requested_engine, use_cpu
+from .distributed import process_state, requested_engine, use_cpu
 from .options import ConfigError
 
 logger = get_logger(__name__)
@@ -32,9 +32,9 @@ logger = get_logger(__name__)
 
 def build_accelerator(on_cpu: bool, **kwargs):
     """``Accelerator(cpu=on_cpu, **kwargs)``; in FSDP2 mode when the launch asks for FSDP on CPU processes."""
-    from accelerate import Accelerator, PartialState
+    from accelerate import Accelerator
 
-    state = PartialState()
+    state = process_state()
     if not (requested_engine() == DistributedType.FSDP and state.distributed_type == DistributedType.MULTI_CPU):
         return Accelerator(cpu=on_cpu, **kwargs)
     version = os.environ.get("FSDP_VERSION", "1")

@@ -91,15 +91,15 @@ def predict(
 
 
 def _predict(options: PredictOptions) -> list[dict]:
-    from accelerate import PartialState
     from accelerate.utils import gather_object
     from tqdm.auto import tqdm
 
+    from .distributed import process_state
     from .hub import load_model
     from .logs import show_progress
     from .text import load_table, pretrained_tokenizer
 
-    state = PartialState()
+    state = process_state()
     folder = Path(options.run_folder).expanduser()
     task, settings = _run_folder(folder)
     rows = load_table(options.file, "FILE")

@@ -92,6 +92,16 @@ def test_step_zero_grad_and_schedule_counts_per_process(ddp_and_single):
     assert read_summary(ddp_dir)["final_lr"] == pytest.approx(0.0, abs=1e-12)
 
 
+def test_no_process_group_outlives_the_run(ddp_and_single):
+    """A gloo group still alive when a process exits, while another still runs, can abort it at exit ("terminate
+    called without an active exception", SIGABRT) after its work is done: a run that succeeded fails. torch's and
+    DeepSpeed's functions that take the default group as a default argument keep it alive when imported after it
+    was created."""
+    ddp_dir, _, _ = ddp_and_single
+    for rank in (0, 1):
+        assert json.loads((ddp_dir / f"rank{rank}.json").read_text())["gloo_threads_after_fit"] == []
+
+
 def test_uneven_eval_set_is_counted_exactly_once_across_ranks(ddp_and_single):
     ddp_dir, single_dir, _ = ddp_and_single
     evals = [e for e in read_events(ddp_dir) if "eval_samples" in e]

@@ -23,7 +23,7 @@ import numpy as np
 from accelerate.logging import get_logger
 
 from ..data import available_cpus
-from ..distributed import on_main_process_first
+from ..distributed import on_main_process_first, process_state
 from ..network import load_local_or_hub, one_line
 from ..options import ConfigError, file_kind
 
@@ -149,10 +149,8 @@ def tokenizer_for_run(
     model's weights."""
     if source is not None:
         return on_main_process_first(lambda: load_tokenizer(source, flag))
-    from accelerate import PartialState
-
     saved = output_dir / TOKENIZER_FILE
-    state = PartialState()
+    state = process_state()
 
     def trained_or_reused():
         if not state.is_main_process:  # the main process went first: its file is the run's tokenizer

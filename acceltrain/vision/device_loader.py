@@ -25,7 +25,7 @@ from accelerate.state import GradientState
 
 from ..accelerate_compat import LoaderStateMixin
 from ..data import EpochSampler
-from ..distributed import on_main_process_first
+from ..distributed import on_main_process_first, process_state
 from ..logs import show_progress
 from ..options import ConfigError, first_line
 from .augment import CropFlip
@@ -202,11 +202,10 @@ def decoded_images(
     folder and image size and holds a fingerprint of every file's path, size and mtime: a changed, added or removed file
     makes it stale, and it is rewritten; so is one that fails :func:`_read_cache`'s checks.
     """
-    from accelerate import PartialState
     from safetensors.torch import save_file
     from tqdm.auto import tqdm
 
-    state = PartialState()
+    state = process_state()
     cache_file = _writable(decode_cache_dir(cache_dir)) / f"decoded-{_folder_key(paths, image_size)}.safetensors"
     fingerprint = _fingerprint(paths, image_size)
     shape = (len(paths), 3, image_size, image_size)

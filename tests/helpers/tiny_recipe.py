@@ -150,6 +150,15 @@ def build_net(batchnorm: bool) -> nn.Module:
     return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10))
 
 
+def gloo_threads() -> list[str] | None:
+    """The names of this process's gloo threads (Linux): a process group left alive after the run, None elsewhere."""
+    tasks = Path("/proc/self/task")
+    if not tasks.is_dir():
+        return None
+    names = (task / "comm" for task in tasks.iterdir())
+    return sorted(name for name in (path.read_text().strip() for path in names) if "gloo" in name)
+
+
 def main(cfg: TinyConfig, hooks=(), task=None) -> None:
     (train_images, train_labels), (eval_images, eval_labels) = synthetic_images(
         cfg.num_train, cfg.num_eval, seed=cfg.seed
@@ -182,7 +191,13 @@ def main(cfg: TinyConfig, hooks=(), task=None) -> None:
         hasattr(v, "full_tensor") for v in weights.values()
     ):  # FSDP's shards: model.safetensors holds them gathered
         save_file({k: v.contiguous() for k, v in weights.items()}, str(out / f"rank{rank}.safetensors"))
-    counts = {"steps": optimizer.steps, "zero_grads": optimizer.zero_grads, "lrs": optimizer.lrs, **allreduce_counter}
+    counts = {
+        "steps": optimizer.steps,
+        "zero_grads": optimizer.zero_grads,
+        "lrs": optimizer.lrs,
+        "gloo_threads_after_fit": gloo_threads(),
+        **allreduce_counter,
+    }
     (out / f"rank{rank}.json").write_text(json.dumps(counts))
 
 
