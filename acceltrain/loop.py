@@ -283,9 +283,9 @@ def _finish(loop: _Loop) -> dict:
     accelerator = run.accelerator
     progress.throughput.pause()
     wall_seconds = run.elapsed()
+    checkpointer.wait()  # a save in flight is published (its copy taken) before the hooks change any weight
     loop.hooks.call("on_train_end", run)
     if run.stop is not None and not run.stop.finish:
-        checkpointer.wait()  # a save in flight is published before the run stops
         logger.info(f"stopped at step {run.step} ({run.stop.reason}); checkpoint saved; continue with --resume auto")
         accelerator.wait_for_everyone()
         accelerator.end_training()
@@ -334,6 +334,7 @@ def _summary(loop: _Loop, weights: Path, wall_seconds: float) -> dict:
         **eval_metrics,  # a task's own metrics too (eval_perplexity)
         "skipped_steps": run.skipped_steps,
         "checkpoint_seconds": round(loop.checkpointer.seconds_blocked, 4),  # this launch's time blocked by saves
+        "checkpoint_wait_seconds": round(loop.checkpointer.seconds_waited, 4),  # of which: steps waiting for a copy
         "wall_seconds": wall_seconds,
         "resumed_from_step": loop.checkpointer.resumed_from_step,
         "num_processes": run.accelerator.num_processes,

@@ -10,6 +10,7 @@ import json
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -22,6 +23,7 @@ from acceltrain.checkpoint.files import complete_checkpoints
 from acceltrain.preemption import EXIT_PREEMPTED
 
 RUN = [
+    "--batchnorm",
     "--batch-size",
     "4",
     "--max-steps",
@@ -82,6 +84,58 @@ def test_every_async_checkpoint_is_announced_when_published_even_when_the_next_s
     published, out = Published(), tmp_path / "run"
     assert run_tiny_in_process(out, *RUN, "--save-every-steps", "1", "--async-checkpoint", hooks=[published]) == 0
     assert published.folders == [p.name for p in complete_checkpoints(out)] == [f"step_{s:08d}" for s in range(1, 13)]
+
+
+class CopyBeforeStep(Hook):
+    """Records whether the writer thread's copy of a save came before the optimizer step after it: the thread's copy
+    is held back until that step is about to run (``on_before_optimizer_step``), so that a step which did not wait
+    for it would change the weights under it."""
+
+    def __init__(self):
+        self.events, self.gate = [], threading.Event()
+
+    def on_fit_start(self, run):
+        optimizer = run.optimizer.optimizer  # after the checkpointer's own pre-hook: what the step sees once it waited
+        optimizer.register_step_pre_hook(lambda *_: self.events.append(("step", run.step + 1)))
+
+    def on_save(self, run, folder):
+        self.events.append(("published", folder.name))
+
+    def on_before_optimizer_step(self, run):
+        self.gate.set()
+
+
+def test_an_async_save_copies_the_weights_while_the_next_step_trains_and_that_step_waits_for_the_copy(
+    tmp_path, monkeypatch, synchronous
+):
+    """The buffers (BatchNorm's statistics change in every training forward) are copied at the save, the weights and
+    optimizer state by the writer thread; the next optimizer step waits for that copy. Every checkpoint's bytes are
+    the synchronous run's."""
+    from acceltrain.checkpoint import writers
+
+    recorder, original = CopyBeforeStep(), writers.AsyncWriter._copy
+
+    def held_back(writer, part, keys):
+        if threading.current_thread() is threading.main_thread():
+            return original(writer, part, keys)
+        recorder.gate.wait()
+        result = original(writer, part, keys)
+        recorder.events.append(("copied", part.name))
+        return result
+
+    monkeypatch.setattr(writers.AsyncWriter, "_copy", held_back)
+    out = tmp_path / "run"
+    assert run_tiny_in_process(out, *RUN, "--async-checkpoint", hooks=[recorder]) == 0
+    first_save = recorder.events.index(("step", 4)) - 2
+    assert recorder.events[first_save : first_save + 3] == [
+        ("copied", "model.safetensors"),
+        ("copied", "optimizer.bin"),
+        ("step", 4),
+    ], recorder.events
+    assert read_summary(out)["checkpoint_wait_seconds"] >= 0  # counted in checkpoint_seconds
+    for mine, theirs in zip(complete_checkpoints(out), complete_checkpoints(synchronous), strict=True):
+        for name in ("model.safetensors", "optimizer.bin"):
+            assert (mine / name).read_bytes() == (theirs / name).read_bytes(), (mine.name, name)
 
 
 # In the child: the model file of the step-6 save never finishes writing (a slow disk), so that the run is

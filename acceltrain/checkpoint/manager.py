@@ -74,7 +74,10 @@ class Checkpointer:
         self.engine = engine_name(accelerator)
         self.last_saved_step: int | None = None
         self.resumed_from_step: int | None = None
-        self.seconds_blocked = 0.0  # this launch's time blocked by saves
+        self.seconds_blocked = 0.0  # this launch's time blocked by saves (the waits below included)
+        self.seconds_waited = 0.0  # of which optimizer steps waited for an async save's copy
+        if cfg.async_checkpoint:  # the copy of the weights and optimizer state overlaps the next forward and backward
+            getattr(optimizer, "optimizer", optimizer).register_step_pre_hook(lambda *_: self._before_step())
 
     @property
     def note(self) -> str | None:
@@ -110,6 +113,11 @@ class Checkpointer:
         blocked = time.perf_counter() - started
         self.seconds_blocked += blocked
         return blocked
+
+    def _before_step(self) -> None:
+        waited = self.writer.before_step()
+        self.seconds_waited += waited
+        self.seconds_blocked += waited
 
     def poll(self) -> None:
         """Announce a save in flight that has been published (every process, at each optimizer step)."""

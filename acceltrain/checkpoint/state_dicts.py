@@ -46,6 +46,9 @@ class Part:
     state: Any
     form: str
     planner: type | None = None  # SHARDS: the DCP save planner's class
+    # the state's keys that training changes before the next optimizer step (buffers: BatchNorm's statistics change
+    # in every training forward); the rest (weights, optimizer state) changes only at that step
+    changes_before_step: frozenset[str] = frozenset()
 
 
 def engine_name(accelerator) -> str:
@@ -82,11 +85,12 @@ def checkpoint_parts(accelerator, model, optimizer, frozen: frozenset[str]) -> l
         return []
     from accelerate.utils import clean_state_dict_for_safetensors
 
-    weights = OrderedDict(
-        (name, tensor) for name, tensor in accelerator.unwrap_model(model).state_dict().items() if name not in frozen
-    )
+    plain = accelerator.unwrap_model(model)
+    weights = OrderedDict((name, tensor) for name, tensor in plain.state_dict().items() if name not in frozen)
+    weights = clean_state_dict_for_safetensors(weights)
+    buffers = frozenset(name for name, _ in plain.named_buffers() if name in weights)
     return [
-        Part(SAFE_WEIGHTS_NAME, clean_state_dict_for_safetensors(weights), SAFETENSORS),
+        Part(SAFE_WEIGHTS_NAME, weights, SAFETENSORS, changes_before_step=buffers),
         Part(f"{OPTIMIZER_NAME}.bin", optimizer.state_dict(), PICKLE),
     ]
 

@@ -6,9 +6,12 @@ the disk:
 - :class:`SyncWriter` writes and publishes inside ``start``;
 - :class:`AsyncWriter` (``--async-checkpoint``; Accelerate has no async save, accelerate#3746) blocks only for a
   copy in CPU memory (DCP's ``async_save`` stages FSDP's shards; under DDP the main process copies the whole
-  state dicts; both copy into the previous save's copy), then a thread writes and another publishes. The processes
-  learn where a save stands at each optimizer step (:meth:`AsyncWriter.poll`), over gloo groups of their own: DCP's
-  collectives in its writer threads never meet training's or each other's. At most one save is in flight.
+  state dicts; both copy into the previous save's copy), then a thread writes and another publishes. Under DDP the
+  copy overlaps the next step's forward and backward: what they change (buffers) is copied at the save, the weights
+  and optimizer state by the writer thread, and the next optimizer step waits for that copy
+  (:meth:`AsyncWriter.before_step`; the wait counts as time the save blocked training). The processes learn where a
+  save stands at each optimizer step (:meth:`AsyncWriter.poll`), over gloo groups of their own: DCP's collectives in
+  its writer threads never meet training's or each other's. At most one save is in flight.
 
 A write that fails on any process is one CheckpointError on every process, the previous checkpoints intact.
 """
@@ -75,6 +78,9 @@ class SyncWriter:
 
     wait = poll
 
+    def before_step(self) -> float:
+        return 0.0
+
 
 def _agreed(accelerator, final: Path, work) -> None:
     """``work()`` on every process, then one agreement: a failure anywhere fails everywhere (no process is left
@@ -111,8 +117,10 @@ class AsyncWriter:
         # flags, the model's DCP save and the optimizer's: one gloo group each, so that no two threads share one
         self._groups = [dist.new_group(backend="gloo") if several else None for _ in range(3)]
         self._save: _InFlight | None = None
-        self._copies: dict[str, object] = {}  # the last save's CPU copies of whole state dicts, copied into by the next
+        self._copies: dict[str, dict] = {}  # the last save's CPU copies of whole state dicts, copied into by the next
         self._stagers: dict[str, _CopyInto] = {}  # DCP's stagers of the shards, with their copies
+        self._copied = threading.Event()  # the writer thread's copy is done: the optimizer may step
+        self._copied.set()
 
     @property
     def in_flight(self) -> bool:
@@ -124,21 +132,40 @@ class AsyncWriter:
         whole = [part for part in parts if part.form in (SAFETENSORS, PICKLE)]
         shards = [part for part in parts if part.form == SHARDS]
         futures = [self._stage_shards(part, staging, group) for part, group in zip(shards, self._groups[1:])]
-        copies = [
-            Part(part.name, self._copy(part), part.form) for part in whole
-        ]  # the step after changes the live tensors
+        for part in whole:  # now: what the next forward and backward change
+            self._copy(part, part.changes_before_step)
 
         def write() -> None:
+            try:  # the rest, while training goes on until the next optimizer step
+                copies = [
+                    Part(part.name, self._copy(part, set(part.state) - part.changes_before_step), part.form)
+                    for part in whole
+                ]
+            finally:
+                self._copied.set()
             for part in copies:
                 write_part(part, staging)
             for future in futures:
                 future.result()
 
+        self._copied.clear()
         self._save = _InFlight(final, staging, write)
 
-    def _copy(self, part: Part):
-        self._copies[part.name] = copied_to_cpu(part.state, self._copies.get(part.name))
-        return self._copies[part.name]
+    def before_step(self) -> float:
+        """Wait until the save in flight has copied what the optimizer step changes; the seconds waited."""
+        if self._copied.is_set():
+            return 0.0
+        started = time.perf_counter()
+        self._copied.wait()
+        return time.perf_counter() - started
+
+    def _copy(self, part: Part, keys) -> dict:
+        """``part``'s state with the tensors of ``keys`` copied to the CPU, into the previous save's copy; the
+        whole state in its own order (the other keys as copied before, or about to be)."""
+        copy = self._copies.setdefault(part.name, {})
+        for key in keys:
+            copy[key] = copied_to_cpu(part.state[key], copy.get(key))
+        return type(part.state)((key, copy.get(key)) for key in part.state)
 
     def _stage_shards(self, part: Part, staging: Path, group):
         """DCP's ``async_save`` of this process's shards (its stager copies into the previous save's copy)."""
