@@ -173,9 +173,15 @@ def merge_requested(model) -> bool:
     return bool(getattr(model, MERGE_ATTRIBUTE, False))
 
 
-def check_backend(distributed_type, *, merge: bool) -> None:
-    """LoRA under a backend that cannot train or write it is one line, before training."""
+def check_backend(distributed_type=None, *, merge: bool) -> None:
+    """LoRA under a backend that cannot train or write it is one line, before training. ``distributed_type``: the
+    engine set up; None: the one the launch asks for, known before any process group (DeepSpeed's start-up takes
+    minutes on a CPU)."""
     from accelerate.utils import DistributedType
+
+    from .distributed import requested_engine
+
+    distributed_type = distributed_type if distributed_type is not None else requested_engine()
 
     if distributed_type == DistributedType.DEEPSPEED:
         raise ConfigError(LORA_UNDER_DEEPSPEED)

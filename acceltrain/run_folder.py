@@ -101,11 +101,11 @@ def claim_run_folder(cfg: TrainConfig, name: str, task=None) -> RunFolder:
     (a tokenizer) calls it first, and ``fit()`` then continues that claim."""
     from accelerate.utils import DistributedType
 
-    from .distributed import init_process_state, main_process_only
+    from .distributed import init_process_state, main_process_only, requested_engine
 
+    if getattr(task, "sums_losses", False) and requested_engine() == DistributedType.DEEPSPEED:
+        raise ConfigError(TOKEN_NORMALISATION_UNDER_DEEPSPEED)  # before DeepSpeed's start-up (minutes on a CPU)
     state = init_process_state(cfg)
-    if getattr(task, "sums_losses", False) and state.distributed_type == DistributedType.DEEPSPEED:
-        raise ConfigError(TOKEN_NORMALISATION_UNDER_DEEPSPEED)
     output_dir = resolve_output_dir(cfg, name)
     claimed = _CLAIMS.get(_key(output_dir))
     if claimed is not None:

@@ -17,8 +17,13 @@ def offline_runs(output_dir: Path) -> list[dict]:
     return [read_offline_run(d) for d in sorted((output_dir / "wandb").glob("offline-run-*"))]
 
 
+SECRET = "acceltraintestsecret0123456789abcdef0123456789"  # the shape of a W&B key: 40+ characters
+
+
 @pytest.fixture(scope="module")
 def offline_run(tmp_path_factory):
+    """One launch for the W&B offline run, TensorBoard beside it (``--report-to all``) and an API key in the
+    environment that must never be written or printed (checkpoints too)."""
     out = tmp_path_factory.mktemp("wandb") / "run"
     result = check(
         launch(
@@ -34,8 +39,13 @@ def offline_run(tmp_path_factory):
                 "--wandb-tags",
                 "a,b",
                 "--log-model",
+                "--report-to",
+                "all",
+                "--save-every-steps",
+                "2",
             ],
             WANDB_MODE="offline",
+            WANDB_API_KEY=SECRET,
         )
     )
     return out, result
@@ -71,6 +81,7 @@ def test_two_processes_make_one_wandb_run(tmp_path):
         )
     )
     assert len(offline_runs(out)) == 1
+    assert not (out / "logs").exists(), "TensorBoard only when asked for"
 
 
 @pytest.mark.slow
@@ -104,40 +115,25 @@ def test_without_api_key_wandb_goes_offline_and_says_how_to_sync(tmp_path):
 
 
 @pytest.mark.slow
-def test_api_key_is_never_written_or_printed(tmp_path):
-    secret = "acceltrain-test-secret-0123456789abcdef01234567"
-    out = tmp_path / "run"
-    result = check(
-        launch(
-            TINY_RECIPE,
-            [*RUN, "--max-steps", "3", "--output-dir", str(out), "--save-every-steps", "2"],
-            WANDB_MODE="offline",
-            WANDB_API_KEY=secret,
-        )
-    )
-    assert secret not in result.stdout + result.stderr
+def test_api_key_is_never_written_or_printed(offline_run):
+    out, result = offline_run
+    assert SECRET not in result.stdout + result.stderr
+    assert list((out / "checkpoints").glob("step_*")), "checkpoints were written too"
     for file in out.rglob("*"):
         if file.is_file():
-            assert secret.encode() not in file.read_bytes(), file
+            assert SECRET.encode() not in file.read_bytes(), file
 
 
 @pytest.mark.slow
-def test_tensorboard_writes_the_same_scalars(tmp_path):
+def test_tensorboard_writes_the_same_scalars(offline_run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    out = tmp_path / "run"
-    check(launch(TINY_RECIPE, [*RUN, "--max-steps", "4", "--output-dir", str(out), "--report-to", "tensorboard"]))
+    out, _ = offline_run
     accumulators = [EventAccumulator(str(f.parent)).Reload() for f in (out / "logs").rglob("events.out.tfevents.*")]
     (scalars,) = [a for a in accumulators if "loss" in a.Tags()["scalars"]]
     logged = {e.step: e.value for e in scalars.Scalars("loss")}
     expected = {e["step"]: e["loss"] for e in read_events(out) if "loss" in e}
     assert logged == pytest.approx(expected)
-    assert not (out / "wandb").exists()
-
-
-# --------------------------------------------------------------------------- online W&B that cannot work
-
-SECRET = "acceltraintestsecret0123456789abcdef0123456789"  # the shape of a W&B key: 40+ characters
 
 
 @pytest.fixture

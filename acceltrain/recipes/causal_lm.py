@@ -144,9 +144,9 @@ def main(cfg: CausalLMConfig, task_class: type | None = None) -> dict:
 
     task_class = task_class or CausalLMTask
     # the output folder first: the tokenizer lives there; DeepSpeed is refused before any tokenising
-    folder = claim_run_folder(cfg, NAME, task=task_class)
     if cfg.lora_r is not None:
-        check_backend(folder.distributed_type, merge=cfg.merge_lora)
+        check_backend(merge=cfg.merge_lora)
+    folder = claim_run_folder(cfg, NAME, task=task_class)
     show_progress_bars(show_progress(cfg.progress) and folder.is_main_process)
     with folder.left_as_found():  # bad input leaves nothing behind; a failure once training started keeps everything
         train = _supervised if cfg.train_file is not None else _continued

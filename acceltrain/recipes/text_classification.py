@@ -136,10 +136,10 @@ def main(cfg: TextClassificationConfig) -> dict:
         show_progress_bars,
     )
 
+    if cfg.lora_r is not None:
+        check_backend(merge=cfg.merge_lora)
     folder = claim_run_folder(cfg, NAME)  # the output folder first: the tokenizer is saved there before training
     cfg, output_dir = folder.cfg, folder.output_dir
-    if cfg.lora_r is not None:
-        check_backend(folder.distributed_type, merge=cfg.merge_lora)
     show_progress_bars(show_progress(cfg.progress) and folder.is_main_process)
     with folder.left_as_found():  # bad input leaves nothing behind; a failure once training started keeps everything
         train_rows, eval_rows, train_where, eval_where = load_rows(
