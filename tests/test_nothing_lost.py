@@ -342,9 +342,7 @@ def test_a_second_run_into_a_live_runs_folder_is_refused_and_a_crash_leaves_no_l
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()[:-1]]  # the last may be cut
     steps = [row["step"] for row in rows if "loss" in row]
     assert steps == list(range(1, len(steps) + 1)), "one run's rows only"
-    check(
-        launch(TINY_RECIPE, [*LONG, "--num-workers", "0", "--output-dir", str(out), "--max-steps", "2", "--overwrite"])
-    )
+    assert run_tiny_in_process(out, *LONG, "--num-workers", "0", "--max-steps", "2", "--overwrite") == 0
 
 
 # ---------------------------------------------------------------- 10. smaller

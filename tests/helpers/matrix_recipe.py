@@ -35,6 +35,9 @@ VOCAB, BLOCK = 64, 8
 
 @dataclass
 class MatrixConfig(LoraOptions, TrainConfig):
+    plots: bool = option(  # drawing costs a second a launch; tests/test_plots.py checks the picture
+        False, "draw <output_dir>/curves.png when each launch ends", free_on_resume=True
+    )
     kind: str = option("cnn", "the model", choices=("cnn", "lm", "lora"))
     base: str | None = option(None, "--kind lora: the base model's folder")
     sigterm_at: int | None = option(None, "every process sends itself SIGTERM after this step", free_on_resume=True)

@@ -19,6 +19,9 @@ from acceltrain.vision import CropFlip, ImageClassification, synthetic_images
 
 @dataclass
 class TinyConfig(TrainConfig):
+    plots: bool = option(  # drawing costs a second a launch: on only where tests/test_plots.py checks the picture
+        False, "draw <output_dir>/curves.png when each launch ends", free_on_resume=True
+    )
     num_train: int = option(96, "training samples")
     num_eval: int = option(37, "eval samples (odd on purpose: uneven last batch)")
     batchnorm: bool = option(False, "put a BatchNorm in the net")
