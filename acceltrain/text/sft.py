@@ -48,13 +48,17 @@ def sft_examples(
     )
 
     def encode(batch, indices):
-        encoded = {"input_ids": [], "labels": [], "status": [], "length": []}
+        encoded = {"input_ids": [], "labels": [], "status": [], "length": [], "error": []}
         for row, index in enumerate(indices):
-            ids, labels = [], []
-            for text, trained, special in pieces({key: values[row] for key, values in batch.items()}, index):
-                tokens = tokenizer(text, add_special_tokens=special)["input_ids"] if isinstance(text, str) else text
-                ids += tokens
-                labels += tokens if trained else [IGNORE_INDEX] * len(tokens)
+            ids, labels, error = [], [], None
+            try:
+                for text, trained, special in pieces({key: values[row] for key, values in batch.items()}, index):
+                    tokens = tokenizer(text, add_special_tokens=special)["input_ids"] if isinstance(text, str) else text
+                    ids += tokens
+                    labels += tokens if trained else [IGNORE_INDEX] * len(tokens)
+            except ConfigError as err:  # raised below, in this process: see _raise_first_error
+                error = str(err)
+            encoded["error"].append(error)
             status = KEPT if len(ids) <= block_size else TRUNCATED
             ids, labels = ids[:block_size], labels[:block_size]
             if all(label == IGNORE_INDEX for label in labels[1:]):  # the first token is never predicted
@@ -66,15 +70,27 @@ def sft_examples(
         return encoded
 
     return on_main_process_first(
-        lambda: rows.map(
-            encode,
-            batched=True,
-            with_indices=True,
-            num_proc=num_proc or default_num_proc(len(rows)),
-            remove_columns=rows.column_names,
-            desc="tokenize",
+        lambda: _raise_first_error(
+            rows.map(
+                encode,
+                batched=True,
+                with_indices=True,
+                num_proc=num_proc or default_num_proc(len(rows)),
+                remove_columns=rows.column_names,
+                desc="tokenize",
+            )
         )
     )
+
+
+def _raise_first_error(encoded):
+    """The first bad row's line, raised here rather than in a tokenising process: an exception that leaves one of
+    datasets' ``num_proc`` workers can leave another blocked for good on a lock of the pool (seen as a test that
+    never ended)."""
+    first = next((error for error in encoded["error"] if error is not None), None)
+    if first is not None:
+        raise ConfigError(first)
+    return encoded.remove_columns("error")
 
 
 def sft_kept(encoded, *, block_size: int, where: str):
