@@ -50,9 +50,10 @@ def die_with_launcher() -> None:
     ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
 
 
-def process_state(**kwargs):
-    """Accelerate's shared ``PartialState`` (the first call joins the process group), with the modules that would
-    pin that group imported before it exists.
+def process_state(cpu: bool = False):
+    """Accelerate's shared ``PartialState`` (the first call joins the process group, on CPU where ``cpu`` asks or
+    no accelerator is present: the shipped multi-CPU config launches as MULTI_GPU, and a ``PartialState()`` there
+    would leave each process alone), with the modules that would pin that group imported before it exists.
 
     torch.distributed.nn's functions and DeepSpeed's ``TorchBackend`` (which Accelerate's ``unwrap_model`` imports
     when DeepSpeed is installed) take the default group as a default argument, evaluated on import: imported after
@@ -67,7 +68,7 @@ def process_state(**kwargs):
 
         if is_deepspeed_available():
             import deepspeed.comm  # noqa: F401
-    return PartialState(**kwargs)
+    return PartialState(cpu=use_cpu(cpu))
 
 
 def init_process_state(cfg: TrainConfig):

@@ -190,6 +190,7 @@ def test_two_processes_predict_each_row_once_in_the_inputs_order(runs, data, tmp
     assert result.stdout.count("wrote 45 predictions") == 1 and "predict" in result.stderr, (
         "one line, and a progress bar"
     )
+    assert "4/4" in result.stderr and "7/7" not in result.stderr, "the main process's bar: its 4 of the 7 batches"
 
 
 def greedy_one_at_a_time(folder: Path, prompts: list, max_new_tokens: int) -> list[str]:
