@@ -71,6 +71,11 @@ def process_state(cpu: bool = False):
     return PartialState(cpu=use_cpu(cpu))
 
 
+ASYNC_UNDER_DEEPSPEED = (
+    "--async-checkpoint works under DDP and FSDP; DeepSpeed writes its checkpoints itself: drop the flag"
+)
+
+
 def init_process_state(cfg: TrainConfig):
     """Create Accelerate's shared ``PartialState`` once, with the CPU decision, and check that every
     launched process joined it and that the hardware can do what ``cfg`` asks."""
@@ -82,6 +87,8 @@ def init_process_state(cfg: TrainConfig):
             f"--optimizer muon needs every weight matrix whole on each process, and {ENGINES[engine]} flattens or "
             "shards them: use DDP (multi_gpu.yaml, multi_cpu.yaml) or one process, or --optimizer sgd / adamw"
         )
+    if cfg.async_checkpoint and engine == DistributedType.DEEPSPEED:
+        raise ConfigError(ASYNC_UNDER_DEEPSPEED)
     on_cpu = use_cpu(cfg.cpu)
     precision = cfg.mixed_precision or os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
     if precision == "fp16" and on_cpu:

@@ -265,7 +265,7 @@ def test_fsdp1_on_cpu_is_one_line(monkeypatch):
     from acceltrain.engines import build_accelerator
 
     monkeypatch.setattr(
-        accelerate, "PartialState", lambda: type("State", (), {"distributed_type": DistributedType.MULTI_CPU})()
+        accelerate, "PartialState", lambda **_: type("State", (), {"distributed_type": DistributedType.MULTI_CPU})()
     )
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
     monkeypatch.setenv("FSDP_VERSION", "1")

@@ -13,6 +13,8 @@ import torch
 from conftest import RECIPE, check, launch, run_tiny_in_process
 
 from acceltrain.checkpoint.files import _sha256, complete_checkpoints
+from acceltrain.checkpoint.safe_load import check_loadable_without_code
+from acceltrain.checkpoint.state import CheckpointError
 from acceltrain.preemption import EXIT_PREEMPTED
 
 RUN = [
@@ -53,6 +55,11 @@ def plant(checkpoint: Path, relative: str, marker: Path, plain_pickle: bool = Fa
     manifest = json.loads((checkpoint / "COMPLETE").read_text())
     manifest[relative] = {"bytes": target.stat().st_size, "sha256": _sha256(target)}
     (checkpoint / "COMPLETE").write_text(json.dumps(manifest))
+
+
+def restore(checkpoint: Path, pristine: dict[str, bytes]) -> None:
+    for name, data in pristine.items():
+        (checkpoint / name).write_bytes(data)
 
 
 def run_tiny(output_dir: Path, *args: str) -> int:
@@ -109,36 +116,25 @@ def test_deepspeed_checkpoint_files_with_a_planted_pickle_are_refused_and_never_
             "pytorch_model/zero_pp_rank_0_mp_rank_00_optim_states.pt",
         )
     }
-    for relative in list(pristine)[1:]:
-        for name, data in pristine.items():
-            (checkpoint / name).write_bytes(data)
-        plant(checkpoint, relative, marker)
-        result = launch(
-            RECIPE,
-            [*args, "--output-dir", str(out), "--resume", "auto"],
-            launcher="accelerate",
-            config="deepspeed_zero2.yaml",
-        )
-        assert result.returncode != 0 and "cannot be loaded without running code" in result.stderr, result.stderr[
-            -2000:
-        ]
-        assert not marker.exists(), f"{relative}: the checkpoint ran code"
-    for name, data in pristine.items():
-        (checkpoint / name).write_bytes(data)
-    without = launch(RECIPE, [*args, "--output-dir", str(out), "--resume", "auto"])  # no DeepSpeed (issue 31, item 2)
+    model_states, optim_states = list(pristine)[1:]
+    plant(checkpoint, model_states, marker)
+    resume = [*args, "--output-dir", str(out), "--resume", "auto"]
+    result = launch(RECIPE, resume, launcher="accelerate", config="deepspeed_zero2.yaml")
+    assert result.returncode != 0 and "cannot be loaded without running code" in result.stderr, result.stderr[-2000:]
+    assert not marker.exists(), f"{model_states}: the checkpoint ran code"
+    restore(checkpoint, pristine)
+    plant(checkpoint, optim_states, marker)  # the same check, in this process: one DeepSpeed start-up less
+    with pytest.raises(CheckpointError, match=f"{optim_states.split('/')[-1]}.* cannot be loaded without running code"):
+        check_loadable_without_code(checkpoint)
+    assert not marker.exists(), f"{optim_states}: the checkpoint ran code"
+    restore(checkpoint, pristine)
+    without = launch(RECIPE, resume)  # no DeepSpeed (issue 31, item 2)
     assert without.returncode == 2 and without.stderr.strip().splitlines()[-1] == (
         f"error: checkpoint {str(checkpoint)!r} holds DeepSpeed model and optimizer state and this run is NO: resume "
         "it under DeepSpeed, as it was written (its weights alone: DeepSpeed's zero_to_fp32.py in that folder), or "
         "start a new --output-dir"
     ), without.stderr[-2000:]
-    check(
-        launch(
-            RECIPE,
-            [*args, "--output-dir", str(out), "--resume", "auto"],
-            launcher="accelerate",
-            config="deepspeed_zero2.yaml",
-        )
-    )
+    check(launch(RECIPE, resume, launcher="accelerate", config="deepspeed_zero2.yaml"))
 
 
 def test_deepspeeds_own_load_runs_without_code_too():

@@ -19,6 +19,7 @@ from accelerate.utils import DistributedType
 
 from ..accelerate_compat import save_loop_state, set_micro_step
 from ..config import TrainConfig, run_changes
+from ..distributed import ASYNC_UNDER_DEEPSPEED
 from ..options import ConfigError, first_line
 from ..preemption import TrainingDiverged
 from ..run_folder import CHECKPOINTS_DIR, finished_steps
@@ -356,9 +357,7 @@ def check_async_supported(accelerator) -> None:
     """DeepSpeed and FSDP's full state dicts write their own files at the save,
     so nothing can be copied and written later."""
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
-        raise ConfigError(
-            "--async-checkpoint works under DDP and FSDP; DeepSpeed writes its checkpoints itself: drop the flag"
-        )
+        raise ConfigError(ASYNC_UNDER_DEEPSPEED)
     if not writes_whole_copy(accelerator):
         raise ConfigError(
             "--async-checkpoint under FSDP needs fsdp_state_dict_type: SHARDED_STATE_DICT in the accelerate config "
