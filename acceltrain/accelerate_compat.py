@@ -1,6 +1,7 @@
-"""Every use of Accelerate's private parts, in one place. Each says why the public API does not serve, and
-``tests/test_accelerate_compat.py`` checks each against the installed Accelerate, so that an upgrade that changes
-what one relies on fails there, by name, instead of somewhere deep in a run."""
+"""Every use of Accelerate's private parts (and the one DeepSpeed internal the toolkit changes), in one place. Each
+says why the public API does not serve, and ``tests/test_accelerate_compat.py`` checks each against the installed
+version, so that an upgrade that changes what one relies on fails there, by name, instead of somewhere deep in a
+run."""
 
 from __future__ import annotations
 
@@ -82,6 +83,18 @@ def building_fsdp_on_cpu():
                 shared["distributed_type"] = DistributedType.MULTI_CPU
 
     return context()
+
+
+def skip_deepspeed_shm_op() -> None:
+    """DeepSpeed's ``TorchBackend`` on a CPU builds a shared-memory all-reduce op when its process group starts
+    (a JIT compile: a minute on a fresh machine) and does so for one process too, which never all-reduces through
+    it; acceltrain runs DeepSpeed on a CPU in one process only. Its module-level ``build_shm_op`` is replaced by one
+    that returns None, which ``TorchBackend`` reads as "no such op", as where the op cannot be built. No setting
+    turns the build off."""
+    import importlib
+
+    backend = importlib.import_module("deepspeed.comm.torch")  # the attribute deepspeed.comm.torch is torch itself
+    backend.build_shm_op = lambda: None
 
 
 def _loader_state_base():

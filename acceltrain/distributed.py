@@ -20,6 +20,7 @@ import torch.distributed as dist
 from accelerate.utils import DistributedType
 from torch import nn
 
+from .accelerate_compat import skip_deepspeed_shm_op
 from .config import TrainConfig
 from .options import ConfigError, parse_json, read_small_file, shorten
 
@@ -32,10 +33,14 @@ def use_cpu(force_cpu: bool) -> bool:
         return True
     if os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":
         return False  # Accelerate drops DeepSpeed under cpu=True; DeepSpeed picks its own CPU accelerator
+    return not _accelerator_present()
+
+
+def _accelerator_present() -> bool:
     accelerator_api = getattr(torch, "accelerator", None)
     if accelerator_api is not None:
-        return not accelerator_api.is_available()
-    return not torch.cuda.is_available()
+        return accelerator_api.is_available()
+    return torch.cuda.is_available()
 
 
 def die_with_launcher() -> None:
@@ -68,6 +73,10 @@ def process_state(cpu: bool = False):
 
         if is_deepspeed_available():
             import deepspeed.comm  # noqa: F401
+
+            one_cpu_process = int(os.environ.get("WORLD_SIZE", "1")) == 1 and not _accelerator_present()
+            if one_cpu_process and requested_engine() == DistributedType.DEEPSPEED:
+                skip_deepspeed_shm_op()
     return PartialState(cpu=use_cpu(cpu))
 
 

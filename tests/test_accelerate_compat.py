@@ -111,3 +111,14 @@ def test_the_loader_state_protocol_the_on_device_loader_follows(member):
     assert "_drop_last" in inspect.getsource(accelerate_compat.LoaderStateMixin.begin), (
         "LoaderStateMixin: begin no longer reads _drop_last"
     )
+
+
+def test_deepspeeds_shared_memory_op_is_built_where_the_skip_replaces_it(monkeypatch):
+    backend = pytest.importorskip("deepspeed.comm.torch")
+    assert callable(getattr(backend, "build_shm_op", None)), "skip_deepspeed_shm_op: build_shm_op is gone"
+    assert "build_shm_op()" in inspect.getsource(backend.TorchBackend.__init__), (
+        "skip_deepspeed_shm_op: TorchBackend no longer builds its op through build_shm_op"
+    )
+    monkeypatch.setattr(backend, "build_shm_op", backend.build_shm_op)  # put back after the test
+    accelerate_compat.skip_deepspeed_shm_op()
+    assert backend.build_shm_op() is None and not hasattr(torch, "build_shm_op")

@@ -45,11 +45,12 @@ def test_deepspeed_runs_saves_resumes_exactly_and_exports_plain_weights(tmp_path
     pytest.importorskip("deepspeed")
     config = f"deepspeed_zero{stage}.yaml"
     full, part = tmp_path / "full", tmp_path / "part"
-    check(
+    result = check(
         launch(
             RECIPE, [*CIFAR, "--output-dir", str(full), "--save-every-steps", "3"], launcher="accelerate", config=config
         )
     )
+    assert "shm_comm" not in result.stdout, "one CPU process built DeepSpeed's shared-memory all-reduce op"
     summary = read_summary(full)
     assert summary["distributed_type"] == "DEEPSPEED" and summary["steps"] == 6
     step_3 = str(checkpoint_dir(full, 3))  # continued into another folder (stops: the matrix's)
