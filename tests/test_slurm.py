@@ -199,6 +199,7 @@ def _submit_and_signal(cases: dict, submitted: dict, tmp_path_factory) -> dict:
 def _assert_resumed_identically(jobs, name: str, reference: Path, saved: bool = True) -> None:
     job_id, out = jobs[name]
     log = finish_after_requeue(job_id, out)
+    assert "already in use" not in log, "jobs sharing a node took the same rendezvous port"
     if saved:
         assert re.search(r"stopped at step \d+ \(SIGTERM\); checkpoint saved", log), log[-3000:]
     assert "resumed from" in log, log[-3000:]

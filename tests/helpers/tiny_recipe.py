@@ -158,8 +158,13 @@ def gloo_threads() -> list[str] | None:
     tasks = Path("/proc/self/task")
     if not tasks.is_dir():
         return None
-    names = (task / "comm" for task in tasks.iterdir())
-    return sorted(name for name in (path.read_text().strip() for path in names) if "gloo" in name)
+    names = []
+    for task in tasks.iterdir():
+        try:
+            names.append((task / "comm").read_text().strip())
+        except FileNotFoundError:  # a thread that ended since the listing (a loader worker's pin thread)
+            continue
+    return sorted(name for name in names if "gloo" in name)
 
 
 def main(cfg: TinyConfig, hooks=(), task=None) -> None:
