@@ -125,8 +125,10 @@ class DieAt(Hook):
 
 
 class SleepPerStep(Hook):
+    """Slow steps, for a signal to land mid-run; in a requeued SLURM job at full speed (the signals came before)."""
+
     def __init__(self, seconds: float):
-        self.seconds = seconds
+        self.seconds = seconds if os.environ.get("SLURM_RESTART_COUNT", "0") == "0" else 0.0
 
     def on_step_end(self, run):
         time.sleep(self.seconds)
