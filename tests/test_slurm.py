@@ -208,7 +208,7 @@ def _assert_resumed_identically(jobs, name: str, reference: Path, saved: bool = 
 
 def test_the_time_limit_signal_checkpoints_requeues_and_resumes_identically(jobs, reference):
     """--signal=TERM@80, and the time limit cut to 2 minutes once the job trains: SLURM's SIGTERM comes within
-    about a minute (it checks its timers every 30 s and may signal up to 60 s early), into a ~100 s run (0.3 s
+    about a minute (it checks its timers about once a minute and may signal up to 60 s early), into a ~100 s run (0.3 s
     a step). A job submitted with --time=2 was once signalled 23 s after its start, and on a loaded machine
     before the recipe had started (the job requeued and started over: nothing left to check)."""
     _assert_resumed_identically(jobs, "time_limit", reference)
