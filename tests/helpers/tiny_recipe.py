@@ -2,6 +2,7 @@
 synthetic images. After training every process writes what it saw: its own final weights, how often
 the optimizer stepped and zeroed its gradients, and the learning rate of each optimizer step."""
 
+import errno
 import json
 import os
 import signal
@@ -155,17 +156,24 @@ def build_net(batchnorm: bool) -> nn.Module:
     return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10))
 
 
+TASKS = Path("/proc/self/task")
+# errnos of a thread that ended between the listing and the read: its folder is gone (ENOENT), or it is still
+# listed but its task no longer exists (ESRCH: "No such process", seen in CI from reading .../comm)
+VANISHED = (errno.ENOENT, errno.ESRCH)
+
+
 def gloo_threads() -> list[str] | None:
-    """The names of this process's gloo threads (Linux): a process group left alive after the run, None elsewhere."""
-    tasks = Path("/proc/self/task")
-    if not tasks.is_dir():
+    """The names of this process's gloo threads (Linux): a process group left alive after the run, None elsewhere.
+    A thread that ends while they are listed (a loader worker's pin thread) is skipped, however its end shows."""
+    if not TASKS.is_dir():
         return None
     names = []
-    for task in tasks.iterdir():
+    for task in TASKS.iterdir():
         try:
             names.append((task / "comm").read_text().strip())
-        except FileNotFoundError:  # a thread that ended since the listing (a loader worker's pin thread)
-            continue
+        except OSError as err:  # FileNotFoundError, ProcessLookupError, or a bare OSError with either errno
+            if err.errno not in VANISHED:
+                raise
     return sorted(name for name in names if "gloo" in name)
 
 

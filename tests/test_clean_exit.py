@@ -1,0 +1,67 @@
+"""A finished run leaves nothing behind that could fail its exit: the tests' own probe for live gloo threads
+(tests/helpers/tiny_recipe.py's gloo_threads) must not itself fail on a thread that ends while it looks."""
+
+from __future__ import annotations
+
+import errno
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import REPO
+
+sys.path.insert(0, str(REPO / "tests" / "helpers"))
+import tiny_recipe  # noqa: E402
+
+
+def _vanished(kind: str) -> OSError:
+    if kind == "FileNotFoundError":
+        return FileNotFoundError(errno.ENOENT, "No such file or directory")
+    if kind == "ProcessLookupError":  # what CI saw: ESRCH from reading /proc/self/task/<tid>/comm
+        return ProcessLookupError(errno.ESRCH, "No such process")
+    bare = OSError(f"a bare OSError ({kind})")  # no errno-specific subclass: only the errno says what happened
+    bare.errno = errno.ENOENT if kind == "bare ENOENT" else errno.ESRCH
+    return bare
+
+
+@pytest.fixture
+def fake_tasks(tmp_path, monkeypatch):
+    """A task folder of three threads, two of them gloo's; thread 2 ends between the listing and its read."""
+    tasks = tmp_path / "task"
+    for tid, name in (("1", "python"), ("2", "gloo_ending"), ("3", "gloo_alive")):
+        (tasks / tid).mkdir(parents=True)
+        (tasks / tid / "comm").write_text(name + "\n")
+    monkeypatch.setattr(tiny_recipe, "TASKS", tasks)
+
+    def end_thread_2_with(error: OSError) -> None:
+        read_text = Path.read_text
+
+        def reading(self, *args, **kwargs):
+            if self == tasks / "2" / "comm":
+                raise error
+            return read_text(self, *args, **kwargs)
+
+        monkeypatch.setattr(Path, "read_text", reading)
+
+    return end_thread_2_with
+
+
+@pytest.mark.parametrize("kind", ["FileNotFoundError", "ProcessLookupError", "bare ENOENT", "bare ESRCH"])
+def test_gloo_threads_skips_a_thread_that_ended_while_listed(fake_tasks, kind):
+    fake_tasks(_vanished(kind))
+    assert tiny_recipe.gloo_threads() == ["gloo_alive"]
+
+
+def test_gloo_threads_raises_what_is_not_a_thread_ending(fake_tasks):
+    """A read refused for another reason is not a thread gone: the probe must not report "no gloo thread" then."""
+    fake_tasks(PermissionError(errno.EACCES, "Permission denied"))
+    with pytest.raises(PermissionError):
+        tiny_recipe.gloo_threads()
+
+
+def test_gloo_threads_reads_this_process(monkeypatch):
+    """The real /proc/self/task (Linux): pytest's own threads, none of them gloo's."""
+    if not Path("/proc/self/task").is_dir():
+        assert tiny_recipe.gloo_threads() is None
+    else:
+        assert tiny_recipe.gloo_threads() == []
