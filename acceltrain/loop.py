@@ -32,7 +32,6 @@ from torch.utils.data import Dataset
 from .checkpoint import Checkpointer
 from .config import TrainConfig
 from .data import stop_workers
-from .distributed import main_process_only
 from .export import export_weights
 from .hooks import Hooks, builtin_hooks
 from .logs import set_log_level
@@ -46,8 +45,6 @@ from .run_folder import (
     SUMMARY_FILE,
     TOKEN_NORMALISATION_UNDER_DEEPSPEED,
     claim_run_folder,
-    lock_output_dir,
-    unlock_output_dir,
     write_summary,
 )
 from .streams import check_stream, is_stream
@@ -111,7 +108,6 @@ def fit(
                 raise
         finally:
             stop_workers(prepared.train_batches, prepared.eval_batches)
-            unlock_output_dir(folder.output_dir)
 
 
 def _assemble(prepared: Prepared, task, user_hooks, trackers: list[str]) -> _Loop:
@@ -161,7 +157,6 @@ def _assemble(prepared: Prepared, task, user_hooks, trackers: list[str]) -> _Loo
         output_dir=run.output_dir,
         announce=lambda folder: hooks.call("on_save", run, folder),
     )
-    main_process_only(lambda: lock_output_dir(run.output_dir))  # one live run per folder
     logger.info(yaml.safe_dump({"config": cfg.to_dict(), "runtime": prepared.runtime}, sort_keys=False).rstrip())
     for note in filter(None, [*prepared.notes, checkpointer.note]):
         logger.info(note)

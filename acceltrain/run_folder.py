@@ -72,23 +72,30 @@ class RunFolder:
     num_processes: int
     found: (
         frozenset[str] | None
-    )  # the folder's entries before this launch claimed it (main process); None: it did not exist
+    )  # the folder's entries when this launch locked it (main process); None: this launch made the folder
     trained: bool = False  # training has started: from then on a failure keeps everything (fit() sets it)
+    _depth: int = 0  # nested left_as_found blocks (a recipe's around fit()'s): the outermost one lets go
 
     @contextlib.contextmanager
     def left_as_found(self):
         """Bad input found inside (a Hub refusal in ``on_fit_start``, a checkpoint that does not fit, rows a recipe
         cannot tokenise) leaves nothing behind: before training started, the main process removes what this launch
         added to the folder, and the folder itself if this launch made it. Nothing the folder held before is touched,
-        and nothing at all once training has started: a failed save must not delete the run."""
+        and nothing at all once training has started: a failed save must not delete the run. The folder's lock,
+        held since the claim, is released when the outermost block ends: no other launch can write there between
+        the claim and the clean-up."""
+        self._depth += 1
         try:
             yield
         except Exception:
-            if self.is_main_process and not self.trained:
+            if self.is_main_process and not self.trained and self._depth == 1:
                 _remove_added(self.output_dir, self.found)
             raise
         finally:
-            _CLAIMS.pop(_key(self.output_dir), None)
+            self._depth -= 1
+            if self._depth == 0:
+                _CLAIMS.pop(_key(self.output_dir), None)
+                unlock_output_dir(self.output_dir)
 
 
 _CLAIMS: dict[str, RunFolder] = {}  # this process's live claims, by resolved folder
@@ -110,15 +117,15 @@ def claim_run_folder(cfg: TrainConfig, name: str, task=None) -> RunFolder:
     claimed = _CLAIMS.get(_key(output_dir))
     if claimed is not None:
         return claimed
-    found = frozenset(os.listdir(output_dir)) if state.is_main_process and output_dir.is_dir() else None
-    main_process_only(lambda: _claim(output_dir, cfg.overwrite))
+    found = [None]
+    main_process_only(lambda: found.__setitem__(0, _claim(output_dir, cfg.overwrite)))
     folder = RunFolder(
         dataclasses.replace(cfg, output_dir=str(output_dir)),
         output_dir,
         state.is_main_process,
         state.distributed_type,
         state.num_processes,
-        found,
+        found[0],
     )
     _CLAIMS[_key(output_dir)] = folder
     return folder
@@ -128,9 +135,11 @@ def _key(output_dir: Path) -> str:
     return str(Path(output_dir).resolve())
 
 
-def _claim(output_dir: Path, overwrite: bool) -> None:
+def _claim(output_dir: Path, overwrite: bool) -> frozenset[str] | None:
     """Refuse a folder that a live run holds, or one whose files the run would replace though no run wrote
-    them; with ``--overwrite``, move the previous run aside."""
+    them; with ``--overwrite``, move the previous run aside. Then lock the folder, making it if needed, and return
+    what it held when locked (None: this launch made it), so that bad input found later removes only this launch's
+    own files: the lock keeps every other launch out from that moment on."""
     if output_dir.is_dir() and not (output_dir / LOCK_FILE).exists():
         foreign = [name for name in RUN_FILES if (output_dir / name).exists()]
         if foreign:
@@ -144,30 +153,25 @@ def _claim(output_dir: Path, overwrite: bool) -> None:
             from accelerate.logging import get_logger
 
             get_logger(__name__).info(f"--overwrite: moved the previous run in {output_dir} to {aside}")
-    if output_dir.is_dir():
-        lock_output_dir(output_dir)
+    made_folder, made_lock = lock_output_dir(output_dir)
+    if made_folder:
+        return None
+    return frozenset(os.listdir(output_dir)) - ({LOCK_FILE} if made_lock else set())
 
 
 def _remove_added(output_dir: Path, found: frozenset[str] | None) -> None:
-    """Under the folder's lock, so that a run that has claimed the folder since is left alone."""
+    """What this launch added to ``output_dir`` since its claim, removed while it still holds the folder's lock."""
     if not output_dir.is_dir():
         return
-    try:
-        lock_output_dir(output_dir)
-    except ConfigError:  # another live run holds it now
+    if found is None:
+        shutil.rmtree(output_dir, ignore_errors=True)
         return
-    try:
-        if found is None:
-            shutil.rmtree(output_dir, ignore_errors=True)
-            return
-        for name in set(os.listdir(output_dir)) - found:
-            path = output_dir / name
-            if path.is_dir() and not path.is_symlink():
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                path.unlink(missing_ok=True)
-    finally:
-        unlock_output_dir(output_dir)
+    for name in set(os.listdir(output_dir)) - found:
+        path = output_dir / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
 
 
 def resolve_output_dir(cfg: TrainConfig, recipe_name: str) -> Path:
@@ -196,20 +200,31 @@ def resolve_output_dir(cfg: TrainConfig, recipe_name: str) -> Path:
 _HELD_LOCKS: dict[str, int] = {}
 
 
-def lock_output_dir(output_dir: Path) -> None:
+def lock_output_dir(output_dir: Path) -> tuple[bool, bool]:
     """Create ``output_dir`` if needed (a one-line ConfigError when it cannot be), and hold an exclusive
     ``flock`` on ``<output_dir>/.lock`` until :func:`unlock_output_dir` or this process
     ends (the kernel drops it when the process dies, so a crash leaves nothing locked). A folder that
-    another live run holds is a one-line ConfigError. Again from the same process: a no-op."""
+    another live run holds is a one-line ConfigError. Again from the same process: a no-op. Returns whether this
+    call made the folder and whether it made the lock file."""
     import fcntl
     import socket
 
     key = _key(output_dir)
     if key in _HELD_LOCKS:
-        return
+        return False, False
+    made_folder = made_lock = False
     try:
-        output_dir.mkdir(parents=True, exist_ok=True)
-        descriptor = os.open(output_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            output_dir.mkdir(parents=True)
+            made_folder = True
+        except FileExistsError:
+            if not output_dir.is_dir():
+                raise
+        try:
+            descriptor = os.open(output_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+            made_lock = True
+        except FileExistsError:
+            descriptor = os.open(output_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as err:  # below a file, read-only, full
         raise ConfigError(f"--output-dir {str(output_dir)!r} cannot be written: {err.strerror or err}") from None
     try:
@@ -224,6 +239,7 @@ def lock_output_dir(output_dir: Path) -> None:
     os.ftruncate(descriptor, 0)
     os.write(descriptor, f"pid {os.getpid()} on {socket.gethostname()}\n".encode())
     _HELD_LOCKS[key] = descriptor
+    return made_folder, made_lock
 
 
 def unlock_output_dir(output_dir: Path | None = None) -> None:

@@ -91,3 +91,26 @@ def test_a_hook_evaluates_before_the_first_step_and_after_the_last(tmp_path):
     assert [row["step"] for row in eval_rows] == [0, 2, 2], "the baseline, the loop's final evaluation, the hook's"
     assert eval_rows[0]["wall_seconds"] == 0.0, "before the clock starts"
     assert read_summary(tmp_path)["eval_after_fit"] == eval_rows[-1]["eval_accuracy"]
+
+
+def test_a_refused_launch_never_deletes_a_folder_another_launch_filled(tmp_path):
+    """Before: claiming a folder that did not exist took no lock, so a second launch could create it, train,
+    checkpoint and exit while the first was still loading; the first one's bad input then removed the whole folder
+    with the other run's checkpoints. The claim now holds the folder's lock from the moment it creates it."""
+    from conftest import TINY_RECIPE, launch
+
+    from acceltrain import TrainConfig, claim_run_folder
+
+    out = tmp_path / "shared"
+    folder = claim_run_folder(TrainConfig(output_dir=str(out), report_to="none"), "b")
+    other = launch(
+        TINY_RECIPE,
+        [*RUN, "--max-steps", "6", "--stop-after-steps", "4", "--save-every-steps", "2", "--output-dir", str(out)],
+    )
+    with pytest.raises(ConfigError), folder.left_as_found():
+        raise ConfigError("bad input found while loading")
+    if other.returncode != 2:  # the other launch ran: whatever it wrote must still be there
+        assert (out / "checkpoints").is_dir(), f"the other run's checkpoints were deleted (exit {other.returncode})"
+    err = other.stderr.strip().splitlines()
+    assert other.returncode == 2 and err[-1].startswith("error: --output-dir") and "in use by another run" in err[-1]
+    assert not out.exists(), "the folder this launch made, and only it wrote into, is removed"
