@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -447,3 +448,43 @@ def test_torchrun_restarts_killed_workers_and_the_job_resumes_from_the_last_chec
     assert "resumed from" in result.stdout and "step_00000040" in result.stdout
     assert weights(out) == weights(full)
     assert (out / "rank1.safetensors").read_bytes() == (full / "rank1.safetensors").read_bytes()
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real tmpfs of its own (needs root, as CI has): a full disk, not a simulated ENOSPC."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mount)], capture_output=True)
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {made.stderr.decode().strip()}")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=True)
+
+
+class FillsTheDiskAfterTheFirstSave(Hook):
+    """Shrinks the tmpfs to what it holds plus two pages once the first checkpoint is published: the next
+    checkpoint cannot fit, whatever this machine's speed."""
+
+    def __init__(self, mount: Path):
+        self.mount, self.shrunk = mount, False
+
+    def on_save(self, run, folder):
+        if not self.shrunk:
+            used = shutil.disk_usage(self.mount).used
+            subprocess.run(["mount", "-o", f"remount,size={used + 8192}", str(self.mount)], check=True)
+            self.shrunk = True
+
+
+def test_a_really_full_disk_is_named_and_keeps_the_run(small_disk, capsys):
+    """Before: torch's own words, "[enforce fail at inline_container.cc:672] . unexpected pos 1125312 vs 11252",
+    with no word of a full disk."""
+    out = small_disk / "run"
+    code = run_tiny(out, "--save-every-steps", "2", hooks=[FillsTheDiskAfterTheFirstSave(small_disk)])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "\n" not in err, err
+    assert f"the disk holding {str(out / 'checkpoints')!r} is full (" in err and "bytes free" in err, err
+    assert "the previous checkpoints are intact" in err and "free space and continue with --resume auto" in err
+    assert [p.name for p in complete_checkpoints(out)] == ["step_00000002"]
+    verify_checkpoint(out / "checkpoints" / "step_00000002")
+    assert (out / "metrics.jsonl").is_file() and not list((out / "checkpoints").glob(".tmp-*"))

@@ -62,18 +62,33 @@ def failed_save_refused(final: Path, staging: Path):
         shutil.rmtree(staging, ignore_errors=True)
         raise
     except (OSError, RuntimeError, ValueError) as err:  # torch reports a full disk from C++ as a RuntimeError
+        refusal = failed_save(final, err)  # before the temporary folder's bytes are freed: a full disk shows
         shutil.rmtree(staging, ignore_errors=True)
-        raise failed_save(final, err) from None
+        raise refusal from None
+
+
+NEARLY_FULL_BYTES = 1 << 20  # less free than this after a failed write: the disk filled up, whatever torch said
 
 
 def failed_save(final: Path, err: BaseException) -> CheckpointError:
-    way_out = (
-        "free space and continue with --resume auto"
-        if _out_of_space(err)
-        else "continue with --resume auto once it is mended"
-    )
+    """One line for a save that failed; a full disk is named as such even when the writer did not say so (torch's
+    zip writer reports one as "unexpected pos N vs M"), measured while the failed save's bytes are still on it."""
+    try:
+        free = shutil.disk_usage(final.parent).free
+    except OSError:
+        free = None
+    full = _out_of_space(err) or (free is not None and free < NEARLY_FULL_BYTES)
+    if full:
+        cause = f"the disk holding {str(final.parent)!r} is full" + (
+            f" ({free:,} bytes free)" if free is not None else ""
+        )
+        return CheckpointError(
+            f"could not write checkpoint {str(final)!r}: {cause} ({first_line(err)}); the previous checkpoints are "
+            "intact (free space and continue with --resume auto)"
+        )
     return CheckpointError(
-        f"could not write checkpoint {str(final)!r}: {first_line(err)}; the previous checkpoints are intact ({way_out})"
+        f"could not write checkpoint {str(final)!r}: {first_line(err)}; the previous checkpoints are intact "
+        "(continue with --resume auto once it is mended)"
     )
 
 

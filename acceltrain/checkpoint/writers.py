@@ -198,9 +198,10 @@ class AsyncWriter:
         if failed:
             self._save = None
             error = save.writer.error or (save.publisher and save.publisher.error)
+            refusal = failed_save(save.final, error) if error else _failed_elsewhere(save.final)  # a full disk shows
             if self.accelerator.is_main_process:
                 shutil.rmtree(save.staging, ignore_errors=True)
-            raise failed_save(save.final, error) if error else _failed_elsewhere(save.final)
+            raise refusal
         if published:
             self._save = None
             return save.final
