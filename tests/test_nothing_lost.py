@@ -483,7 +483,7 @@ def test_a_really_full_disk_is_named_and_keeps_the_run(small_disk, capsys):
     code = run_tiny(out, "--save-every-steps", "2", hooks=[FillsTheDiskAfterTheFirstSave(small_disk)])
     err = capsys.readouterr().err.strip()
     assert code == 2 and "\n" not in err, err
-    assert f"the disk holding {str(out / 'checkpoints')!r} is full (" in err and "bytes free" in err, err
+    assert f"the disk holding {str(out / 'checkpoints')!r} is full (" in err and "bytes free; " in err, err
     assert "the previous checkpoints are intact" in err and "free space and continue with --resume auto" in err
     assert [p.name for p in complete_checkpoints(out)] == ["step_00000002"]
     verify_checkpoint(out / "checkpoints" / "step_00000002")

@@ -77,18 +77,17 @@ def failed_save(final: Path, err: BaseException) -> CheckpointError:
         free = shutil.disk_usage(final.parent).free
     except OSError:
         free = None
-    full = _out_of_space(err) or (free is not None and free < NEARLY_FULL_BYTES)
+    full = free is not None and free < NEARLY_FULL_BYTES
+    cause = first_line(err)
     if full:
-        cause = f"the disk holding {str(final.parent)!r} is full" + (
-            f" ({free:,} bytes free)" if free is not None else ""
-        )
-        return CheckpointError(
-            f"could not write checkpoint {str(final)!r}: {cause} ({first_line(err)}); the previous checkpoints are "
-            "intact (free space and continue with --resume auto)"
-        )
+        cause = f"the disk holding {str(final.parent)!r} is full ({free:,} bytes free; {cause})"
+    way_out = (
+        "free space and continue with --resume auto"
+        if full or _out_of_space(err)
+        else "continue with --resume auto once it is mended"
+    )
     return CheckpointError(
-        f"could not write checkpoint {str(final)!r}: {first_line(err)}; the previous checkpoints are intact "
-        "(continue with --resume auto once it is mended)"
+        f"could not write checkpoint {str(final)!r}: {cause}; the previous checkpoints are intact ({way_out})"
     )
 
 
