@@ -8,13 +8,14 @@ is merged into its base model, which must be there (``merge_and_unload``): a pla
 shards are merged on one process, with no process group (Accelerate's ``merge_fsdp_weights``); a DDP or one-process
 checkpoint's weights are taken as they are, without DDP's ``module.`` prefix. The checkpoint is verified first
 (manifest, and no file that would run code); ``OUT`` must be new or empty, and a refusal leaves it as it was. A
-module that no config describes (a recipe's own) gets its weights alone, as its run folder does."""
+module that no config describes (a recipe's own) gets its weights alone, as its run folder does. It runs on one
+process: under a launcher it refuses before anything is read or written."""
 
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
-import sys
 from pathlib import Path
 
 from .options import ConfigError
@@ -217,8 +218,21 @@ def _merge_adapter(tensors: dict, checkpoint: Path, out: Path) -> None:
     check_matches(model_skeleton(out), out / WEIGHTS_FILE)
 
 
+def _check_one_process() -> None:
+    """Merge has no work to share, and several processes merging into one OUT race (each finds it no longer empty,
+    or the launcher stops one mid-write): refused from the launcher's environment, before any process group."""
+    processes = int(os.environ.get("WORLD_SIZE", "1"))
+    if processes > 1:
+        raise ConfigError(
+            f"acceltrain merge runs on one process (FSDP's shards included) and the launcher started "
+            f"WORLD_SIZE={processes}: run it without torchrun or accelerate launch"
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
+    from .cli import _give_the_main_process_time_to_print
     from .config_parser import OneLineParser
+    from .preemption import EXIT_BAD_INPUT, report_error
     from .run_folder import CONFIG_FILE
 
     parser = OneLineParser(prog="acceltrain merge", description=__doc__, allow_abbrev=False)
@@ -226,10 +240,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out", help="a new folder for model.safetensors, its config and the run's tokenizer files")
     try:
         args = parser.parse_args(argv)
+        _check_one_process()
         weights = merge(Path(args.checkpoint), Path(args.out))
     except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        report_error(str(err))  # once, from the main process, when a launcher started several
+        _give_the_main_process_time_to_print()
+        return EXIT_BAD_INPUT
     alone = (
         ""
         if (weights.parent / CONFIG_FILE).is_file()

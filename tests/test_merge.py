@@ -306,3 +306,23 @@ def test_an_fsdp_lora_checkpoint_merges_into_its_base(tmp_path, data, capsys):
     expected = adapter.merge_and_unload().state_dict()
     for name, tensor in expected.items():
         torch.testing.assert_close(model.state_dict()[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.multiprocess
+def test_several_processes_are_refused_before_out_is_written(tmp_path, runs):
+    """Issue 43 item 10: under ``accelerate launch`` each process merged into OUT; one found it no longer empty and
+    refused, the launcher stopped the other mid-write: exit 1, and OUT kept a lone config.json. Merge has no work to
+    share, so each process now refuses at once (the main one prints the line) and OUT is never made."""
+    script = tmp_path / "acceltrain_cli.py"  # what the `acceltrain` console script runs
+    script.write_text("from acceltrain.cli import main\n\nraise SystemExit(main())\n")
+    out = tmp_path / "out"
+    result = launch(
+        script, ["merge", str(complete_checkpoints(runs.stopped)[-1]), str(out)], processes=2, launcher="accelerate"
+    )
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert errors == [
+        "error: acceltrain merge runs on one process (FSDP's shards included) and the launcher started "
+        "WORLD_SIZE=2: run it without torchrun or accelerate launch"
+    ], result.stderr[-3000:]
+    assert not out.exists(), "nothing written"

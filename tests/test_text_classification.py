@@ -354,6 +354,55 @@ def test_pairs_of_texts_and_integer_labels_train(tmp_path, data):
     assert sum(map(sum, json.loads((out / "classification_report.json").read_text())["confusion_matrix"])) == 16
 
 
+SECTIONS = (1, 2, 3, 5, 7, 8)  # Debian's manual sections: integers, and not the class ids 0..5
+IN_A_FRESH_PROCESS = """
+import sys
+from transformers import AutoModelForSequenceClassification
+from acceltrain.cli import main
+print(AutoModelForSequenceClassification.from_pretrained(sys.argv[1]).config.id2label)
+raise SystemExit(main(["predict", sys.argv[1], sys.argv[2], "--output", sys.argv[3], "--no-progress"]))
+"""
+
+
+def test_integer_labels_that_are_not_the_class_ids_are_class_names(tmp_path, data, capsys):
+    """Issue 43 item 11: the manual sections 1, 2, 3, 5, 7, 8 were refused ("the 6 integer labels must be the class
+    ids 0..5 (or give class names as strings)"), and a csv cannot give them as strings: datasets reads digits as
+    int64. As transformers' run_glue.py: integers that are not exactly 0..K-1 are class names, sorted numerically.
+    The eval rows' labels take the training rows' classes; config.json names them for from_pretrained and predict."""
+    train = write_rows(tmp_path / "train.csv", reviews(48, labels=SECTIONS))
+    evaluated = write_rows(tmp_path / "eval.csv", reviews(12, seed=1, labels=(8, 2, 5, 2)))
+    out = tmp_path / "run"
+    given = ["--model-name-or-path", str(data.bert), "--train-file", str(train), "--eval-file", str(evaluated)]
+    assert run(out, *TINY, *given, "--max-steps", "2") == 0
+    assert "labels 1, 2, 3, 5, 7, 8 are not the class ids 0..5: read as 6 class names" in capsys.readouterr().out
+    names = [str(section) for section in SECTIONS]
+    config = json.loads((out / "config.json").read_text())
+    assert config["id2label"] == {str(index): name for index, name in enumerate(names)}
+    assert config["label2id"] == {name: index for index, name in enumerate(names)}
+    report = json.loads((out / "classification_report.json").read_text())["per_class"]
+    assert {name: figures["support"] for name, figures in report.items()} == {
+        "1": 0,
+        "2": 6,
+        "3": 0,
+        "5": 3,
+        "7": 0,
+        "8": 3,
+    }, "each eval row in its training class"
+    predictions = tmp_path / "predictions.csv"
+    result = subprocess.run(
+        [sys.executable, "-c", IN_A_FRESH_PROCESS, str(out), str(evaluated), str(predictions)],
+        env=subprocess_env(HF_HUB_OFFLINE="1"),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.splitlines()[0] == str(dict(enumerate(names)))
+    header, *rows = predictions.read_text().splitlines()
+    assert header.split(",")[-7:] == ["label", *(f"probability_{name}" for name in names)]
+    assert len(rows) == 12 and {row.split(",")[-7] for row in rows} <= set(names)
+
+
 def test_metrics_come_from_the_summed_confusion_matrix():
     from acceltrain.text import TextClassificationTask, per_class
 
@@ -417,6 +466,9 @@ def make_bad_inputs(root: Path, data) -> dict[str, Path]:
     made["gap"] = write_rows(
         root / "gap.jsonl", [{**row, "label": index % 2 * 2} for index, row in enumerate(rows)]
     )  # 0 and 2
+    made["gap_unseen"] = write_rows(
+        root / "gap_unseen.jsonl", [{**row, "label": index % 2} for index, row in enumerate(rows)]
+    )
     made["mixed"] = write_rows(
         root / "mixed.jsonl", [{**row, "label": 1 if index else "pos"} for index, row in enumerate(rows)]
     )
@@ -452,9 +504,9 @@ BAD_INPUTS = [
         "--text-column 'txt' is not a column of --train-file '{train}': its columns are text, label",
     ),
     (["--label-column", "labels"], "--label-column 'labels' is not a column of"),
-    (
-        ["--train-file", "{gap}", "--eval-file", "{gap}"],
-        "label 2 in --train-file '{gap}' is out of range: the 2 integer labels must be the class ids 0..1",
+    (  # integers that are not 0..K-1 are class names (issue 43 item 11): 1 is not one of 0 and 2
+        ["--train-file", "{gap}", "--eval-file", "{gap_unseen}"],
+        "--eval-file '{gap_unseen}' has label 1, which no training row has (training labels: 0, 2)",
     ),
     (["--train-file", "{mixed}"], "mixes integers and strings (the integer 1 in row 1, the string 'pos' in row 0)"),
     (

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from accelerate.logging import get_logger
+
 from ..distributed import on_main_process_first
 from ..options import ConfigError, shorten
 from .corpus import default_num_proc
 
+logger = get_logger(__name__)
 MODEL_COLUMNS = ("input_ids", "attention_mask", "token_type_ids", "labels")
 
 
@@ -33,10 +36,11 @@ class Labels:
 
 
 def read_labels(train, eval_rows, column: str, train_where: str, eval_where: str | None) -> Labels:
-    """The classes of the label column: strings are class names (sorted); integers are class ids 0..K-1, K the
-    number of distinct training labels (a Hub ``ClassLabel`` brings its names). Missing labels, other types, a
-    column mixing integers and strings, integers out of 0..K-1 and evaluation labels the training rows do not
-    have are one line each."""
+    """The classes of the label column: strings are class names (sorted); integers are class ids when they are
+    exactly 0..K-1, K the number of distinct training labels, else class names sorted numerically (1, 2, 3, 5, 7,
+    8: a csv reads digits as integers), as transformers' run_glue.py reads them, logged (a Hub ``ClassLabel``
+    brings its names). Missing labels, other types, a column mixing integers and strings, a single class and
+    evaluation labels the training rows do not have are one line each."""
     feature = train.features[column]
     if hasattr(feature, "names"):  # datasets.ClassLabel: ids with names
         return Labels(list(feature.names), {index: index for index in range(len(feature.names))})
@@ -52,16 +56,7 @@ def read_labels(train, eval_rows, column: str, train_where: str, eval_where: str
             f"labels in {eval_where}: use one kind (class names, or class ids 0..K-1)"
         )
     trained = sorted(set(values[train_where]))
-    if kinds[train_where] == "string":
-        ids = {name: index for index, name in enumerate(trained)}
-    else:
-        if trained != list(range(len(trained))):
-            wrong = next(label for index, label in enumerate(trained) if label != index)
-            raise ConfigError(
-                f"--label-column {column!r}: label {wrong} in {train_where} is out of range: the {len(trained)} "
-                f"integer labels must be the class ids 0..{len(trained) - 1} (or give class names as strings)"
-            )
-        ids = {index: index for index in trained}
+    ids = {label: index for index, label in enumerate(trained)}  # class ids 0..K-1 are their own
     if len(ids) < 2:
         raise ConfigError(
             f"--label-column {column!r}: {train_where} has a single label, {shorten(trained[0])}: a classifier "
@@ -72,10 +67,18 @@ def read_labels(train, eval_rows, column: str, train_where: str, eval_where: str
         if unknown:
             raise ConfigError(
                 f"--label-column {column!r}: {eval_where} has label {shorten(unknown[0])}, which no training row has "
-                f"(training labels: {', '.join(shorten(label, 40) for label in trained[:10])}"
-                f"{' ...' if len(trained) > 10 else ''})"
+                f"(training labels: {_listed(trained)})"
             )
+    if kinds[train_where] == "integer" and trained != list(range(len(trained))):
+        logger.info(
+            f"labels {_listed(trained)} are not the class ids 0..{len(trained) - 1}: read as {len(trained)} class names"
+        )
     return Labels([str(label) for label in ids], ids)
+
+
+def _listed(labels: list, shown: int = 10) -> str:
+    """The first ``shown`` labels, as a message names them."""
+    return ", ".join(shorten(label, 40) for label in labels[:shown]) + (" ..." if len(labels) > shown else "")
 
 
 def _checked(labels: list, where: str, column: str) -> list:
