@@ -129,3 +129,34 @@ def quiet_model_loading():
             yield
     finally:
         modeling.removeFilter(_not_a_load_report)
+
+
+def start_block(runtime: dict, cfg, checkpoints: str) -> list[str]:
+    """The start-up lines every run prints: what data, which model, which engine, how many steps, which
+    checkpoints are kept, where the outputs go. The whole config is in the run folder (train_config.yaml) and at
+    ``--log-level debug``."""
+    rows = [f"{runtime['train_rows']:,} training rows" if runtime.get("train_rows") is not None else "a stream"]
+    if runtime.get("eval_rows") is not None:
+        rows.append(f"{runtime['eval_rows']:,} eval rows")
+    if runtime.get("classes"):
+        rows.append(f"{runtime['classes']} classes")
+    processes = runtime["num_processes"]
+    held = runtime.get("parameters_per_process", runtime["parameters"])
+    per_process = f", {held:,} held by each process" if held != runtime["parameters"] else ""
+    engine = f"{runtime['engine']}, {processes} processes" if processes > 1 else "one process"
+    if runtime["engine"] != "DDP" and processes == 1:  # DeepSpeed on one process
+        engine = f"{runtime['engine']}, one process"
+    epoch = f" ({runtime['steps_per_epoch']:,} an epoch)" if runtime.get("steps_per_epoch") else ""
+    device = runtime["device"]
+    if runtime["device_name"] not in (device, device.split(":")[0]):
+        device = f"{runtime['device_name']} ({device})"
+    return [
+        f"data: {', '.join(rows)}",
+        f"model: {runtime['model']}, {runtime['parameters']:,} parameters{per_process}",
+        f"engine: {engine} on {device}, mixed precision {cfg.mixed_precision}",
+        f"steps: {runtime['total_steps']:,}{epoch}, {runtime['global_batch_size']:,} samples a step "
+        f"(--batch-size {cfg.batch_size} x {processes} process{'es' if processes > 1 else ''} x --grad-accum "
+        f"{cfg.grad_accum})",
+        f"checkpoints: {checkpoints}",
+        f"outputs: {cfg.output_dir} (the whole config: train_config.yaml there, or --log-level debug)",
+    ]

@@ -34,7 +34,7 @@ from .config import TrainConfig
 from .data import stop_workers
 from .export import export_weights
 from .hooks import Hooks, builtin_hooks
-from .logs import set_log_level
+from .logs import set_log_level, start_block
 from .metrics import peak_memory_mb
 from .options import ConfigError, parse_json
 from .preemption import StoppedToResume
@@ -157,10 +157,16 @@ def _assemble(prepared: Prepared, task, user_hooks, trackers: list[str]) -> _Loo
         output_dir=run.output_dir,
         announce=lambda folder: hooks.call("on_save", run, folder),
     )
-    logger.info(yaml.safe_dump({"config": cfg.to_dict(), "runtime": prepared.runtime}, sort_keys=False).rstrip())
+    logger.debug(yaml.safe_dump({"config": cfg.to_dict(), "runtime": prepared.runtime}, sort_keys=False).rstrip())
+    for line in start_block(prepared.runtime, cfg, checkpoints_kept(cfg)):
+        logger.info(line)
     for note in filter(None, [*prepared.notes, checkpointer.note]):
         logger.info(note)
     return _Loop(run, hooks, progress, checkpointer)
+
+
+def checkpoints_kept(cfg) -> str:  # TODO(placeholder until the checkpoint hook says it)
+    return "see --keep-last"
 
 
 def _train(loop: _Loop) -> None:
@@ -301,12 +307,17 @@ def _finish(loop: _Loop) -> dict:
         metric = f"eval_{getattr(run.task, 'primary_metric', 'loss')}"
         stopped = f" (stopped: {summary['stop_reason']})" if summary["stop_reason"] else ""
         logger.info(
-            f"done: {run.step} steps{stopped}, train loss {summary['train_loss']}, {metric} {summary.get(metric)}, "
-            f"outputs in {run.output_dir}"
+            f"done: {run.step} steps{stopped}, train loss {_rounded(summary['train_loss'])}, {metric} "
+            f"{_rounded(summary.get(metric))}, outputs in {run.output_dir}"
         )
     accelerator.wait_for_everyone()
     accelerator.end_training()  # trackers, then the process group
     return summary
+
+
+def _rounded(value) -> str:
+    """A figure of the done line at 4 significant digits, as the progress lines show them (summary.json keeps all)."""
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
 def _summary(loop: _Loop, weights: Path, wall_seconds: float) -> dict:

@@ -19,7 +19,7 @@ from torch.utils.data import default_collate
 from . import __version__
 from .config import TrainConfig
 from .data import default_num_workers, eval_loader, train_loader
-from .distributed import check_backend_honoured, convert_sync_batchnorm, deepspeed_plugin, use_cpu
+from .distributed import ENGINES, check_backend_honoured, convert_sync_batchnorm, deepspeed_plugin, use_cpu
 from .engines import (
     build_accelerator,
     choose_wrap_policy,
@@ -131,6 +131,10 @@ def prepare(
     runtime = _runtime(
         cfg,
         accelerator,
+        model=type(accelerator.unwrap_model(model)).__name__,
+        train_rows=None if stream else len(train_set),
+        eval_rows=_rows(eval_set),
+        classes=_class_count(task, train_set),
         steps_per_epoch=steps_per_epoch,
         total_steps=total_steps,
         model_flops_per_sample=flops_per_sample,
@@ -259,6 +263,7 @@ def _runtime(cfg: TrainConfig, accelerator, **plan) -> dict:
         "torch": str(torch.__version__),
         "accelerate": accelerate.__version__,
         "distributed_type": accelerator.distributed_type.value,
+        "engine": ENGINES.get(accelerator.distributed_type, "DDP"),
         "num_processes": accelerator.num_processes,
         "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
@@ -266,6 +271,20 @@ def _runtime(cfg: TrainConfig, accelerator, **plan) -> dict:
         **plan,
         **_backend_settings(accelerator),
     }
+
+
+def _rows(dataset) -> int | None:
+    """A dataset's row count, None for a stream (no length)."""
+    try:
+        return None if dataset is None or is_stream(dataset) else len(dataset)
+    except TypeError:
+        return None
+
+
+def _class_count(task, train_set) -> int | None:
+    """How many classes the task or the data names (its ``labels`` or ``classes``), None where neither says."""
+    names = getattr(task, "labels", None) or getattr(train_set, "classes", None)
+    return len(names) if isinstance(names, (list, tuple)) else None
 
 
 def _backend_settings(accelerator) -> dict:

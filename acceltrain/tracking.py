@@ -165,21 +165,25 @@ def start_tracking(
         wandb_kwargs["notes"] = cfg.wandb_notes
     if resume_run_id:
         wandb_kwargs.update(id=resume_run_id, resume="allow")
+    if "wandb" in names and cfg.log_level != "debug":  # wandb's own banner and summary: the log says what matters
+        import wandb
+
+        wandb_kwargs["settings"] = wandb.Settings(silent=True)
     accelerator.init_trackers(project, config=_flat_scalars(run_config), init_kwargs={"wandb": wandb_kwargs})
     if "wandb" not in names or not accelerator.is_main_process:
         return None
     run = accelerator.get_tracker("wandb", unwrap=True)
+    from accelerate.logging import get_logger  # here: run_recipe imports this module before torch, to check trackers
+
     if wandb_kwargs["mode"] == "offline":
         why = (
             ""
             if cfg.wandb_mode or os.environ.get("WANDB_MODE")
             else "no W&B API key found (WANDB_API_KEY or `wandb login`), so "
         )
-        from accelerate.logging import (
-            get_logger,
-        )  # here: run_recipe imports this module before torch, to check trackers
-
         get_logger(__name__).info(f"W&B: {why}logging offline; upload later with: wandb sync {run.settings.sync_dir}")
+    else:
+        get_logger(__name__).info(f"W&B: {run.url}")
     return run.id
 
 

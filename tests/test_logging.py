@@ -30,7 +30,8 @@ TINY = [
     "--no-plots",
     "--no-progress",
 ]
-INFO_LINES = ("config:", "step=", "done: ")
+START_LINES = ("data:", "model:", "engine:", "steps:", "checkpoints:", "outputs:")
+INFO_LINES = (*START_LINES, "step=", "done: ")
 
 
 @pytest.fixture(autouse=True)
@@ -46,6 +47,20 @@ def test_default_level_prints_the_config_the_metric_rows_and_done_as_plain_lines
     for start in INFO_LINES:
         assert any(line.startswith(start) for line in lines), f"no line starts with {start!r}:\n" + "\n".join(lines)
     assert not any("[RANK" in line or " - INFO - " in line for line in lines), "plain lines, as printed before logging"
+
+
+def test_the_start_up_says_what_data_model_engine_and_steps_in_six_lines(tmp_path, capsys):
+    """Before: a ~105-line dump of the config and runtime opened every run, and no line said what data it read."""
+    assert run_tiny_in_process(tmp_path / "run", *TINY) == 0
+    lines = capsys.readouterr().out.splitlines()
+    start = lines[: lines.index(next(line for line in lines if line.startswith("step=")))]
+    assert [line.split(":")[0] + ":" for line in start] == list(START_LINES), start
+    assert start[0] == "data: 32 training rows, 16 eval rows, 10 classes"
+    assert start[3] == "steps: 4 (4 an epoch), 8 samples a step (--batch-size 8 x 1 process x --grad-accum 1)"
+    assert "config:" not in lines and lines[-1].startswith("done: 4 steps, train loss ")
+    loss = lines[-1].split("train loss ")[1].split(",")[0]
+    assert len(loss.replace(".", "").lstrip("0")) <= 4, f"rounded to 4 digits, not {loss}"
+    assert "lr_schedule: cosine" in (tmp_path / "run" / "train_config.yaml").read_text(), "the whole config is kept"
 
 
 def test_log_level_warning_silences_info_yet_writes_the_run(tmp_path, capsys):
@@ -79,8 +94,10 @@ def test_a_handler_attached_to_the_acceltrain_logger_receives_the_records(tmp_pa
 
 def test_log_level_debug_shows_time_level_and_logger_name(tmp_path, capsys):
     assert run_tiny_in_process(tmp_path / "run", *TINY, "--log-level", "debug") == 0
-    done = [line for line in capsys.readouterr().out.splitlines() if "done: " in line]
+    out = capsys.readouterr().out
+    done = [line for line in out.splitlines() if "done: " in line]
     assert len(done) == 1 and " - INFO - acceltrain.loop - " in done[0], done
+    assert "config:\n" in out and "runtime:\n" in out, "the whole config and runtime at debug"
 
 
 @pytest.mark.slow

@@ -69,6 +69,16 @@ def test_offline_run_records_config_steps_eval_and_summary(offline_run):
 
 
 @pytest.mark.slow
+def test_wandbs_own_lines_stay_out_of_the_log(offline_run):
+    """Before: 34 of a LoRA run's 169 lines were wandb's banner and run summary; the toolkit's one W&B line says
+    where the run went and how to upload it."""
+    _, result = offline_run
+    output = result.stdout + result.stderr
+    assert "wandb:" not in output, [line for line in output.splitlines() if "wandb:" in line][:5]
+    assert output.count("W&B: logging offline; upload later with: wandb sync ") == 1
+
+
+@pytest.mark.slow
 def test_two_processes_make_one_wandb_run(tmp_path):
     out = tmp_path / "run"
     check(
