@@ -314,6 +314,9 @@ class ProfilingOptions(Options):
             parse_step_range(self.profile_steps)
 
 
+KEEP_LAST_WITH_BEST = 1  # --keep-last's default with --keep-best: the newest checkpoint, besides the best one
+
+
 @dataclasses.dataclass
 class CheckpointOptions(Options):
     """When to checkpoint and what to keep (``CheckpointSchedule``), and time slices (``Preemption``)."""
@@ -323,7 +326,11 @@ class CheckpointOptions(Options):
         None, "save a checkpoint once N minutes have passed since the last one", free_on_resume=True
     )
     keep_last: int | None = option(
-        None, "keep only the newest N checkpoints (never deleting the best one); unset: keep all", free_on_resume=True
+        None,
+        f"keep only the newest N checkpoints that verify (and the best one with --keep-best); default: "
+        f"{KEEP_LAST_WITH_BEST} with --keep-best (the best and the newest, which --resume auto continues from), "
+        "else all",
+        free_on_resume=True,
     )
     keep_best: bool = option(
         False, "checkpoint whenever the eval metric improves, and never delete the best checkpoint", free_on_resume=True
@@ -345,6 +352,12 @@ class CheckpointOptions(Options):
         "FSDP; at most one save in flight; a checkpoint counts once complete; a stop waits for it)",
         free_on_resume=True,
     )
+
+    def resolved(self) -> dict:
+        """``keep_last`` unset: with ``--keep-best`` the best and the newest checkpoint (each improvement's
+        checkpoint would stay otherwise: a full copy per gain), else all."""
+        default = KEEP_LAST_WITH_BEST if self.keep_best else None
+        return {**super().resolved(), "keep_last": default if self.keep_last is None else self.keep_last}
 
     def validate(self) -> None:
         super().validate()

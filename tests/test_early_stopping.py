@@ -4,6 +4,7 @@ summary.json's stop_reason, and keeps counting across a resume; patience that ca
 
 from __future__ import annotations
 
+import json
 import re
 from types import SimpleNamespace
 
@@ -63,7 +64,22 @@ def fake_run(higher_is_better: bool):
     PartialState(cpu=True)  # the hook logs through Accelerate's logger
     stops = []
     task = SimpleNamespace(primary_metric="loss", higher_is_better=higher_is_better)
-    return SimpleNamespace(task=task, request_stop=lambda reason, finish: stops.append((reason, finish))), stops
+    run = SimpleNamespace(
+        task=task, step=0, best_metric=None, request_stop=lambda reason, finish: stops.append((reason, finish))
+    )
+    return run, stops
+
+
+def evaluate(run, hook: EarlyStopping, value: float) -> None:
+    """One evaluation at the next step, recorded as the loop records it (its best and ``eval_improved``, the rule
+    ``--keep-best`` follows) before the hook sees it."""
+    from acceltrain.progress import _improves
+
+    run.step += 1
+    run.eval_improved = _improves(value, run.best_metric, run.task.higher_is_better)
+    if run.eval_improved:
+        run.best_metric = value
+    hook.on_eval_end(run, {"eval_loss": value})
 
 
 @pytest.mark.parametrize(
@@ -83,19 +99,56 @@ def test_the_count_follows_the_tasks_direction_and_the_threshold(higher_is_bette
     run, stops = fake_run(higher_is_better)
     hook = EarlyStopping(patience=2, threshold=0.01, evaluation=Evaluation(1))
     for index, value in enumerate(values):
-        hook.on_eval_end(run, {"eval_loss": value})
+        evaluate(run, hook, value)
         if stops:
             break
     assert index == stopped_at and stops[0][1] is True
     assert stops[0][0].startswith("early stopping: eval_loss has not improved by more than 0.01 in 2 evaluations")
 
 
+@pytest.mark.parametrize(
+    "values,stopped_at,best",
+    [
+        # issue 43 item 14: +0.0054 is within the threshold, yet 0.7256 is the best evaluation (the one --keep-best
+        # keeps), and the next ones are measured from it; before, the best stayed 0.7202
+        ([0.70, 0.7202, 0.7256, 0.72], 3, "best 0.7256 at step 3"),
+        # +0.005, then +0.007 on that: neither is more than 0.01 over the best before it (before, +0.012 over 0.70
+        # started the count again and the run went on)
+        ([0.70, 0.705, 0.712, 0.9], 2, "best 0.712 at step 3"),
+    ],
+)
+def test_the_threshold_is_measured_from_the_best_evaluation(values, stopped_at, best):
+    """As transformers' EarlyStoppingCallback: an evaluation counts unless it beats the best one so far by more than
+    the threshold, and the best one is any evaluation better than all before it (the trainer's best_metric)."""
+    run, stops = fake_run(higher_is_better=True)
+    hook = EarlyStopping(patience=2, threshold=0.01, evaluation=Evaluation(1))
+    for index, value in enumerate(values):
+        evaluate(run, hook, value)
+        if stops:
+            break
+    assert index == stopped_at, stops
+    assert stops[0][0] == f"early stopping: eval_loss has not improved by more than 0.01 in 2 evaluations ({best})"
+    assert (hook.best, hook.best_step) == (run.best_metric, int(best.rsplit(" ", 1)[1]))
+
+
+def test_a_stop_before_any_number_says_so():
+    """Every evaluation NaN: no best to name (before: a TypeError formatting None)."""
+    run, stops = fake_run(higher_is_better=False)
+    hook = EarlyStopping(patience=1, threshold=0.0, evaluation=Evaluation(1))
+    evaluate(run, hook, float("nan"))
+    assert stops[0][0] == "early stopping: eval_loss has not improved by more than 0 in 1 evaluations (no best yet)"
+
+
 def test_a_run_stops_after_patience_evaluations_and_says_why(tmp_path):
-    assert run(tmp_path / "run", "--max-steps", "20", "--eval-every", "1", "--early-stopping-patience", "3") == 0
-    summary = read_summary(tmp_path / "run")
+    """The stop names the best evaluation's step: the checkpoint --keep-best kept."""
+    out = tmp_path / "run"
+    assert run(out, "--max-steps", "20", "--eval-every", "1", "--early-stopping-patience", "3", "--keep-best") == 0
+    summary = read_summary(out)
     assert summary["steps"] == 4, "the best at step 1, then 3 evaluations without improvement"
-    reason = "early stopping: eval_accuracy has not improved by more than 0 in 3 evaluations (best 0.5)"
+    reason = "early stopping: eval_accuracy has not improved by more than 0 in 3 evaluations (best 0.5 at step 1)"
     assert summary["stop_reason"] == reason
+    kept = json.loads((out / "checkpoints" / "step_00000004" / "hooks" / "CheckpointSchedule.json").read_text())
+    assert kept["best_checkpoint"] == "step_00000001"
 
 
 def test_the_count_survives_a_resume(tmp_path):

@@ -24,7 +24,13 @@ from ..options import ConfigError, first_line
 from ..preemption import TrainingDiverged
 from ..run_folder import CHECKPOINTS_DIR, finished_steps
 from . import adapters
-from .files import checkpoint_engine, failed_save_refused, find_resume_checkpoint, staging_folder
+from .files import (
+    checkpoint_engine,
+    failed_save_refused,
+    find_resume_checkpoint,
+    staging_folder,
+    verify_checkpoint,
+)
 from .safe_load import DCP_METADATA, check_loadable_without_code, load_dcp_metadata, loading_without_code
 from .state import STATE_FILE, CheckpointError, RunState, check_scheduler_state
 from .state_dicts import SHARDED_MODEL, checkpoint_parts, engine_name, writes_whole_copy
@@ -160,7 +166,9 @@ class Checkpointer:
         continues this run, and load it: the model, optimizer, grad scaler and RNG (Accelerate's ``load_state``),
         the scheduler, the loop's state and the hooks' states. False when the run in the folder finished at that
         checkpoint: nothing to do."""
-        path, saved, kept_in_state = self._agreed_checkpoint()
+        path, saved, kept_in_state = self._agreed_checkpoint(
+            lambda: find_resume_checkpoint(self.cfg.resume, self.output_dir, warn=logger.warning)
+        )
         finished = finished_steps(self.output_dir)
         if path is None:
             if finished is not None:
@@ -227,19 +235,31 @@ class Checkpointer:
 
     def load_model_of(self, path: Path) -> None:
         """At the end of a run: the model of checkpoint ``path`` (one this run wrote: ``--load-best-at-end``) loaded
-        into the model, to be exported as the run's weights."""
-        check_loadable_without_code(path, digests_required=True)
-        self._load(path)
+        into the model, to be exported as the run's weights. Verified as a resume verifies its checkpoint (every
+        file against the manifest, every pickle without code): the files may have changed since they were written.
+        Refused in one line that keeps every checkpoint: another checkpoint's weights exported instead would be
+        silently wrong."""
+        try:
+            _, saved, _ = self._agreed_checkpoint(lambda: (path, *verify_checkpoint(_present(path))))
+            check_loadable_without_code(path, digests_required=bool(saved.engine))
+            self._load(path)
+        except ConfigError as err:
+            raise CheckpointError(
+                f"--load-best-at-end: the best checkpoint cannot be used: {err}; nothing was exported and no "
+                "checkpoint was deleted: run again with --resume auto and without --load-best-at-end to export the "
+                "last step's weights"
+            ) from None
         logger.info(f"the run folder's weights are those of {path}")
 
-    def _agreed_checkpoint(self) -> tuple[Path | None, RunState | None, dict]:
-        """The checkpoint to resume, found and verified on the main process, the same on every process."""
+    def _agreed_checkpoint(self, find: Callable[[], tuple | None]) -> tuple[Path | None, RunState | None, dict]:
+        """The checkpoint ``find`` finds and verifies (:func:`.files.verify_checkpoint`) on the main process, with
+        its state and the hook states kept in it, the same on every process; or its one-line error on every one."""
         from accelerate.utils import broadcast_object_list
 
         found = [None, None, None, None]  # path, state fields, hook states kept in them, error
         if self.accelerator.is_main_process:
             try:
-                hit = find_resume_checkpoint(self.cfg.resume, self.output_dir, warn=logger.warning)
+                hit = find()
                 if hit is not None:
                     found[:3] = [str(hit[0]), dataclasses.asdict(hit[1]), hit[2]]
             except ConfigError as err:
@@ -363,6 +383,13 @@ def check_async_supported(accelerator) -> None:
             "--async-checkpoint under FSDP needs fsdp_state_dict_type: SHARDED_STATE_DICT in the accelerate config "
             "(accelerate_configs/fsdp_cpu.yaml, fsdp.yaml)"
         )
+
+
+def _present(path: Path) -> Path:
+    """``path``, a checkpoint folder this run wrote, if it is still there (Accelerate would say it does not fit)."""
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint {str(path)!r} is missing")
+    return path
 
 
 def _shape(shape: tuple | None) -> str:

@@ -15,7 +15,8 @@ class CheckpointSchedule(Hook):
     """A checkpoint every ``every_steps`` optimizer steps and/or once ``every_minutes`` have passed since the
     last one, whenever the primary metric improves (``keep_best``), and at the end of the run when
     ``save_at_end``; after every save only the newest ``keep_last`` that verify are kept (never the best
-    one; a broken one never counts). Always among the built-in hooks: its state, the best checkpoint's
+    one; a broken one never counts; unset, with ``keep_best``, the newest one: see
+    :meth:`CheckpointOptions.resolved`). Always among the built-in hooks: its state, the best checkpoint's
     name, goes on through a launch that saves on no schedule."""
 
     def __init__(
@@ -49,7 +50,7 @@ class CheckpointSchedule(Hook):
         return cls(
             cfg.save_every_steps,
             cfg.save_every_minutes,
-            cfg.keep_last,
+            cfg.resolved()["keep_last"],
             cfg.keep_best,
             save_at_end=scheduled,
             load_best_at_end=cfg.load_best_at_end,
@@ -92,6 +93,15 @@ class CheckpointSchedule(Hook):
     def on_fit_end(self, run, summary: dict) -> None:
         if self.load_best_at_end and self.best_checkpoint is not None:
             summary["weights_step"] = int(self.best_checkpoint.removeprefix("step_"))
+
+
+def checkpoints_kept(cfg: CheckpointOptions) -> str:
+    """What the rotation keeps, in a few words for the start-up log: "keeps the best and the newest 1", "keeps the
+    newest 3", "keeps every checkpoint"."""
+    newest = cfg.resolved()["keep_last"]
+    if newest is None:
+        return "keeps every checkpoint"
+    return f"keeps the {'best and the ' if cfg.keep_best else ''}newest {newest}"
 
 
 class Preemption(Hook):

@@ -13,14 +13,17 @@ logger = get_logger(__name__)
 
 class EarlyStopping(Hook):
     """Finish the run (``stop_reason`` in summary.json) once ``patience`` evaluations in a row have not improved the
-    task's primary metric by more than ``threshold`` on the best so far (higher or lower, as the task says). The best
-    value and the count are this hook's state, kept in every checkpoint: a resumed run goes on counting where it
-    stopped (Composer's ``EarlyStopper`` starts again from zero)."""
+    task's primary metric by more than ``threshold`` on the best evaluation before them (higher or lower, as the task
+    says), as transformers' ``EarlyStoppingCallback``. The best evaluation is the loop's (``run.eval_improved``: any
+    gain, the one ``--keep-best`` keeps), so a gain within the threshold still moves it: the stop names the weights
+    kept. The best value, its step and the count are this hook's state, kept in every checkpoint: a resumed run goes
+    on counting where it stopped (Composer's ``EarlyStopper`` starts again from zero)."""
 
     def __init__(self, patience: int, threshold: float, evaluation: Evaluation):
         self.patience, self.threshold, self.evaluation = patience, threshold, evaluation
         self.best: float | None = None
-        self.waited = 0  # evaluations since the best one
+        self.best_step: int | None = None
+        self.waited = 0  # evaluations since the last one that beat the best by more than the threshold
 
     @classmethod
     def from_config(cls, cfg: EarlyStoppingOptions, evaluation: Evaluation | None) -> EarlyStopping | None:
@@ -50,20 +53,24 @@ class EarlyStopping(Hook):
         name = f"eval_{run.task.primary_metric}"
         value = metrics[name]
         sign = 1 if run.task.higher_is_better else -1
-        if value == value and (self.best is None or (value - self.best) * sign > self.threshold):  # NaN never improves
-            self.best, self.waited = value, 0
+        counts = not (run.eval_improved and (self.best is None or (value - self.best) * sign > self.threshold))
+        if run.eval_improved:  # NaN never is
+            self.best, self.best_step = value, run.step
+        if not counts:
+            self.waited = 0
             return
         self.waited += 1
         if self.waited >= self.patience:
+            best = f"best {self.best:.4g} at step {self.best_step}" if self.best is not None else "no best yet"
             reason = (
                 f"early stopping: {name} has not improved by more than {self.threshold:g} in {self.patience} "
-                f"evaluations (best {self.best:.4g})"
+                f"evaluations ({best})"
             )
             logger.info(reason)
             run.request_stop(reason, finish=True)
 
     def state_dict(self) -> dict:
-        return {"best": self.best, "waited": self.waited}
+        return {"best": self.best, "best_step": self.best_step, "waited": self.waited}
 
     def load_state_dict(self, state: dict) -> None:
-        self.best, self.waited = state["best"], state["waited"]
+        self.best, self.best_step, self.waited = state["best"], state["best_step"], state["waited"]
