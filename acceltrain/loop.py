@@ -34,6 +34,7 @@ from .config import TrainConfig
 from .data import stop_workers
 from .export import export_weights
 from .hooks import Hooks, builtin_hooks
+from .hooks.checkpoint import checkpoint_plan, saves_checkpoints
 from .logs import set_log_level, start_block
 from .metrics import peak_memory_mb
 from .options import ConfigError, parse_json
@@ -158,15 +159,12 @@ def _assemble(prepared: Prepared, task, user_hooks, trackers: list[str]) -> _Loo
         announce=lambda folder: hooks.call("on_save", run, folder),
     )
     logger.debug(yaml.safe_dump({"config": cfg.to_dict(), "runtime": prepared.runtime}, sort_keys=False).rstrip())
-    for line in start_block(prepared.runtime, cfg, checkpoints_kept(cfg)):
+    checkpoints = checkpoint_plan(cfg)
+    if saves_checkpoints(cfg) and checkpointer.note:  # an adapter run's checkpoints: said only where there are any
+        checkpoints += f"; {checkpointer.note}"
+    for line in [*start_block(prepared.runtime, cfg, checkpoints), *filter(None, prepared.notes)]:
         logger.info(line)
-    for note in filter(None, [*prepared.notes, checkpointer.note]):
-        logger.info(note)
     return _Loop(run, hooks, progress, checkpointer)
-
-
-def checkpoints_kept(cfg) -> str:  # TODO(placeholder until the checkpoint hook says it)
-    return "see --keep-last"
 
 
 def _train(loop: _Loop) -> None:

@@ -210,3 +210,20 @@ def test_what_is_kept_and_how_the_start_up_log_says_it(flags, keep_last, phrase)
     cfg = TrainConfig(**flags)
     assert CheckpointSchedule.from_config(cfg).keep_last == keep_last
     assert checkpoints_kept(cfg) == phrase
+
+
+@pytest.mark.parametrize(
+    "flags,plan",
+    [
+        ({}, "none scheduled (a stop to be resumed, by SIGTERM or Ctrl-C, saves one)"),
+        ({"save_every_steps": 100}, "every 100 steps and at the end; keeps every checkpoint"),
+        (
+            {"save_every_minutes": 30, "keep_best": True},
+            "every 30 minutes, at each better evaluation and at the end; keeps the best and the newest 1",
+        ),
+    ],
+)
+def test_the_start_up_log_says_when_checkpoints_are_saved(flags, plan):
+    from acceltrain.hooks.checkpoint import checkpoint_plan
+
+    assert checkpoint_plan(TrainConfig(**flags)) == plan

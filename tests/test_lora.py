@@ -150,7 +150,7 @@ def test_backends_that_cannot_train_or_write_an_adapter_are_refused():
         check_backend(distributed_type, merge=False)
 
 
-def test_the_docs_fit_example_trains_an_adapter_that_keeps_the_new_head(tmp_path, data):
+def test_the_docs_fit_example_trains_an_adapter_that_keeps_the_new_head(tmp_path, data, capsys):
     namespace = docs_example("fine-tuning.md", "apply_lora(model, cfg")
     out = tmp_path / "run"
     assert (
@@ -183,6 +183,10 @@ def test_the_docs_fit_example_trains_an_adapter_that_keeps_the_new_head(tmp_path
     summary = read_summary(out)
     assert 0 < summary["trainable_parameters"] < summary["parameters"]
     assert "AutoPeftModelForSequenceClassification.from_pretrained" in (out / "README.md").read_text()
+    start = capsys.readouterr().out
+    assert "checkpoints: none scheduled" in start and "frozen base tensors" not in start, (
+        "an adapter run that saves no checkpoint says nothing of what its checkpoints hold"
+    )
 
 
 @pytest.fixture(scope="module")

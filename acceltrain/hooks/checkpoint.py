@@ -46,13 +46,12 @@ class CheckpointSchedule(Hook):
                 "--load-best-at-end keeps the best evaluation's weights, and this run has no eval set to "
                 "evaluate on: give one, or drop the flag"
             )
-        scheduled = bool(cfg.save_every_steps or cfg.save_every_minutes or cfg.keep_best or cfg.stop_after_steps)
         return cls(
             cfg.save_every_steps,
             cfg.save_every_minutes,
             cfg.resolved()["keep_last"],
             cfg.keep_best,
-            save_at_end=scheduled,
+            save_at_end=saves_checkpoints(cfg),
             load_best_at_end=cfg.load_best_at_end,
         )
 
@@ -95,9 +94,27 @@ class CheckpointSchedule(Hook):
             summary["weights_step"] = int(self.best_checkpoint.removeprefix("step_"))
 
 
+def saves_checkpoints(cfg: CheckpointOptions) -> bool:
+    """Whether the run saves checkpoints on a schedule (then at its end too); a stop to be resumed always saves."""
+    return bool(cfg.save_every_steps or cfg.save_every_minutes or cfg.keep_best or cfg.stop_after_steps)
+
+
+def checkpoint_plan(cfg: CheckpointOptions) -> str:
+    """When the run saves and what the rotation keeps, in a few words for the start-up log: "every 100 steps and at
+    the end; keeps the best and the newest 1"."""
+    if not saves_checkpoints(cfg):
+        return "none scheduled (a stop to be resumed, by SIGTERM or Ctrl-C, saves one)"
+    when = [
+        *([f"every {cfg.save_every_steps} steps"] if cfg.save_every_steps else []),
+        *([f"every {cfg.save_every_minutes:g} minutes"] if cfg.save_every_minutes else []),
+        *(["at each better evaluation"] if cfg.keep_best else []),
+        *([f"after step {cfg.stop_after_steps} (--stop-after-steps)"] if cfg.stop_after_steps else []),
+    ]
+    return f"{', '.join(when)} and at the end; {checkpoints_kept(cfg)}"
+
+
 def checkpoints_kept(cfg: CheckpointOptions) -> str:
-    """What the rotation keeps, in a few words for the start-up log: "keeps the best and the newest 1", "keeps the
-    newest 3", "keeps every checkpoint"."""
+    """What the rotation keeps: "keeps the best and the newest 1", "keeps the newest 3", "keeps every checkpoint"."""
     newest = cfg.resolved()["keep_last"]
     if newest is None:
         return "keeps every checkpoint"
