@@ -1,6 +1,8 @@
 """recipes/slurm/train.sbatch on a real single-node SLURM (started by `.ci/slurm-up`): a job that is
 signalled (scancel, the time limit's --signal) or requeued (scontrol requeue) saves, is requeued, resumes
-and ends byte-identical to an uninterrupted run. Skipped, with the reason, where no SLURM answers."""
+and ends byte-identical to an uninterrupted run, in the recipe's own --output-dir where one is given; a job
+that fails for good (a bad flag, a missing recipe) fails once, without a requeue. Skipped, with the reason,
+where no SLURM answers."""
 
 from __future__ import annotations
 
@@ -82,8 +84,20 @@ def _env(output_dir: Path) -> dict:
     return env
 
 
-def submit(output_dir: Path, *sbatch_args: str, recipe_args=SLOW) -> str:
+def unused_output_dir(output_dir: Path) -> Path:
+    """$OUTPUT_DIR of a job given its folder by the recipe's own --output-dir: nothing may be written there."""
+    return output_dir.parent / "unused"
+
+
+def submit(
+    output_dir: Path, *sbatch_args: str, recipe: Path = TINY_RECIPE, recipe_args=SLOW, own_output_dir: str = ""
+) -> str:
+    """own_output_dir "X" or "=X": the folder goes to the recipe as `--output-dir X` or `--output-dir=X`, and
+    $OUTPUT_DIR, which that flag overrides, to unused_output_dir."""
     log = output_dir.parent / "job.log"
+    if own_output_dir:
+        own = [f"--output-dir={output_dir}"] if own_output_dir == "=X" else ["--output-dir", str(output_dir)]
+        recipe_args = [*recipe_args, *own]
     command = [
         "sbatch",
         "--parsable",
@@ -97,11 +111,12 @@ def submit(output_dir: Path, *sbatch_args: str, recipe_args=SLOW) -> str:
         f"--chdir={REPO}",
         *sbatch_args,
         str(REPO / "recipes" / "slurm" / "train.sbatch"),
-        str(TINY_RECIPE),
+        str(recipe),
         *ARGS,
         *recipe_args,
     ]
-    result = subprocess.run(command, env=_env(output_dir), capture_output=True, text=True, timeout=30)
+    env = _env(unused_output_dir(output_dir) if own_output_dir else output_dir)
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=30)
     assert result.returncode == 0, result.stderr
     return result.stdout.strip().split(";")[0]
 
@@ -131,26 +146,39 @@ def finish_after_requeue(job_id: str, output_dir: Path) -> str:
     starts again after the credential lifetime: 120 s by default, 10 s in .ci/slurm-up's cluster.)
 
     Once requeued, the job gets 10 minutes: a 2-minute limit would signal every attempt again 40-70 s into
-    it, and on a slow machine (start-up of ~25 s an attempt) the run then needs one attempt per ~40 steps."""
+    it, and on a slow machine (start-up of ~25 s an attempt) the run then needs one attempt per ~40 steps.
+    A finished run is not requeued again: the job ends COMPLETED after exactly one restart."""
     wait_for(lambda: job(job_id).get("Restarts", "0") != "0", "the requeue", 120)
     lifted = subprocess.run(
         ["scontrol", "update", f"JobId={job_id}", "TimeLimit=10"], capture_output=True, text=True, timeout=15
     )
     if lifted.returncode != 0:  # only a job that has already ended may refuse it
         assert job(job_id).get("JobState") in ENDED, f"scontrol update TimeLimit=10: {lifted.stderr.strip()}"
-    state = wait_for(
-        lambda: job(job_id).get("JobState") in ENDED and job(job_id)["JobState"], "the requeued job to end", 300
-    )
+    info = wait_for(lambda: ended_or_requeued(job_id, more_than=1), "the requeued job to end", 300)
     log = (output_dir.parent / "job.log").read_text()
-    assert state == "COMPLETED", log[-4000:]
+    assert (info["JobState"], info["Restarts"]) == ("COMPLETED", "1"), log[-4000:]
     return log
+
+
+def ended_or_requeued(job_id: str, more_than: int = 0) -> dict | None:
+    """The job's fields once it has ended or been requeued more than ``more_than`` times, else None."""
+    info = job(job_id)
+    return info if info.get("JobState") in ENDED or int(info.get("Restarts", "0")) > more_than else None
+
+
+# Jobs that fail for good, at once (no signal): recipe, recipe flags.
+FAILING = {
+    "bad_flag": (TINY_RECIPE, ["--no-such-flag"]),
+    "missing_recipe": (REPO / "recipes" / "no_such_recipe.py", []),
+}
 
 
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory, slurm):
-    """All four jobs at once (they mostly sleep), each signalled once it trains (the time limit's signal too,
-    by cutting the limit then): the module takes as long as its slowest job, not the sum.
-    Name -> (job id, output folder)."""
+    """All jobs at once (they mostly sleep), each of the four to resume signalled once it trains (the time
+    limit's signal too, by cutting the limit then): the module takes as long as its slowest job, not the sum.
+    Two of them take their folder from the recipe's own --output-dir (both spellings). Name -> (job id, output
+    folder)."""
     cases = {
         "scancel": (["--time=10"], SLOW, lambda job_id: ["scancel", "--signal=TERM", job_id]),
         "time_limit": (
@@ -170,13 +198,24 @@ def jobs(tmp_path_factory, slurm):
         yield _submit_and_signal(cases, submitted, tmp_path_factory)
     finally:  # also when a job never started: nothing is left in the queue
         for job_id, _ in submitted.values():
-            subprocess.run(["scancel", job_id], capture_output=True, timeout=15)
+            wait_for(lambda: cancelled(job_id), f"job {job_id} to be cancelled", 60)
+
+
+def cancelled(job_id: str) -> bool:
+    """scancel, again until the job has ended: SLURM refuses it while the job is being requeued."""
+    subprocess.run(["scancel", job_id], capture_output=True, timeout=15)
+    return job(job_id).get("JobState", "CANCELLED") in ENDED  # none: already purged
 
 
 def _submit_and_signal(cases: dict, submitted: dict, tmp_path_factory) -> dict:
+    for name, (recipe, recipe_args) in FAILING.items():
+        out = tmp_path_factory.mktemp(f"slurm-{name}") / "run"
+        submitted[name] = (submit(out, recipe=recipe, recipe_args=recipe_args), out)
+    own_output_dir = {"requeue": "=X", "scancel": "X"}
     for name, (sbatch_args, recipe_args, _) in cases.items():
         out = tmp_path_factory.mktemp(f"slurm-{name}") / "run"
-        submitted[name] = (submit(out, *sbatch_args, recipe_args=recipe_args), out)
+        job_id = submit(out, *sbatch_args, recipe_args=recipe_args, own_output_dir=own_output_dir.get(name, ""))
+        submitted[name] = (job_id, out)
 
     def ready(name: str) -> bool:
         out = submitted[name][1]
@@ -204,6 +243,7 @@ def _assert_resumed_identically(jobs, name: str, reference: Path, saved: bool = 
         assert re.search(r"stopped at step \d+ \(SIGTERM\); checkpoint saved", log), log[-3000:]
     assert "resumed from" in log, log[-3000:]
     assert (out / "model.safetensors").read_bytes() == (reference / "model.safetensors").read_bytes()
+    assert not unused_output_dir(out).exists(), "the recipe's own --output-dir was not the only folder written"
 
 
 def test_the_time_limit_signal_checkpoints_requeues_and_resumes_identically(jobs, reference):
@@ -215,11 +255,13 @@ def test_the_time_limit_signal_checkpoints_requeues_and_resumes_identically(jobs
 
 
 def test_scancel_sigterm_checkpoints_requeues_and_resumes_identically(jobs, reference):
-    """`scancel --signal=TERM`: what preemption sends the job step."""
+    """`scancel --signal=TERM`: what preemption sends the job step. The folder is the recipe's own
+    `--output-dir X`, not $OUTPUT_DIR."""
     _assert_resumed_identically(jobs, "scancel", reference)
 
 
 def test_scontrol_requeue_of_a_running_job_resumes_identically(jobs, reference):
+    """The folder is the recipe's own `--output-dir=X`, not $OUTPUT_DIR: the finished run is not requeued."""
     _assert_resumed_identically(jobs, "requeue", reference)
 
 
@@ -228,3 +270,20 @@ def test_scancel_full_loses_at_most_the_steps_since_the_last_checkpoint(jobs, re
     once (SLURM's srun, not the toolkit): the run cannot save, but the batch script survives, requeues, and
     the job resumes from the last periodic checkpoint and ends identical."""
     _assert_resumed_identically(jobs, "scancel_full", reference, saved=False)
+
+
+def _assert_failed_once(jobs, name: str, exit_code: str, message: str) -> None:
+    job_id, out = jobs[name]
+    info = wait_for(lambda: ended_or_requeued(job_id), f"the {name} job to end", 180)
+    log = (out.parent / "job.log").read_text()
+    assert (info["JobState"], info["Restarts"], info["ExitCode"]) == ("FAILED", "0", exit_code), log[-3000:]
+    assert re.search(rf"^error: .*{re.escape(message)}", log, re.MULTILINE), log[-3000:]
+
+
+def test_a_bad_flag_fails_the_job_once(jobs):
+    """The run exits 2; `accelerate launch` reports its child's failure as 1, which the job ends with."""
+    _assert_failed_once(jobs, "bad_flag", "1:0", "--no-such-flag")
+
+
+def test_a_missing_recipe_fails_the_job_once_with_exit_2(jobs):
+    _assert_failed_once(jobs, "missing_recipe", "2:0", "no_such_recipe.py")
