@@ -1,22 +1,29 @@
 """acceltrain predict RUN_FOLDER FILE --output predictions.csv: a fine-tuned model's predictions for the rows of a
-file. A text classifier's run folder (recipes/text_classification.py) gives each row's label and class probabilities;
-a language model's (recipes/causal_lm.py) a generated response to each prompt (greedy, at most --max-new-tokens). Every
-weight, a LoRA adapter folder (loaded onto its base model) or the merged model; rows in csv, json, jsonl or parquet,
-tokenised as the run tokenised its own (its --max-length, its columns). Rows are sorted by length into batches padded
-per batch; the output keeps the input's order. Under `accelerate launch` the batches are split between the
-processes and gathered once: every row is predicted once, whatever the process count.
+file. A text classifier's run folder (recipes/text_classification.py) gives each row's text, its predicted_label and
+class probabilities, and, where FILE has the run's label column, the true label and the task's metrics on the
+labelled rows (printed and written to <output>.metrics.json); a language model's (recipes/causal_lm.py) a generated
+response to each prompt (greedy, at most --max-new-tokens). Every weight, a LoRA adapter folder (loaded onto its base
+model) or the merged model; rows in csv, json, jsonl or parquet, tokenised as the run tokenised its own (its
+--max-length, its columns). Rows are sorted by length into batches padded per batch; the output keeps the input's
+order. Under `accelerate launch` the batches are split between the processes and gathered once: every row is
+predicted once, whatever the process count. --output is never FILE or a file in RUN_FOLDER, and an existing file only
+with --overwrite.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import json
+import math
 import os
 import sys
+import tempfile
 from pathlib import Path
 
-from .options import ConfigError, Options, option, parse_json, read_small_file, require, shorten
+from .options import ConfigError, Options, file_kind, first_line, option, parse_json, read_small_file, require, shorten
 
-__all__ = ["PredictOptions", "main", "predict"]
+__all__ = ["Predictions", "PredictOptions", "main", "predict"]
 
 TASKS = {"AutoModelForSequenceClassification": "text-classification", "AutoModelForCausalLM": "text-generation"}
 ADAPTER_TASKS = {"SEQ_CLS": "text-classification", "CAUSAL_LM": "text-generation"}  # peft's task types
@@ -33,7 +40,11 @@ class PredictOptions(Options):
     file: str | None = option(None, "the rows to predict: a .csv, .json, .jsonl or .parquet file", positional=True)
     output: str | None = option(
         "predictions.csv",
-        "where the predictions go, a row per input row in the input's order: a .csv, .json, .jsonl or .parquet file",
+        "where the predictions go, a row per input row in the input's order: a .csv, .json, .jsonl or .parquet file "
+        "(a labelled file's metrics beside it, in <name>.metrics.json)",
+    )
+    overwrite: bool = option(
+        False, "replace an --output (or its .metrics.json) that exists; never FILE itself or a file in RUN_FOLDER"
     )
     text_column: str | None = option(
         None,
@@ -53,14 +64,55 @@ class PredictOptions(Options):
         require(self.batch_size >= 1, "batch_size", self.batch_size, "an integer >= 1")
         require(self.max_new_tokens >= 1, "max_new_tokens", self.max_new_tokens, "an integer >= 1")
         if self.output is not None:
-            output = Path(self.output).expanduser()
-            require(
-                output.suffix.lower() in TABLE_KINDS, "output", self.output, f"a file named {', '.join(TABLE_KINDS)}"
-            )
-            if not output.parent.is_dir():
-                raise ConfigError(
-                    f"--output {shorten(self.output)}: there is no folder {str(output.parent)!r} to write it in"
-                )
+            suffix = Path(self.output).suffix.lower()
+            require(suffix in TABLE_KINDS, "output", self.output, f"a file named {', '.join(TABLE_KINDS)}")
+
+
+def _metrics_path(output: str | Path) -> Path:
+    """Where the metrics of a labelled file go: beside the predictions, ``<name>.metrics.json``."""
+    return Path(output).expanduser().with_suffix(".metrics.json")
+
+
+def _check_output(path: Path, options: PredictOptions) -> None:
+    """``path`` (the predictions, or their metrics) is a file predict may replace: not a folder or a device, not
+    FILE or a file in RUN_FOLDER by any path (a link included: the input would be lost, the run folder no longer
+    load), not an existing file unless --overwrite, and in a folder this process can write."""
+    shown = f"--output {shorten(options.output, 200)}"
+    subject = shown if path == Path(options.output).expanduser() else f"{shown}: its metrics file {str(path)!r}"
+    if not path.parent.is_dir():
+        raise ConfigError(f"{shown}: there is no folder {str(path.parent)!r} to write it in")
+    exists = path.exists()
+    kind = file_kind(path.stat().st_mode) if exists else None
+    if kind:
+        raise ConfigError(f"{subject} is {kind}, not a file: give the name of a file to write")
+    file = Path(options.file).expanduser()
+    if exists and file.exists() and os.path.samefile(path, file):
+        raise ConfigError(
+            f"{subject} is FILE {options.file!r}, the rows to predict: predict never replaces its input; give another "
+            "--output"
+        )
+    if path.resolve().is_relative_to(Path(options.run_folder).expanduser().resolve()):
+        raise ConfigError(
+            f"{subject} is inside RUN_FOLDER {options.run_folder!r}: predict writes nothing there (its files load the "
+            "model and record the run); give another --output"
+        )
+    if exists and not options.overwrite:
+        raise ConfigError(f"{subject} exists: pass --overwrite to replace it")
+    try:
+        with tempfile.TemporaryFile(dir=path.parent):
+            pass
+    except OSError as err:
+        raise ConfigError(f"{subject} cannot be written: {first_line(err)}") from None
+
+
+class Predictions(list):
+    """What :func:`predict` returns: a dict per row of the file, in its order, as written to ``output``;
+    ``metrics``: for a classifier and a file with the run's label column, the task's metrics on its labelled rows
+    (as ``<output>.metrics.json`` holds them), else None."""
+
+    def __init__(self, rows: list[dict], metrics: dict | None = None):
+        super().__init__(rows)
+        self.metrics = metrics
 
 
 def predict(
@@ -68,19 +120,24 @@ def predict(
     file: str | Path,
     *,
     output: str | Path | None = None,
+    overwrite: bool = False,
     text_column: str | None = None,
     batch_size: int = 32,
     max_new_tokens: int = 64,
     progress: bool | None = False,
-) -> list[dict]:
+) -> Predictions:
     """The predictions of ``run_folder``'s model for the rows of ``file``, one dict per row in its order, on every
-    process (``{"label": ..., "probability_<label>": ...}`` for a classifier, ``{"response": ...}`` for a language
-    model), also written to ``output`` when given. Bad input is one :class:`~acceltrain.ConfigError`, before anything
-    is written. Under ``accelerate launch`` each process predicts its share of the batches."""
+    process: for a classifier the row's text (and text pair) column, its true label when ``file`` has the run's label
+    column, ``predicted_label`` and ``probability_<label>`` per class, with the task's metrics on the labelled rows
+    as ``.metrics`` (see :class:`Predictions`); for a language model ``{"response": ...}``. Also written to ``output``
+    when given (the metrics to ``<output stem>.metrics.json``); an existing file is replaced only with
+    ``overwrite``, never ``file`` or a file of ``run_folder``. Bad input is one :class:`~acceltrain.ConfigError`,
+    before anything is written. Under ``accelerate launch`` each process predicts its share of the batches."""
     options = PredictOptions(
         run_folder=str(run_folder),
         file=str(file),
         output=None if output is None else str(output),
+        overwrite=overwrite,
         text_column=text_column,
         batch_size=batch_size,
         max_new_tokens=max_new_tokens,
@@ -90,7 +147,7 @@ def predict(
     return _predict(options)
 
 
-def _predict(options: PredictOptions) -> list[dict]:
+def _predict(options: PredictOptions) -> Predictions:
     from accelerate.utils import gather_object
     from tqdm.auto import tqdm
 
@@ -102,11 +159,19 @@ def _predict(options: PredictOptions) -> list[dict]:
     state = process_state()
     folder = Path(options.run_folder).expanduser()
     task, settings = _run_folder(folder)
+    if options.output is not None:
+        _check_output(Path(options.output).expanduser(), options)
     rows = load_table(options.file, "FILE")
+    classes = _adapter_classes(folder) if task == "text-classification" else None
     tokenizer = pretrained_tokenizer(None, str(folder), flag="RUN_FOLDER")
     model = load_model(folder).to(state.device)
+    if classes is not None:  # what adapter_base_settings.json gives the base config
+        model.config.id2label = dict(enumerate(classes))
+        model.config.label2id = {name: index for index, name in enumerate(classes)}
     predictor = (_Classifier if task == "text-classification" else _Generator)(model, tokenizer, settings, options)
     examples = predictor.encode(rows, options.text_column, f"FILE {options.file!r}", folder)
+    if options.output is not None and predictor.scores:
+        _check_output(_metrics_path(options.output), options)
     order = sorted(range(len(examples)), key=lambda index: len(examples[index]["input_ids"]), reverse=True)  # stable
     batches = [order[start : start + options.batch_size] for start in range(0, len(order), options.batch_size)]
     results = []
@@ -124,9 +189,16 @@ def _predict(options: PredictOptions) -> list[dict]:
     predictions = [prediction for _, prediction in sorted(gathered, key=lambda pair: pair[0])]
     if len(predictions) != len(rows):  # every batch once: split_between_processes neither drops nor repeats one
         raise RuntimeError(f"{len(predictions)} predictions for {len(rows)} rows")
+    written, metrics = predictor.finish(predictions)
+    if metrics is not None:
+        where = {"file": options.file, "run_folder": options.run_folder}  # by their absolute paths: a record
+        metrics = {key: str(Path(path).expanduser().resolve()) for key, path in where.items()} | metrics
     if options.output is not None and state.is_main_process:
-        _write(predictions, Path(options.output).expanduser())
-    return predictions
+        _write(written, Path(options.output).expanduser())
+        if metrics is not None:
+            with _replacing(_metrics_path(options.output)) as partial:
+                partial.write_text(json.dumps(metrics, indent=2) + "\n")
+    return Predictions(written, metrics)
 
 
 def _run_folder(folder: Path) -> tuple[str, dict]:
@@ -175,6 +247,29 @@ def _run_folder(folder: Path) -> tuple[str, dict]:
     return task, settings
 
 
+def _adapter_classes(folder: Path) -> list[str] | None:
+    """The class names of a LoRA classifier folder without adapter_base_settings.json (written before that file
+    existed, or a copy that lost it), which loads onto its base config's LABEL_0, LABEL_1, ...: those its
+    classification_report.json records, in class order; one line when it has none. None for any other folder."""
+    from .run_folder import ADAPTER_CONFIG_FILE, ADAPTER_SETTINGS_FILE
+    from .text.classification_report import REPORT_FILE
+
+    if not (folder / ADAPTER_CONFIG_FILE).is_file() or (folder / ADAPTER_SETTINGS_FILE).is_file():
+        return None
+    try:
+        classes = parse_json(read_small_file(str(folder / REPORT_FILE), "the run's")).get("labels")
+    except (ValueError, AttributeError):  # ConfigError included: no such file
+        classes = None
+    if not (isinstance(classes, list) and len(classes) >= 2 and all(isinstance(name, str) for name in classes)):
+        raise ConfigError(
+            f"RUN_FOLDER {str(folder)!r} is a LoRA adapter folder that has no {ADAPTER_SETTINGS_FILE} and no "
+            f"readable {REPORT_FILE} to name its classes (its base config would call them LABEL_0, LABEL_1, ...): "
+            f"write its {ADAPTER_SETTINGS_FILE} with the id2label and label2id of its README.md's load line"
+        )
+    _log(f"{str(folder)!r} has no {ADAPTER_SETTINGS_FILE}: its classes are those of its {REPORT_FILE}: {classes}")
+    return classes
+
+
 class _Attributes:
     """A JSON config read as attributes, as :func:`acceltrain.auto_classes.auto_class` reads a Transformers config."""
 
@@ -195,14 +290,24 @@ def _checked_column(rows, column: str, flag: str, where: str, folder: Path, task
 
 
 class _Classifier:
-    """Rows -> each one's label and class probabilities, tokenised as the run tokenised its own (columns,
-    --max-length)."""
+    """Rows -> each one's predicted label and class probabilities, tokenised as the run tokenised its own (columns,
+    --max-length); with the row's text (and pair) and, where the file has the run's label column, its true label,
+    whose labelled rows give the task's metrics."""
 
     def __init__(self, model, tokenizer, settings: dict, options: PredictOptions):
         from .text import classification_batches
 
         self.tokenizer, self.settings, self.collate = tokenizer, settings, classification_batches(tokenizer)
         self.labels = [model.config.id2label[index] for index in range(model.config.num_labels)]
+        self.ids = {name: index for index, name in enumerate(self.labels)}
+        self.carried: dict[str, list] = {}  # the input's columns each output row keeps: text (pair), true label
+        self.truth: list[int | None] = []  # each row's true class; None: no label
+        self.label_column = settings.get("label_column", "label")
+
+    @property
+    def scores(self) -> bool:
+        """Whether the file has labelled rows: metrics to report."""
+        return any(truth is not None for truth in self.truth)
 
     def encode(self, rows, column: str | None, where: str, folder: Path) -> list[dict]:
         from .text import check_texts
@@ -212,6 +317,17 @@ class _Classifier:
         if pair is not None:
             _checked_column(rows, pair, "text_pair_column", where, folder, "text-classification")
         check_texts(rows, where, text_column=text, text_pair_column=pair)
+        carried = [name for name in dict.fromkeys((text, pair, self.label_column)) if name in rows.column_names]
+        written = {"predicted_label", *(f"probability_{label}" for label in self.labels)}
+        clash = next((name for name in carried if name in written), None)
+        if clash is not None:
+            raise ConfigError(
+                f"the column {clash!r} of {where}, which predict carries into its output, has the name of a column it "
+                "writes: rename it"
+            )
+        self.carried = {name: list(rows[name]) for name in carried}
+        if self.label_column in rows.column_names:
+            self.truth = [self._class(value, index, where) for index, value in enumerate(rows[self.label_column])]
         encoded = self.tokenizer(
             list(rows[text]),
             list(rows[pair]) if pair else None,
@@ -228,11 +344,51 @@ class _Classifier:
             probabilities = model(**batch).logits.float().softmax(dim=-1).cpu()
         return [
             {
-                "label": self.labels[int(row.argmax())],
+                "predicted_label": self.labels[int(row.argmax())],
                 **{f"probability_{label}": float(p) for label, p in zip(self.labels, row)},
             }
             for row in probabilities
         ]
+
+    def _class(self, value, index: int, where: str) -> int | None:
+        """A true label's class: a class name, or a class id as the run's integer labels (1, 1.0 or "1"); None for a
+        row without one (null, or a csv's empty cell: NaN in a column of numbers)."""
+        if value is None or isinstance(value, float) and math.isnan(value):
+            return None
+        found = self.ids.get(str(int(value) if isinstance(value, float) and value.is_integer() else value))
+        if found is None:
+            shown = ", ".join(shorten(label, 40) for label in self.labels[:10])
+            raise ConfigError(
+                f"the run's label column {self.label_column!r}: row {index} of {where} has label {shorten(value)}, "
+                f"which is not one of the run's classes ({shown}{' ...' if len(self.labels) > 10 else ''}): correct "
+                "it, or rename the column to predict without metrics"
+            )
+        return found
+
+    def finish(self, predictions: list[dict]) -> tuple[list[dict], dict | None]:
+        """(the output rows: the carried columns, then the predictions; the metrics of the labelled rows, as
+        classification_report.json's with the mean cross-entropy, or None without any)."""
+        from .text.classification import per_class
+
+        rows = [
+            {**{name: values[index] for name, values in self.carried.items()}, **prediction}
+            for index, prediction in enumerate(predictions)
+        ]
+        scored = [(truth, row) for truth, row in zip(self.truth, predictions) if truth is not None]
+        if not scored:
+            return rows, None
+        confusion = [[0] * len(self.labels) for _ in self.labels]
+        loss = 0.0
+        for truth, row in scored:
+            confusion[truth][self.ids[row["predicted_label"]]] += 1
+            loss -= math.log(max(row[f"probability_{self.labels[truth]}"], sys.float_info.min))
+        return rows, {
+            "label_column": self.label_column,
+            "rows": len(rows),
+            "labelled_rows": len(scored),
+            "loss": loss / len(scored),
+            **per_class(confusion, self.labels),
+        }
 
 
 class _Generator:
@@ -253,6 +409,7 @@ class _Generator:
         )
         limit = getattr(model.config, "max_position_embeddings", None)
         self.longest = None if limit is None else limit - options.max_new_tokens  # a prompt's tokens at most
+        self.scores = False  # no metrics: the file's responses are references, not labels
         if self.longest is not None and self.longest < 1:
             raise ConfigError(
                 f"--max-new-tokens {options.max_new_tokens} leaves no room for a prompt: the model reads {limit} tokens"
@@ -297,7 +454,19 @@ class _Generator:
             )
         if messages and messages[-1].get("role") == "assistant":
             messages = messages[:-1]
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        if not messages:  # the chat template would refuse an empty conversation
+            raise ConfigError(
+                f"row {index} of {where}: the conversation has no message to respond to (a final assistant message is "
+                "the reference answer, left out): give it a user message"
+            )
+        from jinja2 import TemplateError
+
+        try:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except TemplateError as err:  # the template's own raise_exception("Conversation roles must be ...")
+            raise ConfigError(
+                f"row {index} of {where}: the tokenizer's chat template refuses the conversation: {first_line(err)}"
+            ) from None
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def __call__(self, model, examples: list[dict]) -> list[dict]:
@@ -309,6 +478,9 @@ class _Generator:
         responses = self.tokenizer.batch_decode(generated[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
         return [{"response": response} for response in responses]
 
+    def finish(self, predictions: list[dict]) -> tuple[list[dict], None]:
+        return predictions, None
+
 
 def _log(message: str) -> None:
     from accelerate.logging import get_logger
@@ -317,19 +489,32 @@ def _log(message: str) -> None:
 
 
 def _write(predictions: list[dict], path: Path) -> None:
-    """The predictions as a table of the suffix's kind, written whole or not at all (a temporary file, renamed)."""
+    """The predictions as a table of the suffix's kind."""
     import datasets
 
     table = datasets.Dataset.from_list(predictions)
-    partial = path.with_name(f".{path.name}.partial")
     kind = path.suffix.lower()
-    if kind == ".csv":
-        table.to_csv(partial, index=False)
-    elif kind == ".parquet":
-        table.to_parquet(partial)
-    else:
-        table.to_json(partial, lines=kind == ".jsonl", force_ascii=False)
-    os.replace(partial, path)
+    with _replacing(path) as partial:
+        if kind == ".csv":
+            table.to_csv(partial, index=False)
+        elif kind == ".parquet":
+            table.to_parquet(partial)
+        else:
+            table.to_json(partial, lines=kind == ".jsonl", force_ascii=False)
+
+
+@contextlib.contextmanager
+def _replacing(path: Path):
+    """A temporary file beside ``path`` to write, renamed to ``path`` at the end: written whole or not at all, and
+    nothing left behind when writing fails (a full disk: one line)."""
+    partial = path.with_name(f".{path.name}.partial")
+    try:
+        yield partial
+        os.replace(partial, path)
+    except OSError as err:
+        raise ConfigError(f"--output {str(path)!r} could not be written: {first_line(err)}") from None
+    finally:
+        partial.unlink(missing_ok=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -352,4 +537,11 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     if os.environ.get("RANK", "0") == "0":
         print(f"wrote {len(predictions)} predictions to {options.output}")
+        metrics = predictions.metrics
+        if metrics is not None:
+            rows = "" if metrics["labelled_rows"] == metrics["rows"] else f" of {metrics['rows']:,}"
+            print(
+                f"accuracy {metrics['accuracy']:.4f}, macro-F1 {metrics['macro_f1']:.4f}, loss {metrics['loss']:.4f} "
+                f"({metrics['labelled_rows']:,} labelled rows{rows}): {_metrics_path(options.output)}"
+            )
     return 0
