@@ -240,6 +240,31 @@ def _int_ids(settings: dict) -> dict:
     return settings
 
 
+def _settings_from_report(folder) -> dict:
+    """A classifier adapter folder without adapter_base_settings.json (written before that file existed, or a copy
+    that lost it) would load onto its base config's LABEL_0, LABEL_1, ...: its classes are those its
+    classification_report.json records, in class order; one line when it has none."""
+    from .options import parse_json, read_small_file
+    from .run_folder import REPORT_FILE
+
+    try:
+        classes = parse_json(read_small_file(str(folder / REPORT_FILE), "the run's")).get("labels")
+    except (ValueError, AttributeError):  # ConfigError included: no such file
+        classes = None
+    if not (isinstance(classes, list) and len(classes) >= 2 and all(isinstance(name, str) for name in classes)):
+        raise ConfigError(
+            f"{str(folder)!r} is a LoRA classifier folder that has no {ADAPTER_SETTINGS_FILE} and no readable "
+            f"{REPORT_FILE} to name its classes (its base config would call them LABEL_0, LABEL_1, ...): write its "
+            f"{ADAPTER_SETTINGS_FILE} with the id2label and label2id of its README.md's load line"
+        )
+    _log(f"{str(folder)!r} has no {ADAPTER_SETTINGS_FILE}: its classes are those of its {REPORT_FILE}: {classes}")
+    return {
+        "num_labels": len(classes),
+        "id2label": dict(enumerate(classes)),
+        "label2id": {name: index for index, name in enumerate(classes)},
+    }
+
+
 def write_adapter_settings(model, folder) -> None:
     """The settings training gave the base model's config (a new head's labels), beside the adapter: peft rebuilds
     the base from its own folder's config, so they must be given to ``from_pretrained``; :func:`load_adapter` reads
@@ -262,11 +287,13 @@ def load_adapter(folder):
     settings_file = folder / ADAPTER_SETTINGS_FILE
     try:
         task = parse_json((folder / "adapter_config.json").read_text()).get("task_type")
-        settings = parse_json(settings_file.read_text()) if settings_file.is_file() else {}
+        settings = parse_json(settings_file.read_text()) if settings_file.is_file() else None
     except (OSError, ValueError, AttributeError) as err:
         raise ConfigError(
             f"{str(folder)!r}: its adapter_config.json or {ADAPTER_SETTINGS_FILE} is unreadable ({first_line(err)})"
         ) from None
+    if settings is None:
+        settings = _settings_from_report(folder) if task == "SEQ_CLS" else {}
     loaders = {peft_task: loader for peft_task, loader in PEFT_TASKS.values()}
     if task not in loaders or not isinstance(settings, dict):
         raise ConfigError(

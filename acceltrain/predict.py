@@ -162,12 +162,8 @@ def _predict(options: PredictOptions) -> Predictions:
     if options.output is not None:
         _check_output(Path(options.output).expanduser(), options)
     rows = load_table(options.file, "FILE")
-    classes = _adapter_classes(folder) if task == "text-classification" else None
     tokenizer = pretrained_tokenizer(None, str(folder), flag="RUN_FOLDER")
     model = load_model(folder).to(state.device)
-    if classes is not None:  # what adapter_base_settings.json gives the base config
-        model.config.id2label = dict(enumerate(classes))
-        model.config.label2id = {name: index for index, name in enumerate(classes)}
     predictor = (_Classifier if task == "text-classification" else _Generator)(model, tokenizer, settings, options)
     examples = predictor.encode(rows, options.text_column, f"FILE {options.file!r}", folder)
     if options.output is not None and predictor.scores:
@@ -245,29 +241,6 @@ def _run_folder(folder: Path) -> tuple[str, dict]:
     if task is None:
         raise ConfigError(f"{shown} holds {kind}: predict reads the run folders of {RECIPES}")
     return task, settings
-
-
-def _adapter_classes(folder: Path) -> list[str] | None:
-    """The class names of a LoRA classifier folder without adapter_base_settings.json (written before that file
-    existed, or a copy that lost it), which loads onto its base config's LABEL_0, LABEL_1, ...: those its
-    classification_report.json records, in class order; one line when it has none. None for any other folder."""
-    from .run_folder import ADAPTER_CONFIG_FILE, ADAPTER_SETTINGS_FILE
-    from .text.classification_report import REPORT_FILE
-
-    if not (folder / ADAPTER_CONFIG_FILE).is_file() or (folder / ADAPTER_SETTINGS_FILE).is_file():
-        return None
-    try:
-        classes = parse_json(read_small_file(str(folder / REPORT_FILE), "the run's")).get("labels")
-    except (ValueError, AttributeError):  # ConfigError included: no such file
-        classes = None
-    if not (isinstance(classes, list) and len(classes) >= 2 and all(isinstance(name, str) for name in classes)):
-        raise ConfigError(
-            f"RUN_FOLDER {str(folder)!r} is a LoRA adapter folder that has no {ADAPTER_SETTINGS_FILE} and no "
-            f"readable {REPORT_FILE} to name its classes (its base config would call them LABEL_0, LABEL_1, ...): "
-            f"write its {ADAPTER_SETTINGS_FILE} with the id2label and label2id of its README.md's load line"
-        )
-    _log(f"{str(folder)!r} has no {ADAPTER_SETTINGS_FILE}: its classes are those of its {REPORT_FILE}: {classes}")
-    return classes
 
 
 class _Attributes:

@@ -37,6 +37,7 @@ CARD_FILE = "README.md"
 TRAIN_CONFIG_FILE = "train_config.yaml"
 CURVES_FILE = "curves.png"
 MEMORY_FILE = "memory.json"  # --memory-report's rows
+REPORT_FILE = "classification_report.json"  # a classifier's per-class figures and its class names
 CHECKPOINTS_DIR = "checkpoints"
 LOCK_FILE = ".lock"
 # In a folder that no acceltrain run has used (no .lock) these would replace the user's own (--output-dir . in a

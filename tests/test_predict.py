@@ -233,6 +233,9 @@ def test_an_adapter_folder_without_its_base_settings_predicts_the_runs_classes(r
     assert list(predictions[0]) == ["text", "label", "predicted_label", "probability_neg", "probability_pos"]
     assert predictions.metrics["accuracy"] == read_summary(runs.adapter2)["eval_accuracy"] > 0.6
     assert predictions == predict(runs.adapter2, data.eval2)
+    from acceltrain import load_model
+
+    assert load_model(folder).config.id2label == {0: "neg", 1: "pos"}, "every caller of load_model gets the names"
     (folder / "classification_report.json").unlink()
     with pytest.raises(ConfigError, match="has no adapter_base_settings.json and no readable classification_report"):
         predict(folder, data.eval2)

@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 
 from ..hooks.base import Hook
+from ..run_folder import REPORT_FILE
 from .classification import TextClassificationTask, per_class
 
-REPORT_FILE = "classification_report.json"
 CONFUSION_FILE = "confusion_matrix.png"
 
 
