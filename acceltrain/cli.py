@@ -97,10 +97,9 @@ def _close_process_group() -> None:
         "torch.distributed" not in sys.modules
     ):  # a config error before any training: exit without importing torch (~3 s)
         return
-    import torch.distributed as dist
+    from .distributed import close_process_group
 
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+    close_process_group()
 
 
 def environment_report(accelerate_config_file: str | None = None) -> dict:
@@ -264,7 +263,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "predict":
         from .predict import main as predict_main
 
-        return predict_main(rest)
+        try:
+            return predict_main(rest)
+        finally:  # its processes joined one group under accelerate launch: none is left alive at the exit
+            _close_process_group()
     if args.command == "merge":
         from .merge import main as merge_main
 

@@ -9,6 +9,7 @@ Accelerate joined.
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import sys
@@ -78,6 +79,47 @@ def process_state(cpu: bool = False):
             if one_cpu_process and requested_engine() == DistributedType.DEEPSPEED:
                 skip_deepspeed_shm_op()
     return PartialState(cpu=use_cpu(cpu))
+
+
+def close_process_group() -> None:
+    """Destroy the process group (every group of this process), then let go of them
+    (:func:`forget_destroyed_groups`)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    forget_destroyed_groups()
+
+
+def forget_destroyed_groups() -> None:
+    """Once every process group is destroyed, drop the references to them that torch's ``DeviceMesh`` (its
+    ``_pg_registry``) and FSDP2's mesh infos (``shard_process_group``, ...) keep, wherever they are: the user's
+    model, which outlives the run, holds both, and DTensor's caches hold meshes. ``destroy_process_group`` only
+    forgets the groups by name; a group still referred to keeps its gloo threads (2 per group, 1 for its TCP
+    device) to the interpreter's exit, and a process that exits so while another still runs can abort
+    ("terminate called without an active exception", SIGABRT) after a successful run. Torch alone shows it:
+    ``fully_shard``, one step, ``destroy_process_group``, rank 0 leaving 0.5 s after rank 1: rank 1 aborted in 2 of
+    32 launches here, in none of 32 with this. Nothing can use a destroyed group: a collective on such a model fails
+    either way."""
+    if not dist.is_available() or dist.is_initialized():
+        return
+    holders = tuple(
+        cls
+        for module, name in (
+            ("torch.distributed.device_mesh", "DeviceMesh"),
+            ("torch.distributed.fsdp._fully_shard._fsdp_common", "DataParallelMeshInfo"),
+        )
+        if isinstance(cls := getattr(sys.modules.get(module), name, None), type)
+    )
+    if not holders:  # neither imported: nothing of the kind exists
+        return
+    for holder in gc.get_objects():
+        if not issubclass(type(holder), holders):
+            continue
+        for name, value in list(vars(holder).items()):
+            if isinstance(value, dist.ProcessGroup):
+                setattr(holder, name, None)
+            elif isinstance(value, dict):
+                for key in [key for key, item in value.items() if isinstance(item, dist.ProcessGroup)]:
+                    del value[key]
 
 
 ASYNC_UNDER_DEEPSPEED = (

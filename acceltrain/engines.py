@@ -24,16 +24,17 @@ from accelerate.utils import DistributedType
 from torch import nn
 
 from .accelerate_compat import building_fsdp_on_cpu
-from .distributed import process_state, requested_engine, use_cpu
+from .distributed import forget_destroyed_groups, process_state, requested_engine, use_cpu
 from .options import ConfigError
 
 logger = get_logger(__name__)
 
 
 def build_accelerator(on_cpu: bool, **kwargs):
-    """``Accelerator(cpu=on_cpu, **kwargs)``; in FSDP2 mode when the launch asks for FSDP on CPU processes."""
-    from accelerate import Accelerator
-
+    """``Accelerator(cpu=on_cpu, **kwargs)``; in FSDP2 mode when the launch asks for FSDP on CPU processes. Its
+    ``end_training`` (trackers, then the process group) also lets go of the destroyed groups
+    (:func:`~acceltrain.distributed.forget_destroyed_groups`: FSDP2's mesh infos and DeviceMesh kept them)."""
+    Accelerator = _accelerator_class()
     state = process_state()
     if not (requested_engine() == DistributedType.FSDP and state.distributed_type == DistributedType.MULTI_CPU):
         return Accelerator(cpu=on_cpu, **kwargs)
@@ -65,6 +66,22 @@ def build_accelerator(on_cpu: bool, **kwargs):
             "sharded checkpoint can continue on one process; to save memory, launch more processes"
         )
     return accelerator
+
+
+def _accelerator_class():
+    """Accelerate's ``Accelerator``, its ``end_training`` followed by :func:`forget_destroyed_groups`."""
+    from accelerate import Accelerator
+
+    class TrainingAccelerator(Accelerator):
+        def end_training(self):
+            import torch.distributed as dist
+
+            had_group = dist.is_available() and dist.is_initialized()
+            super().end_training()
+            if had_group:  # one process has none: nothing to let go of (and the search costs ~0.1 s)
+                forget_destroyed_groups()
+
+    return TrainingAccelerator
 
 
 def choose_wrap_policy(accelerator, model: nn.Module) -> str | None:

@@ -65,3 +65,52 @@ def test_gloo_threads_reads_this_process(monkeypatch):
         assert tiny_recipe.gloo_threads() is None
     else:
         assert tiny_recipe.gloo_threads() == []
+
+
+def test_a_destroyed_group_ends_its_threads_though_the_fsdp_model_lives_on(tmp_path):
+    """Issue 43 item 6: FSDP2's mesh infos and DeviceMesh (the model holds both) kept the destroyed group and its 3
+    gloo threads; a rank that exited so while its peer still ran could abort, and the launch exited 1. Here on one
+    process, in this one: the group's threads end at the close, while the sharded model is still referenced."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.nn  # noqa: F401 - imported before the group, as process_state does (a default argument)
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    from acceltrain.distributed import close_process_group
+
+    assert not dist.is_initialized() and tiny_recipe.gloo_threads() == []
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+        fully_shard(model[0])
+        fully_shard(model)
+        model(torch.randn(3, 4)).sum().backward()
+        assert tiny_recipe.gloo_threads(), "the group's threads, which the probe must see"
+    finally:
+        close_process_group()
+    assert tiny_recipe.gloo_threads() == []
+    assert isinstance(model[0].weight, DTensor), "the model itself is left as it was"
+
+
+def test_acceltrain_predict_leaves_no_process_group_behind(tmp_path, monkeypatch):
+    """Under accelerate launch the processes of ``acceltrain predict`` join one group to split the rows; it was never
+    destroyed, so each process exited with its gloo threads alive, as a DDP run did before it closed its group (the
+    exit-time abort). Here the command's work is replaced by joining a group of one process."""
+    import torch.distributed as dist
+
+    import acceltrain.predict
+    from acceltrain.cli import main
+
+    def predicting(argv):
+        dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+        return 0
+
+    monkeypatch.setattr(acceltrain.predict, "main", predicting)
+    try:
+        assert main(["predict"]) == 0
+        assert not dist.is_initialized()
+        assert tiny_recipe.gloo_threads() == []
+    finally:  # this pytest process goes on with other tests
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -94,6 +94,17 @@ def test_fsdp_on_cpu_processes_shards_for_real_and_trains_as_ddp_and_one_process
     assert_close(runs["fsdp"], runs["single"])
 
 
+def test_no_process_group_outlives_an_fsdp_or_ddp_run(runs):
+    """Issue 43 item 6: after an FSDP2 run each rank still had the destroyed group's 3 gloo threads (FSDP2's mesh
+    info and DeviceMesh, which the model holds, kept the group), and a rank that exited so while its peer still ran
+    sometimes aborted ("terminate called without an active exception"): the launcher exited 1 after the run had
+    finished. Each rank records its gloo threads once fit() has returned, with its model still referenced."""
+    for name in ("fsdp", "ddp"):
+        for rank in (0, 1):
+            recorded = json.loads((runs[name] / f"rank{rank}.json").read_text())
+            assert recorded["gloo_threads_after_fit"] == [], (name, rank)
+
+
 def continue_from(checkpoint: Path, out: Path) -> None:
     """``out`` holds only a copy of ``checkpoint``, as a folder preempted at that step would."""
     shutil.copytree(checkpoint, out / "checkpoints" / checkpoint.name)
