@@ -49,8 +49,6 @@ _HOME = {  # public name -> the submodule that defines it
     "evaluate": "run",
     "RunFolder": "run_folder",
     "claim_run_folder": "run_folder",
-    "RunSetup": "run_folder",
-    "setup_run": "run_folder",
     "ClassificationTask": "tasks",
     "Task": "tasks",
     "run_recipe": "cli",

@@ -61,35 +61,15 @@ def run_recipe(
 
 
 def _fail(message: str, code: int) -> typing.NoReturn:
-    from .preemption import EXIT_INTERRUPTED
+    from .preemption import EXIT_INTERRUPTED, give_the_main_process_time_to_print
     from .run_folder import unlock_output_dir
 
     report_error(message)
     unlock_output_dir()
     _close_process_group()
     if code != EXIT_INTERRUPTED:  # a second Ctrl-C stops at once
-        _give_the_main_process_time_to_print()
+        give_the_main_process_time_to_print()
     raise SystemExit(code) from None
-
-
-MAIN_PROCESS_GRACE_SECONDS = 5.0
-
-
-def _give_the_main_process_time_to_print() -> None:
-    """A launcher stops every process as soon as one exits. Only the main process prints the line, and it can be a
-    moment behind the others (the same bad flag fails everywhere), so the others wait for it before exiting: the
-    launcher's SIGTERM ends the wait once the main process has printed and left (the default action again: the
-    loop's preemption handler, still installed after a divergence, would only note it)."""
-    if os.environ.get("RANK", "0") != "0":
-        import signal
-        import time
-
-        with contextlib.suppress(ValueError):  # not the main thread: signals are not ours to set
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        try:
-            time.sleep(MAIN_PROCESS_GRACE_SECONDS)
-        except KeyboardInterrupt:  # Ctrl-C in the wait: leave with the one line already given
-            pass
 
 
 def _close_process_group() -> None:
@@ -106,7 +86,6 @@ def environment_report(accelerate_config_file: str | None = None) -> dict:
     """What ``accelerate env`` reports (from its own function, so the two never disagree) and the toolkit's
     view: versions of the libraries it builds on, the training device, whether MFU can be computed
     there, and whether bf16 is worth turning on (measured, not looked up)."""
-    import contextlib
     import io
     from importlib.metadata import PackageNotFoundError, version
 

@@ -16,22 +16,7 @@ from collections.abc import Iterator
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from .lazy_exports import moved
 from .preemption import ignore_stop_signals
-
-# moved to acceltrain.vision in 0.1.0 (commit 128a42a) with no re-export; importable here until REMOVED_IN
-__getattr__ = moved(
-    __name__,
-    {
-        **dict.fromkeys(
-            ["CropFlip", "IMAGE_DATASETS", "ImageClassification", "image_datasets", "synthetic_images"],
-            "acceltrain.vision",
-        ),
-        **dict.fromkeys(["IMAGE_SUFFIXES", "cifar10_arrays", "scan_image_folder"], "acceltrain.vision.data"),
-        "decode_image_file": "acceltrain.vision.images",
-        **dict.fromkeys(["hash32", "hash32_int"], "acceltrain.vision.augment"),
-    },
-)
 
 
 def mix_seed(*parts: int) -> int:

@@ -230,9 +230,8 @@ def _check_one_process() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .cli import _give_the_main_process_time_to_print
     from .config_parser import OneLineParser
-    from .preemption import EXIT_BAD_INPUT, report_error
+    from .preemption import EXIT_BAD_INPUT, give_the_main_process_time_to_print, report_error
     from .run_folder import CONFIG_FILE
 
     parser = OneLineParser(prog="acceltrain merge", description=__doc__, allow_abbrev=False)
@@ -244,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
         weights = merge(Path(args.checkpoint), Path(args.out))
     except ConfigError as err:
         report_error(str(err))  # once, from the main process, when a launcher started several
-        _give_the_main_process_time_to_print()
+        give_the_main_process_time_to_print()
         return EXIT_BAD_INPUT
     alone = (
         ""

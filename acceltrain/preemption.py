@@ -4,6 +4,7 @@ launcher can act on (75: relaunch with ``--resume auto``), and a diverged run's 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -87,6 +88,26 @@ def report_error(message: str) -> None:
     if os.environ.get("RANK", "0") == "0":
         print(f"error: {message}", file=sys.stderr, flush=True)
     write_error_file(f"error: {message}")
+
+
+MAIN_PROCESS_GRACE_SECONDS = 5.0
+
+
+def give_the_main_process_time_to_print() -> None:
+    """A launcher stops every process as soon as one exits. Only the main process prints the line, and it can be a
+    moment behind the others (the same bad flag fails everywhere), so the others wait for it before exiting: the
+    launcher's SIGTERM ends the wait once the main process has printed and left (the default action again: the
+    loop's preemption handler, still installed after a divergence, would only note it)."""
+    if os.environ.get("RANK", "0") != "0":
+        import signal
+        import time
+
+        with contextlib.suppress(ValueError):  # not the main thread: signals are not ours to set
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        try:
+            time.sleep(MAIN_PROCESS_GRACE_SECONDS)
+        except KeyboardInterrupt:  # Ctrl-C in the wait: leave with the one line already given
+            pass
 
 
 def write_error_file(message: str) -> None:

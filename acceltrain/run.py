@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import operator
 import time
-import warnings
 from pathlib import Path
 
 import torch
@@ -16,8 +15,6 @@ import torch
 from .logs import show_progress
 from .preemption import EXIT_PREEMPTED
 from .progress import Stop
-
-WEIGHTS_TO_EXPORT_DEPRECATED = "run.weights_to_export is deprecated: call run.request_export(weights)"
 
 
 def _view(path: str, doc: str) -> property:
@@ -176,17 +173,6 @@ class Run:
         first step: those of the earlier launches)."""
         return self._progress.elapsed()
 
-    @property
-    def weights_to_export(self) -> dict | None:
-        """Deprecated (acceltrain 0.2): call :meth:`request_export`."""
-        warnings.warn(WEIGHTS_TO_EXPORT_DEPRECATED, DeprecationWarning, stacklevel=2)
-        return self._progress.export
-
-    @weights_to_export.setter
-    def weights_to_export(self, weights: dict) -> None:
-        warnings.warn(WEIGHTS_TO_EXPORT_DEPRECATED, DeprecationWarning, stacklevel=2)
-        self._progress.export = weights
-
 
 # Run's public attributes, all read-only (tested against a real run): the list the docs give.
 RUN_PUBLIC = (
@@ -238,7 +224,6 @@ RUN_PUBLIC = (
     "paused",
     "take_train_loss",
 )
-RUN_DEPRECATED = ("weights_to_export",)  # kept for one release, with a DeprecationWarning
 
 
 def evaluate(accelerator, model, batches, task, *, progress: bool | None = False) -> tuple[dict[str, float], int]:

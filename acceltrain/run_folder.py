@@ -276,18 +276,3 @@ def finished_steps(output_dir: Path) -> int | None:
 
 def write_summary(output_dir: Path, summary: dict) -> None:
     (output_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2, default=str) + "\n")
-
-
-def setup_run(cfg: TrainConfig, name: str, task=None) -> RunFolder:
-    """Deprecated (0.4): :func:`claim_run_folder`."""
-    import warnings
-
-    warnings.warn(
-        "acceltrain.setup_run is deprecated: call acceltrain.claim_run_folder (it returns a RunFolder)",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    return claim_run_folder(cfg, name, task)
-
-
-RunSetup = RunFolder  # its name before 0.4

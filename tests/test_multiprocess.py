@@ -206,7 +206,8 @@ def test_a_failing_process_other_than_the_main_one_waits_only_until_the_launcher
     (which only sets a flag) is still installed, as after a divergence inside fit; a second Ctrl-C does not wait."""
     probe = (
         "import os, sys, time; os.environ['RANK'] = '1'\n"
-        "import acceltrain.cli; acceltrain.cli.MAIN_PROCESS_GRACE_SECONDS = 3600\n"  # only the SIGTERM can end the wait
+        # only the SIGTERM can end the wait
+        "import acceltrain.preemption; acceltrain.preemption.MAIN_PROCESS_GRACE_SECONDS = 3600\n"
         "sleep = time.sleep; time.sleep = lambda s: (print('waiting', flush=True), sleep(s))\n"
         "from acceltrain.preemption import PreemptionSignals; PreemptionSignals().install()\n"
         f"from acceltrain.cli import _fail; print('failing', flush=True); _fail('boom', {code})"

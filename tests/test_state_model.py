@@ -11,16 +11,14 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 from conftest import read_events, read_summary, run_tiny_in_process
-from safetensors.torch import load_file
 
 import acceltrain.loop
 from acceltrain import Hook, Run
 from acceltrain.checkpoint.files import complete_checkpoints
 from acceltrain.checkpoint.state import RunState
 from acceltrain.hooks import TrainingLog
-from acceltrain.run import RUN_DEPRECATED, RUN_PUBLIC
+from acceltrain.run import RUN_PUBLIC
 
 # 40 samples, batch 4, accumulate 3: 4 optimizer steps an epoch, 12 in all.
 RUN = [
@@ -60,7 +58,7 @@ def test_the_public_attributes_of_a_run_are_the_documented_list_and_read_only(tm
     assert run_tiny(tmp_path / "run", "--max-steps", "2", hooks=[keep]) == 0
     run = keep.run
     assert len(set(RUN_PUBLIC)) == len(RUN_PUBLIC)
-    assert {name for name in dir(run) if not name.startswith("_")} == {*RUN_PUBLIC, *RUN_DEPRECATED}
+    assert {name for name in dir(run) if not name.startswith("_")} == set(RUN_PUBLIC)
     assert all(name.startswith("_") for name in vars(run)), "nothing public is set on the instance"
     for name in RUN_PUBLIC:
         member = inspect.getattr_static(Run, name)
@@ -69,20 +67,6 @@ def test_the_public_attributes_of_a_run_are_the_documented_list_and_read_only(tm
                 setattr(run, name, None)
         else:
             assert inspect.isfunction(member), name
-
-
-class SetsWeightsToExport(Hook):
-    """A hook written before request_export: it sets run.weights_to_export."""
-
-    def on_train_end(self, run):
-        model = run.accelerator.unwrap_model(run.model)
-        run.weights_to_export = {k: torch.zeros_like(v) for k, v in model.state_dict().items()}
-
-
-def test_weights_to_export_still_works_for_a_release_with_a_deprecation_warning(tmp_path):
-    with pytest.warns(DeprecationWarning, match="call run.request_export"):
-        assert run_tiny(tmp_path / "run", "--max-steps", "2", hooks=[SetsWeightsToExport()]) == 0
-    assert all(not tensor.any() for tensor in load_file(str(tmp_path / "run" / "model.safetensors")).values())
 
 
 def test_a_checkpoint_holds_the_run_state_and_the_built_in_hooks_own_states(tmp_path):

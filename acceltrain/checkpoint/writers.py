@@ -217,7 +217,6 @@ class AsyncWriter:
         return None
 
 
-AsyncCheckpointer = AsyncWriter  # its name before 0.4
 
 
 class _CopyInto(BlockingAsyncStager):
