@@ -28,13 +28,6 @@ from pathlib import Path
 from .options import ConfigError, first_line
 from .preemption import EXIT_BAD_INPUT
 
-_IN_WORKER = False  # set in a Ray Train worker: builtin_hooks adds RayReport
-
-
-def in_ray_worker() -> bool:
-    return _IN_WORKER
-
-
 def _recipe_argv(argv: list[str]) -> list[str]:
     """The recipe's flags as every worker runs them: with ``--resume auto`` unless ``--resume`` is given, so that a
     restarted worker group continues from the newest checkpoint."""
@@ -50,8 +43,9 @@ def _worker(config: dict) -> None:
     failed after another's bad input, restarted) returns at once. Any other exit is a failure Ray restarts."""
     from ray.experimental.internal_kv import _internal_kv_get, _internal_kv_put
 
-    global _IN_WORKER
-    _IN_WORKER = True
+    from .hooks.ray_report import RayReport
+
+    RayReport.in_worker = True  # builtin_hooks adds it
     if _internal_kv_get(config["bad_input_key"]):
         return
     os.chdir(config["cwd"])

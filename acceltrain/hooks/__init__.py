@@ -45,7 +45,6 @@ def builtin_hooks(cfg, *, evaluates: bool, trackers: list[str], run_config: dict
     every logged row. Each is built by its own ``from_config`` from its option group (:mod:`acceltrain.options`).
     ``CheckpointSchedule`` and ``Trackers`` are always there, so that their state (the best checkpoint, the
     W&B run id) goes on through a launch that does not use it."""
-    from ..ray_train import in_ray_worker
     from .ray_report import RayReport
 
     evaluation = Evaluation.from_config(cfg, evaluates=evaluates)  # asked by the time budget and the console
@@ -64,6 +63,6 @@ def builtin_hooks(cfg, *, evaluates: bool, trackers: list[str], run_config: dict
         Trackers(trackers, run_config),
         Console.from_config(cfg, evaluation),
         HubReady.from_config(cfg),  # last: the model card and the upload see every summary entry
-        RayReport() if in_ray_worker() else None,
+        RayReport() if RayReport.in_worker else None,
     ]
     return [hook for hook in hooks if hook is not None]

@@ -11,6 +11,8 @@ class RayReport(Hook):
     """Each published checkpoint and the final summary go to ``ray.train.report`` (every process reports,
     as Ray Train V2 requires; the main process attaches the checkpoint folder)."""
 
+    in_worker = False  # set by ``acceltrain ray``'s worker: the built-in hooks then include this one
+
     def on_save(self, run, folder: Path) -> None:
         import ray.train
 
