@@ -28,6 +28,7 @@ from pathlib import Path
 from .options import ConfigError, first_line
 from .preemption import EXIT_BAD_INPUT
 
+
 def _recipe_argv(argv: list[str]) -> list[str]:
     """The recipe's flags as every worker runs them: with ``--resume auto`` unless ``--resume`` is given, so that a
     restarted worker group continues from the newest checkpoint."""

@@ -217,8 +217,6 @@ class AsyncWriter:
         return None
 
 
-
-
 class _CopyInto(BlockingAsyncStager):
     """DCP's blocking stager, its CPU copy kept and copied into by the next save (torch's own cache pins that memory,
     which needs a GPU)."""
