@@ -6,8 +6,8 @@ the config parser answer without importing torch and Accelerate (seconds on a sm
 
 from importlib.metadata import PackageNotFoundError, version
 
-from .lazy_exports import lazy_exports
-from .logs import install_console_handler
+from acceltrain.lazy_exports import lazy_exports
+from acceltrain.runtime.logs import install_console_handler
 
 
 def _checkout_version() -> str:
@@ -24,34 +24,34 @@ try:
     __version__ = version("acceltrain")  # the one version, pyproject.toml's
 except PackageNotFoundError:
     __version__ = _checkout_version()
-install_console_handler()  # the toolkit's lines show at info by default, as transformers' do (see acceltrain.logs)
+install_console_handler()  # the toolkit's lines at info by default, as transformers' do (acceltrain.runtime.logs)
 
 _HOME = {  # public name -> the submodule that defines it
-    "ConfigError": "config",
-    "TrainConfig": "config",
-    "option": "config",
-    "parse_config": "config",
-    "require": "config",
-    "Options": "options",
-    "on_main_process_first": "distributed",
+    "ConfigError": "config.options",
+    "TrainConfig": "config.train_config",
+    "option": "config.options",
+    "parse_config": "config.parser",
+    "require": "config.options",
+    "Options": "config.options",
+    "on_main_process_first": "runtime.distributed",
     "EMA": "hooks",
     "Hook": "hooks",
     "Lookahead": "hooks",
-    "fit": "loop",
-    "load_model": "hub",
-    "LoraOptions": "lora",
-    "apply_lora": "lora",
-    "show_progress": "logs",
-    "build_optimizer": "optim",
-    "predict": "predict",
-    "Run": "run",
-    "Stop": "run",
-    "evaluate": "run",
-    "RunFolder": "run_folder",
-    "claim_run_folder": "run_folder",
-    "ClassificationTask": "tasks",
-    "Task": "tasks",
-    "run_recipe": "cli",
+    "fit": "train.loop",
+    "load_model": "hf.hub",
+    "LoraOptions": "hf.lora",
+    "apply_lora": "hf.lora",
+    "show_progress": "runtime.logs",
+    "build_optimizer": "train.optim",
+    "predict": "commands.predict",
+    "Run": "train.run",
+    "Stop": "train.run",
+    "evaluate": "train.run",
+    "RunFolder": "runtime.run_folder",
+    "claim_run_folder": "runtime.run_folder",
+    "ClassificationTask": "train.tasks",
+    "Task": "train.tasks",
+    "run_recipe": "commands.cli",
 }
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__, _HOME)

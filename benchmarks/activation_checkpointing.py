@@ -1,4 +1,4 @@
-"""What does ``--activation-checkpointing`` (``acceltrain.speed.enable_activation_checkpointing``) save
+"""What does ``--activation-checkpointing`` (``acceltrain.train.speed.enable_activation_checkpointing``) save
 and cost on ResNet-50 with the CIFAR stem, batch 32, 32x32 inputs?
 
   (a) activation bytes kept for backward after one training forward: every tensor autograd saves
@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from common import median, start, verdict, write_result
 from torchvision.models.resnet import BasicBlock, Bottleneck
 
-from acceltrain.metrics import synchronize
-from acceltrain.speed import enable_activation_checkpointing
+from acceltrain.runtime.metrics import synchronize
+from acceltrain.train.speed import enable_activation_checkpointing
 from acceltrain.vision import build_resnet
 
 MEMORY_TARGET, TIME_TARGET = 0.70, 1.35

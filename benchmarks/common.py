@@ -43,7 +43,7 @@ def machine() -> dict:
     """What the numbers were measured on: CPU model and cores, accelerator, library versions, date."""
     import accelerate
 
-    from acceltrain.data import available_cpus
+    from acceltrain.data.loaders import available_cpus
 
     return {
         "cpu": cpu_model(),

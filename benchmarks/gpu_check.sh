@@ -32,7 +32,7 @@ echo "== 1. GPU tests"
 timeout 240 python3 -m pytest -q -m gpu tests/test_gpu.py 2>&1 | tail -3 | tee "$RESULTS/gpu_tests.txt"
 
 echo "== 2. ResNet-50 speed ladder"
-timeout 300 python3 -m acceltrain.cli bench --model resnet50 --dataset synthetic --batch-size 256 --steps 30 --warmup 10 \
+timeout 300 python3 -m acceltrain.commands.cli bench --model resnet50 --dataset synthetic --batch-size 256 --steps 30 --warmup 10 \
     --rows fp32,mixed-precision,channels-last,compile,device-loader --output-dir "$RESULTS/bench" 2>&1 | tail -12
 
 echo "== 3. Backends on one GPU (bf16, batch 256, 30 timed steps)"

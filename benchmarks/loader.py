@@ -88,7 +88,7 @@ def torchvision_loader(root, workers: int) -> DataLoader:
 
 
 def main() -> None:
-    from acceltrain.data import train_loader
+    from acceltrain.data.loaders import train_loader
     from acceltrain.vision import DeviceImageLoader, image_datasets
 
     torch.set_num_threads(TORCH_THREADS)
@@ -109,7 +109,7 @@ def main() -> None:
     ]
 
     for stale in root.glob("decoded-*.safetensors"):  # so that the cold build really decodes
-        stale.unlink()
+        stale.unlink(missing_ok=True)  # another run sharing the cache may have removed it since the listing
     seconds = {}
     for build in ("cold", "warm"):
         started = time.perf_counter()

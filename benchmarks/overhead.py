@@ -31,9 +31,9 @@ from accelerate.utils import set_seed
 from common import median, reset_accelerate_state, start, verdict, write_result
 
 from acceltrain import TrainConfig, build_optimizer, fit
-from acceltrain.data import train_loader
-from acceltrain.metrics import synchronize
-from acceltrain.optim import build_scheduler
+from acceltrain.data.loaders import train_loader
+from acceltrain.runtime.metrics import synchronize
+from acceltrain.train.optim import build_scheduler
 from acceltrain.vision import CropFlip, ImageClassification, build_resnet, synthetic_images
 
 TARGET = 0.98

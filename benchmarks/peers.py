@@ -466,7 +466,7 @@ def trainer_leg(spec: dict) -> dict:
     from transformers import Trainer, TrainerCallback, TrainingArguments, default_data_collator
     from transformers.trainer_callback import PrinterCallback
 
-    from acceltrain.data import default_num_workers
+    from acceltrain.data.loaders import default_num_workers
     from acceltrain.text import (
         build_causal_lm,
         load_text,
@@ -545,7 +545,7 @@ def trainer_leg(spec: dict) -> dict:
 
 
 def toolkit_lm_leg(tokenizer: Path, steps: int, warmup: int, seed: int, out: Path) -> dict:
-    from acceltrain.optim import fused_adamw
+    from acceltrain.train.optim import fused_adamw
 
     flags = [
         "--config",
@@ -943,7 +943,7 @@ def trainer_classifier_leg(spec: dict) -> dict:
 
 def toolkit_classifier_leg(spec: dict, out: Path) -> dict:
     """``recipes/text_classification.py`` with the settings of :func:`trainer_classifier_leg`'s ``spec``."""
-    from acceltrain.optim import fused_adamw
+    from acceltrain.train.optim import fused_adamw
 
     settings, lora = spec["settings"], spec["lora"]
     adapter = (

@@ -1,6 +1,6 @@
-"""Every private part of Accelerate the toolkit relies on (acceltrain/accelerate_compat.py, issue 37), checked against
-the installed Accelerate: an upgrade that changes one fails here, naming the use, instead of deep inside a run.
-And no module but the compat module touches them."""
+"""Every private part of Accelerate the toolkit relies on (acceltrain/runtime/accelerate_compat.py, issue 37),
+checked against the installed Accelerate: an upgrade that changes one fails here, naming the use, instead of deep
+inside a run. And no module but the compat module touches them."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import REPO
 
-from acceltrain import accelerate_compat
+from acceltrain.runtime import accelerate_compat
 
 PRIVATE = re.compile(
     r"accelerator\._[a-z]|_shared_state|accelerate\.checkpointing|DataLoaderStateMixin|\.step = |"

@@ -20,7 +20,7 @@ from conftest import REPO, TINY_RECIPE, check, launch, read_events, read_summary
 
 from acceltrain import ConfigError, Hook
 from acceltrain.checkpoint.files import complete_checkpoints
-from acceltrain.preemption import EXIT_PREEMPTED
+from acceltrain.runtime.preemption import EXIT_PREEMPTED
 
 RUN = [
     "--batchnorm",
@@ -242,3 +242,18 @@ def test_async_saves_are_refused_where_they_cannot_work():
     )
     with pytest.raises(ConfigError, match="under FSDP needs fsdp_state_dict_type: SHARDED_STATE_DICT"):
         check_async_supported(full)
+
+
+class KeepsTheOptimizer(Hook):
+    def on_fit_start(self, run):
+        self.optimizer = getattr(run.optimizer, "optimizer", run.optimizer)
+
+
+@pytest.mark.parametrize("stop", [[], ["--stop-after-steps", "4"]], ids=["finished", "stopped"])
+def test_nothing_of_the_async_writer_outlives_the_run(tmp_path, stop):
+    """Before: the step pre-hook the async writer set on the user's optimizer stayed, and through it the optimizer
+    kept the checkpointer alive, with the writer's gloo groups (their threads outlived the run, 3-4 per rank)."""
+    kept = KeepsTheOptimizer()
+    code = run_tiny_in_process(tmp_path / "run", *RUN, "--async-checkpoint", *stop, hooks=[kept])
+    assert code == (EXIT_PREEMPTED if stop else 0)
+    assert not kept.optimizer._optimizer_step_pre_hooks, "the optimizer holds nothing of the run's checkpointing"

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from acceltrain.config import ConfigError
+from acceltrain.config.options import ConfigError
 from acceltrain.vision import image_datasets
 from acceltrain.vision.data import scan_image_folder
 from acceltrain.vision.images import UnreadableImage, decode_image_file

@@ -16,7 +16,7 @@ def test_bench_ladder_writes_consistent_json_markdown_and_chart(tmp_path):
     command = [
         sys.executable,
         "-m",
-        "acceltrain.cli",
+        "acceltrain.commands.cli",
         "bench",
         "--rows",
         "fp32,mixed-precision,channels-last",
@@ -58,7 +58,7 @@ def test_bench_ladder_writes_consistent_json_markdown_and_chart(tmp_path):
 
 
 def test_bench_png_shows_the_baseline_values_batches_and_rows_not_kept():
-    from acceltrain.bench_report import NOT_KEPT_STYLE, Row, bench_figure
+    from acceltrain.commands.bench_report import NOT_KEPT_STYLE, Row, bench_figure
 
     def ran(name, rate, kept=True):
         figures = {"samples_per_second": rate, "peak_memory_mb": 100.0, "batch_size": 8}
@@ -91,7 +91,7 @@ def test_bench_reports_a_row_that_cannot_run_as_skipped_with_the_reason(tmp_path
     command = [
         sys.executable,
         "-m",
-        "acceltrain.cli",
+        "acceltrain.commands.cli",
         "bench",
         "--rows",
         "fp32",

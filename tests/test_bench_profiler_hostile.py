@@ -87,7 +87,7 @@ def test_a_profile_range_that_starts_after_the_last_step_is_refused_before_train
 @pytest.fixture
 def no_rows(monkeypatch):
     """Fails the test if a row would run; the rows bench would have run otherwise (a valid command line)."""
-    from acceltrain import bench, recipe_loading
+    from acceltrain.commands import bench, recipe_loading
 
     ran = []
 
@@ -101,7 +101,7 @@ def no_rows(monkeypatch):
 
 
 def refusal(capsys, *argv: str, output_dir) -> str:
-    from acceltrain.bench import main as bench_main
+    from acceltrain.commands.bench import main as bench_main
 
     assert bench_main([*argv, "--output-dir", str(output_dir)]) == 2
     captured = capsys.readouterr()
@@ -195,7 +195,7 @@ def test_bench_refuses_a_recipe_without_the_flags_it_gives_every_row(tmp_path, c
 
 @pytest.mark.parametrize("recipe", ["acceltrain.recipes.resnet_cifar", str(REPO / "recipes" / "resnet_cifar.py")])
 def test_bench_runs_the_rows_of_a_valid_recipe_with_its_own_flags(tmp_path, no_rows, recipe):
-    from acceltrain.bench import main as bench_main
+    from acceltrain.commands.bench import main as bench_main
 
     argv = [
         "--recipe",

@@ -17,7 +17,7 @@ from conftest import REPO, check, launch, read_events, read_summary, reset_accel
 from safetensors.torch import load_file
 
 from acceltrain import ConfigError, parse_config, run_recipe
-from acceltrain.preemption import EXIT_PREEMPTED
+from acceltrain.runtime.preemption import EXIT_PREEMPTED
 
 sys.path.insert(0, str(REPO / "recipes"))
 sys.path.insert(0, str(REPO / "tests" / "helpers"))

@@ -22,7 +22,7 @@ import pytest
 from conftest import REPO, check, launch
 
 from acceltrain.checkpoint.files import COMPLETE_FILE, complete_checkpoints
-from acceltrain.preemption import EXIT_PREEMPTED
+from acceltrain.runtime.preemption import EXIT_PREEMPTED
 
 sys.path.insert(0, str(REPO / "tests" / "helpers"))
 from pretrained_folders import bert_folder  # noqa: E402

@@ -13,7 +13,7 @@ import pytest
 from conftest import run_tiny_in_process
 
 from acceltrain.checkpoint.files import complete_checkpoints
-from acceltrain.preemption import EXIT_PREEMPTED
+from acceltrain.runtime.preemption import EXIT_PREEMPTED
 
 RUN = [
     "--num-train",

@@ -16,7 +16,7 @@ import pytest
 from conftest import REPO, TINY_RECIPE, check, launch, read_events, read_summary, run_tiny_in_process, subprocess_env
 
 from acceltrain.checkpoint.files import checkpoint_dir, complete_checkpoints, verify_checkpoint
-from acceltrain.preemption import EXIT_PREEMPTED
+from acceltrain.runtime.preemption import EXIT_PREEMPTED
 
 # 40 samples, batch 4, accumulate 3: 10 batches an epoch in windows of 3, 3, 3 and 1: 4 steps an epoch.
 RUN = [

@@ -77,7 +77,7 @@ def test_a_destroyed_group_ends_its_threads_though_the_fsdp_model_lives_on(tmp_p
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
-    from acceltrain.distributed import close_process_group
+    from acceltrain.runtime.distributed import close_process_group
 
     assert not dist.is_initialized() and tiny_recipe.gloo_threads() == []
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
@@ -99,14 +99,14 @@ def test_acceltrain_predict_leaves_no_process_group_behind(tmp_path, monkeypatch
     exit-time abort). Here the command's work is replaced by joining a group of one process."""
     import torch.distributed as dist
 
-    import acceltrain.predict
-    from acceltrain.cli import main
+    import acceltrain.commands.predict
+    from acceltrain.commands.cli import main
 
     def predicting(argv):
         dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
         return 0
 
-    monkeypatch.setattr(acceltrain.predict, "main", predicting)
+    monkeypatch.setattr(acceltrain.commands.predict, "main", predicting)
     try:
         assert main(["predict"]) == 0
         assert not dist.is_initialized()

@@ -11,7 +11,7 @@ import torch
 from conftest import REPO, subprocess_env
 
 import acceltrain
-from acceltrain.cli import environment_report
+from acceltrain.commands.cli import environment_report
 
 HEAVY = ("torch", "accelerate", "transformers")
 
@@ -29,11 +29,11 @@ def modules_loaded_by(code: str) -> list[str]:
 @pytest.mark.parametrize(
     "code",
     [
-        "import acceltrain.config, acceltrain.cli",
+        "import acceltrain.config.train_config, acceltrain.commands.cli",
         "from acceltrain import TrainConfig, option, require, ConfigError",
-        "from acceltrain.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass",
-        "from acceltrain.cli import main\ntry:\n    main(['bench', '--help'])\nexcept SystemExit:\n    pass",
-        "from acceltrain.cli import main\ntry:\n    main(['predict', '--help'])\nexcept SystemExit:\n    pass",
+        "from acceltrain.commands.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass",
+        "from acceltrain.commands.cli import main\ntry:\n    main(['bench', '--help'])\nexcept SystemExit:\n    pass",
+        "from acceltrain.commands.cli import main\ntry:\n    main(['predict', '--help'])\nexcept SystemExit:\n    pass",
     ],
 )
 def test_help_and_the_config_import_neither_torch_nor_accelerate(code):
@@ -55,7 +55,7 @@ def test_version_and_a_plain_text_help():
     """--version answers without importing the heavy libraries (measured by what is imported, not by the clock)."""
     probe = (
         "import runpy, sys; sys.argv = ['acceltrain', '--version']\n"
-        "try:\n    runpy.run_module('acceltrain.cli', run_name='__main__')\nexcept SystemExit:\n    pass\n"
+        "try:\n    runpy.run_module('acceltrain.commands.cli', run_name='__main__')\nexcept SystemExit:\n    pass\n"
         "print(sorted(name for name in ('torch', 'accelerate', 'transformers', 'datasets') if name in sys.modules))"
     )
     shown = subprocess.run(
@@ -64,7 +64,7 @@ def test_version_and_a_plain_text_help():
     assert shown.stdout.splitlines() == [f"acceltrain {version('acceltrain')}", "[]"], shown.stdout + shown.stderr
     assert version("acceltrain") == acceltrain.__version__
     helped = subprocess.run(
-        [sys.executable, "-m", "acceltrain.cli", "--help"],
+        [sys.executable, "-m", "acceltrain.commands.cli", "--help"],
         cwd=REPO,
         env=subprocess_env(),
         capture_output=True,
@@ -98,7 +98,7 @@ def test_env_reports_what_accelerate_env_does_and_the_toolkit_view():
 @pytest.mark.slow
 def test_env_command_prints_both_sections():
     result = subprocess.run(
-        [sys.executable, "-m", "acceltrain.cli", "env"],
+        [sys.executable, "-m", "acceltrain.commands.cli", "env"],
         cwd=REPO,
         env=subprocess_env(),
         capture_output=True,

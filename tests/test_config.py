@@ -76,7 +76,7 @@ def test_bad_flags_are_one_line_errors(argv, message):
 )
 def test_an_exception_quoted_in_a_message_is_one_short_line(err, line):
     """An empty message used to raise IndexError inside the error path (the W&B key check, --hub-model-id)."""
-    from acceltrain.config import first_line
+    from acceltrain.config.options import first_line
 
     assert first_line(err) == line
 
@@ -255,7 +255,7 @@ def test_an_output_dir_below_a_file_is_one_line(tmp_path, capsys):
 
 def test_help_states_each_default_once_and_unset_ones_as_unset():
     """Before: '(default: the CPUs per process less one, at most 8) (default: None)'."""
-    from acceltrain.config import build_parser
+    from acceltrain.config.parser import build_parser
 
     helps = {action.dest: action.help for action in build_parser(TrainConfig)._actions}
     assert helps["num_workers"].endswith("(default: the CPUs per process less one, at most 8)")
@@ -284,7 +284,7 @@ def test_an_unknown_schedule_names_the_allowed_ones():
 
 
 def test_a_checkpoint_written_under_an_old_schedule_name_resumes_under_the_new_one():
-    from acceltrain.config import TrainConfig, run_changes
+    from acceltrain.config.train_config import TrainConfig, run_changes
 
     cfg = TrainConfig(lr_schedule="linear")
     assert run_changes({**cfg.to_dict(), "lr_schedule": "onecycle"}, cfg) == {}

@@ -7,7 +7,7 @@ import torch
 from accelerate.data_loader import BatchSamplerShard
 from torch.utils.data import BatchSampler
 
-from acceltrain.data import EpochSampler, train_loader
+from acceltrain.data.loaders import EpochSampler, train_loader
 from acceltrain.vision import CropFlip, ImageClassification, image_datasets, synthetic_images
 
 

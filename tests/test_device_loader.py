@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from acceltrain import ConfigError
-from acceltrain.data import train_loader
+from acceltrain.data.loaders import train_loader
 from acceltrain.vision import (
     CropFlip,
     DeviceImageLoader,

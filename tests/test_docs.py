@@ -101,7 +101,7 @@ def test_the_readme_examples_and_commands_are_on_the_docs_pages_too():
 
 def test_the_docs_list_the_builtin_hooks_in_running_order():
     """docs/hooks.md's table of built-in hooks against what builtin_hooks returns with every option on."""
-    from acceltrain.config import TrainConfig
+    from acceltrain.config.train_config import TrainConfig
     from acceltrain.hooks import builtin_hooks
 
     cfg = TrainConfig(
@@ -127,7 +127,7 @@ def test_the_docs_list_the_builtin_hooks_in_running_order():
 def test_the_docs_name_exactly_the_public_attributes_of_run():
     """docs/hooks.md's "The run" section against ``RUN_PUBLIC`` (which tests/test_state_model.py checks against
     a real Run): every public name is documented, and no other name is listed as one."""
-    from acceltrain.run import RUN_PUBLIC
+    from acceltrain.train.run import RUN_PUBLIC
 
     section = (DOCS / "hooks.md").read_text().split("## The run\n")[1].split("```python")[0]
     bullets = " ".join(line for line in section.splitlines() if line.startswith(("- **", "  ")))

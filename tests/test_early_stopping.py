@@ -13,7 +13,7 @@ from conftest import read_summary, run_tiny_in_process
 
 from acceltrain import ClassificationTask, ConfigError, TrainConfig, parse_config
 from acceltrain.hooks import EarlyStopping, Evaluation
-from acceltrain.preemption import EXIT_PREEMPTED
+from acceltrain.runtime.preemption import EXIT_PREEMPTED
 
 QUIET = [
     "--num-train",
@@ -73,7 +73,7 @@ def fake_run(higher_is_better: bool):
 def evaluate(run, hook: EarlyStopping, value: float) -> None:
     """One evaluation at the next step, recorded as the loop records it (its best and ``eval_improved``, the rule
     ``--keep-best`` follows) before the hook sees it."""
-    from acceltrain.progress import _improves
+    from acceltrain.train.progress import _improves
 
     run.step += 1
     run.eval_improved = _improves(value, run.best_metric, run.task.higher_is_better)

@@ -16,8 +16,9 @@ from conftest import REPO, TINY_RECIPE, check, launch, read_events, read_summary
 from torch.utils.data import TensorDataset
 
 from acceltrain import ConfigError, TrainConfig, fit
-from acceltrain.config import parse_config, run_changes
-from acceltrain.eval_subset import eval_subset, eval_subset_indices
+from acceltrain.config.parser import parse_config
+from acceltrain.config.train_config import run_changes
+from acceltrain.data.eval_subset import eval_subset, eval_subset_indices
 from acceltrain.hooks import Console, Evaluation
 from acceltrain.vision import ImageClassification, image_datasets
 from acceltrain.vision.device_loader import decoded_images
@@ -247,7 +248,8 @@ import json, torch
 from torch.utils.data import TensorDataset
 
 from acceltrain import ConfigError, TrainConfig, fit
-from acceltrain.config import parse_config, run_changes
+from acceltrain.config.parser import parse_config
+from acceltrain.config.train_config import run_changes
 from acceltrain.vision import image_datasets
 train, test = image_datasets({str(folder)!r}, None, seed=0, image_size=32)
 again, _ = image_datasets({str(folder)!r}, None, seed=0, image_size=32)

@@ -20,8 +20,8 @@ from conftest import REPO, read_summary, subprocess_env
 from test_causal_lm import offline_on_one_thread
 
 from acceltrain import ConfigError, parse_config
-from acceltrain.config import run_changes
-from acceltrain.preemption import EXIT_PREEMPTED
+from acceltrain.config.train_config import run_changes
+from acceltrain.runtime.preemption import EXIT_PREEMPTED
 
 sys.path.insert(0, str(REPO / "recipes"))
 sys.path.insert(0, str(REPO / "tests" / "helpers"))
@@ -180,7 +180,7 @@ class Recorded(logging.Handler):
 
 
 def test_quiet_loading_keeps_every_other_warning():
-    from acceltrain.logs import quiet_model_loading
+    from acceltrain.runtime.logs import quiet_model_loading
 
     modeling, recorded = logging.getLogger("transformers.modeling_utils"), Recorded()
     modeling.addHandler(recorded)

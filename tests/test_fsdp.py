@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 from acceltrain.checkpoint.files import complete_checkpoints, verify_checkpoint
 from acceltrain.checkpoint.state import CheckpointError
-from acceltrain.cli import main
+from acceltrain.commands.cli import main
 
 pytestmark = pytest.mark.multiprocess
 
@@ -273,7 +273,7 @@ def test_fsdp1_on_cpu_is_one_line(monkeypatch):
     from accelerate.utils import DistributedType
 
     from acceltrain import ConfigError
-    from acceltrain.engines import build_accelerator
+    from acceltrain.runtime.engines import build_accelerator
 
     monkeypatch.setattr(
         accelerate, "PartialState", lambda **_: type("State", (), {"distributed_type": DistributedType.MULTI_CPU})()

@@ -38,7 +38,7 @@ def test_recipe_trains_in_mixed_precision_on_gpu(tmp_path, precision):
 def test_sync_bn_uses_torch_sync_batchnorm_on_gpu():
     import torch
 
-    from acceltrain.distributed import convert_sync_batchnorm
+    from acceltrain.runtime.distributed import convert_sync_batchnorm
     from acceltrain.vision import build_resnet
 
     model = convert_sync_batchnorm(build_resnet("resnet_tiny"), on_cpu=False)

@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from acceltrain import ConfigError, Hook
 from acceltrain.hooks.base import Hooks
-from acceltrain.preemption import EXIT_PREEMPTED
+from acceltrain.runtime.preemption import EXIT_PREEMPTED
 
 RUN = [
     "--num-train",

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from acceltrain import EMA, ClassificationTask, ConfigError, Hook, Lookahead
 from acceltrain.checkpoint.files import complete_checkpoints
-from acceltrain.preemption import EXIT_PREEMPTED
+from acceltrain.runtime.preemption import EXIT_PREEMPTED
 
 sys.path.insert(0, str(Path(__file__).parent / "helpers"))
 import tiny_recipe  # noqa: E402
@@ -403,13 +403,13 @@ def test_the_readme_hook_example_runs_as_written(tmp_path):
 
 
 class SlowFitEnd(Hook):
-    """on_fit_end takes 1000 s on the throughput meter's clock (acceltrain.metrics reads time.perf_counter),
+    """on_fit_end takes 1000 s on the throughput meter's clock (acceltrain.runtime.metrics reads time.perf_counter),
     without waiting: longer than any run here, however slow the machine."""
 
     def __init__(self, monkeypatch):
         self.later = 0.0
         monkeypatch.setattr(
-            "acceltrain.metrics.time", SimpleNamespace(perf_counter=lambda: time.perf_counter() + self.later)
+            "acceltrain.runtime.metrics.time", SimpleNamespace(perf_counter=lambda: time.perf_counter() + self.later)
         )
 
     def on_fit_end(self, run, summary):

@@ -17,11 +17,11 @@ from conftest import RECIPE, read_summary, reset_accelerate_state
 from huggingface_hub import HfApi
 
 import acceltrain.hooks.hub
-import acceltrain.loop
+import acceltrain.train.loop
 from acceltrain import ConfigError, Hook, TrainConfig, parse_config, run_recipe
-from acceltrain.config import run_changes
-from acceltrain.hub import load_model
-from acceltrain.model_card import NOT_REPRODUCED
+from acceltrain.config.train_config import run_changes
+from acceltrain.hf.hub import load_model
+from acceltrain.hf.model_card import NOT_REPRODUCED
 
 sys.path.insert(0, str(RECIPE.parent))
 import causal_lm  # noqa: E402
@@ -65,8 +65,10 @@ def hub_hooks(monkeypatch):
     """The built-in hooks (HubReady last) plus a Recorder first; yields (events, recorder)."""
     events: list = []
     recorder = Recorder(events)
-    builtin = acceltrain.loop.builtin_hooks
-    monkeypatch.setattr(acceltrain.loop, "builtin_hooks", lambda cfg, **kwargs: [recorder, *builtin(cfg, **kwargs)])
+    builtin = acceltrain.train.loop.builtin_hooks
+    monkeypatch.setattr(
+        acceltrain.train.loop, "builtin_hooks", lambda cfg, **kwargs: [recorder, *builtin(cfg, **kwargs)]
+    )
     return events, recorder
 
 
@@ -133,7 +135,7 @@ def test_the_card_s_command_is_the_one_the_user_typed(monkeypatch, argv0, module
     """Under -m or a console script the card used to say ``python /full/path/...``, which runs nothing useful."""
     import types
 
-    from acceltrain.model_card import launch_command
+    from acceltrain.hf.model_card import launch_command
 
     main = types.ModuleType("__main__")
     main.__file__, main.__spec__ = argv0, (types.SimpleNamespace(name=module) if module else None)
@@ -424,8 +426,8 @@ def fit_classifier(output_dir: Path, model, hooks=()) -> dict:
     from transformers import AutoTokenizer
 
     from acceltrain import fit
-    from acceltrain.optim import build_optimizer
     from acceltrain.text import TextClassificationTask, classification_batches
+    from acceltrain.train.optim import build_optimizer
 
     tokenizer = AutoTokenizer.from_pretrained(model.name_or_path)
     examples = [{**tokenizer(text), "labels": label} for text, label in [("good film", 1), ("bad plot", 0)] * 8]
@@ -462,7 +464,7 @@ def fit_classifier(output_dir: Path, model, hooks=()) -> dict:
 def test_the_card_names_the_auto_class_of_the_model_s_head():
     from transformers import BertConfig, GPT2Config, LlamaConfig
 
-    from acceltrain.auto_classes import auto_class
+    from acceltrain.hf.auto_classes import auto_class
 
     cases = {
         (BertConfig, "BertForSequenceClassification"): ("AutoModelForSequenceClassification", "text-classification"),
@@ -558,7 +560,7 @@ def test_the_card_names_the_model_s_own_class_under_fsdp2():
     tell users to import that."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from acceltrain.hub import model_head, own_class
+    from acceltrain.hf.hub import model_head, own_class
 
     sharded_class = type(
         "FSDPGPT2LMHeadModel", (GPT2LMHeadModel,), {"__module__": "torch.distributed.fsdp._fully_shard._fsdp_init"}

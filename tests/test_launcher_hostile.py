@@ -63,10 +63,10 @@ def test_every_parser_refuses_abbreviated_flags():
     }
     peers = str(REPO / "benchmarks" / "peers.py")
     entries = [
-        ["acceltrain.cli", ["--help"], None],
-        ["acceltrain.cli", ["bench", "--help"], None],
-        ["acceltrain.cli", ["ray", "--help"], None],
-        ["acceltrain.cli", ["merge", "--help"], None],
+        ["acceltrain.commands.cli", ["--help"], None],
+        ["acceltrain.commands.cli", ["bench", "--help"], None],
+        ["acceltrain.commands.cli", ["ray", "--help"], None],
+        ["acceltrain.commands.cli", ["merge", "--help"], None],
         ["acceltrain.recipes.resnet_cifar", ["--help"], None],
         *(
             [str(REPO / path), ["--help"], ["--round", "3"] if str(REPO / path) == peers else None]
@@ -91,7 +91,7 @@ def test_every_parser_refuses_abbreviated_flags():
 
 
 def test_acceltrain_ray_refuses_an_abbreviated_flag_in_one_line(capsys):
-    from acceltrain.cli import main
+    from acceltrain.commands.cli import main
 
     assert main(["ray", "--num-w", "0", "recipes/resnet_cifar.py"]) == 2
     assert capsys.readouterr().err.strip() == (

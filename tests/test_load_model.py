@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 from test_causal_lm import SMALL, offline_on_one_thread, write_text
 from test_hub import run_cifar
 
-import acceltrain.hub
+import acceltrain.hf.hub
 from acceltrain import ConfigError, load_model
 
 IMAGE_BUILDER = "acceltrain.vision.build_model"
@@ -106,13 +106,13 @@ def test_image_and_language_model_folders_load_in_a_fresh_process(image_run, lm_
 
 def test_every_module_with_a_loadable_builder_is_imported_by_load_model():
     """A new @loadable builder in a module load_model does not import would fail only in a fresh process."""
-    package = Path(acceltrain.hub.__file__).parent
+    package = Path(acceltrain.__file__).parent
     defining = {
         ".".join(path.relative_to(package.parent).with_suffix("").parts)
         for path in package.rglob("*.py")
         if "\n@loadable(" in path.read_text()
     }
-    assert defining and defining <= set(acceltrain.hub.LOADABLE_MODULES)
+    assert defining and defining <= set(acceltrain.hf.hub.LOADABLE_MODULES)
 
 
 def drop_first(tensors: dict) -> None:

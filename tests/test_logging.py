@@ -10,7 +10,7 @@ import logging
 import pytest
 from conftest import TINY_RECIPE, check, launch, read_summary, run_tiny_in_process
 
-from acceltrain.logs import set_log_level
+from acceltrain.runtime.logs import set_log_level
 
 TINY = [
     "--num-train",
@@ -85,7 +85,7 @@ def test_a_handler_attached_to_the_acceltrain_logger_receives_the_records(tmp_pa
     finally:
         toolkit.removeHandler(caplog.handler)
     done = [record for record in caplog.records if "done: 4 steps" in record.getMessage()]
-    assert len(done) == 1 and done[0].name == "acceltrain.loop" and done[0].levelno == logging.INFO
+    assert len(done) == 1 and done[0].name == "acceltrain.train.loop" and done[0].levelno == logging.INFO
     assert any(
         record.name == "acceltrain.hooks.logging" and "step=4" in record.getMessage() for record in caplog.records
     )
@@ -96,7 +96,7 @@ def test_log_level_debug_shows_time_level_and_logger_name(tmp_path, capsys):
     assert run_tiny_in_process(tmp_path / "run", *TINY, "--log-level", "debug") == 0
     out = capsys.readouterr().out
     done = [line for line in out.splitlines() if "done: " in line]
-    assert len(done) == 1 and " - INFO - acceltrain.loop - " in done[0], done
+    assert len(done) == 1 and " - INFO - acceltrain.train.loop - " in done[0], done
     assert "config:\n" in out and "runtime:\n" in out, "the whole config and runtime at debug"
 
 

@@ -14,8 +14,8 @@ from conftest import RECIPE, read_events, read_summary
 from safetensors.torch import load_file
 
 from acceltrain import run_recipe
-from acceltrain.metrics import Throughput
-from acceltrain.optim import lr_multiplier
+from acceltrain.runtime.metrics import Throughput
+from acceltrain.train.optim import lr_multiplier
 from acceltrain.vision import CropFlip, ImageClassification, synthetic_images
 
 sys.path.insert(0, str(Path(__file__).parent / "helpers"))
@@ -79,7 +79,7 @@ def test_partial_last_window_applies_the_mean_gradient_of_its_samples(tmp_path):
 
     (images, labels), _ = synthetic_images(40, 37, seed=0)
     dataset = ImageClassification(images, labels, [str(i) for i in range(10)], augment=CropFlip(), seed=0)
-    from acceltrain.data import EpochSampler
+    from acceltrain.data.loaders import EpochSampler
 
     order = EpochSampler(40, seed=0).order(0)
     reference_model.load_state_dict(initial)
@@ -239,7 +239,7 @@ def test_target_accuracy_stops_early_and_records_the_time(tmp_path):
 
 def test_throughput_excludes_warmup_steps_and_paused_time(monkeypatch):
     clock = iter([0.0, 10.0, 12.0, 100.0, 103.0, 110.0])
-    monkeypatch.setattr("acceltrain.metrics.time.perf_counter", lambda: next(clock))
+    monkeypatch.setattr("acceltrain.runtime.metrics.time.perf_counter", lambda: next(clock))
     meter = Throughput(torch.device("cpu"), warmup_steps=2)
     meter.resume(0)  # still warming up: the clock is not read
     meter.step_done(1, 50)

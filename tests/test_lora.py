@@ -135,7 +135,7 @@ def test_a_model_not_loaded_from_a_checkpoint_is_refused():
 def test_backends_that_cannot_train_or_write_an_adapter_are_refused():
     from accelerate.utils import DistributedType
 
-    from acceltrain.lora import check_backend
+    from acceltrain.hf.lora import check_backend
 
     with pytest.raises(ConfigError, match=r"^LoRA \(--lora-r\) is not supported under DeepSpeed here: .*; use DDP$"):
         check_backend(DistributedType.DEEPSPEED, merge=False)

@@ -20,8 +20,8 @@ from test_causal_lm import offline_on_one_thread
 
 from acceltrain.checkpoint.files import complete_checkpoints, verify_checkpoint
 from acceltrain.checkpoint.state import CheckpointError
-from acceltrain.cli import main
-from acceltrain.preemption import EXIT_PREEMPTED
+from acceltrain.commands.cli import main
+from acceltrain.runtime.preemption import EXIT_PREEMPTED
 
 sys.path.insert(0, str(REPO / "recipes"))
 sys.path.insert(0, str(REPO / "tests" / "helpers"))
@@ -314,7 +314,7 @@ def test_several_processes_are_refused_before_out_is_written(tmp_path, runs):
     refused, the launcher stopped the other mid-write: exit 1, and OUT kept a lone config.json. Merge has no work to
     share, so each process now refuses at once (the main one prints the line) and OUT is never made."""
     script = tmp_path / "acceltrain_cli.py"  # what the `acceltrain` console script runs
-    script.write_text("from acceltrain.cli import main\n\nraise SystemExit(main())\n")
+    script.write_text("from acceltrain.commands.cli import main\n\nraise SystemExit(main())\n")
     out = tmp_path / "out"
     result = launch(
         script, ["merge", str(complete_checkpoints(runs.stopped)[-1]), str(out)], processes=2, launcher="accelerate"

@@ -12,7 +12,7 @@ import torch
 from conftest import RECIPE, REPO, TINY_RECIPE, check, launch, read_events, read_summary, subprocess_env
 from safetensors.torch import load_file
 
-from acceltrain.optim import lr_multiplier
+from acceltrain.train.optim import lr_multiplier
 
 pytestmark = pytest.mark.multiprocess
 
@@ -207,10 +207,10 @@ def test_a_failing_process_other_than_the_main_one_waits_only_until_the_launcher
     probe = (
         "import os, sys, time; os.environ['RANK'] = '1'\n"
         # only the SIGTERM can end the wait
-        "import acceltrain.preemption; acceltrain.preemption.MAIN_PROCESS_GRACE_SECONDS = 3600\n"
+        "import acceltrain.runtime.preemption; acceltrain.runtime.preemption.MAIN_PROCESS_GRACE_SECONDS = 3600\n"
         "sleep = time.sleep; time.sleep = lambda s: (print('waiting', flush=True), sleep(s))\n"
-        "from acceltrain.preemption import PreemptionSignals; PreemptionSignals().install()\n"
-        f"from acceltrain.cli import _fail; print('failing', flush=True); _fail('boom', {code})"
+        "from acceltrain.runtime.preemption import PreemptionSignals; PreemptionSignals().install()\n"
+        f"from acceltrain.commands.cli import _fail; print('failing', flush=True); _fail('boom', {code})"
     )
     process = subprocess.Popen(
         [sys.executable, "-c", probe], cwd=REPO, env=subprocess_env(), stdout=subprocess.PIPE, text=True

@@ -8,10 +8,10 @@ import torch
 from torch import nn
 
 from acceltrain import TrainConfig, parse_config
-from acceltrain.cli import run_recipe
-from acceltrain.optim import MuonWithSGD, build_optimizer, muon_parameters
+from acceltrain.commands.cli import run_recipe
 from acceltrain.recipes.resnet_cifar import CifarConfig
 from acceltrain.recipes.resnet_cifar import main as cifar_main
+from acceltrain.train.optim import MuonWithSGD, build_optimizer, muon_parameters
 
 MUON = ["--optimizer", "muon", "--muon-lr", "0.05", "--muon-momentum", "0.6"]
 

@@ -15,7 +15,7 @@ from conftest import RECIPE, check, launch, run_tiny_in_process
 from acceltrain.checkpoint.files import _sha256, complete_checkpoints
 from acceltrain.checkpoint.safe_load import check_loadable_without_code
 from acceltrain.checkpoint.state import CheckpointError
-from acceltrain.preemption import EXIT_PREEMPTED
+from acceltrain.runtime.preemption import EXIT_PREEMPTED
 
 RUN = [
     "--num-train",

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 from acceltrain import Hook
 from acceltrain.checkpoint.files import complete_checkpoints, verify_checkpoint
-from acceltrain.preemption import EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_PREEMPTED
+from acceltrain.runtime.preemption import EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_PREEMPTED
 
 # 40 samples, batch 4, accumulate 3: 4 optimizer steps an epoch, 12 in all.
 RUN = [
@@ -321,7 +321,7 @@ def test_a_run_that_raises_gives_the_signal_handlers_back(tmp_path, capsys):
 
 
 def test_a_nan_metric_is_never_the_best():
-    from acceltrain.progress import _improves
+    from acceltrain.train.progress import _improves
 
     assert not _improves(float("nan"), None, higher_is_better=True)
     assert not _improves(float("nan"), 0.5, higher_is_better=False)

@@ -9,8 +9,8 @@ import torch
 from transformers import get_scheduler
 
 from acceltrain import TrainConfig
-from acceltrain.config import LRSchedule
-from acceltrain.optim import DECAYS, build_scheduler, lr_multiplier
+from acceltrain.config.train_config import LRSchedule
+from acceltrain.train.optim import DECAYS, build_scheduler, lr_multiplier
 
 TRANSFORMERS_NAME = {"constant": "constant_with_warmup", "cosine": "cosine", "linear": "linear"}
 
@@ -70,8 +70,8 @@ def test_normalisation_parameters_can_take_a_scaled_lr_that_follows_the_schedule
     """airbench94's 64x is for BatchNorm biases only: a conv's bias (its whitening layer's) keeps the base lr."""
     from torch import nn
 
-    from acceltrain.config import TrainConfig
-    from acceltrain.optim import build_optimizer, build_scheduler
+    from acceltrain.config.train_config import TrainConfig
+    from acceltrain.train.optim import build_optimizer, build_scheduler
 
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
     cfg = TrainConfig(lr=0.1, norm_bias_lr_scale=64.0, warmup_steps=0, lr_schedule="linear")
@@ -89,7 +89,7 @@ def test_decay_all_parameters_decays_every_group_by_the_same_fraction_per_step()
     decay is 1/64, so biases and norms shrink as fast as the weights."""
     from torch import nn
 
-    from acceltrain.optim import build_optimizer
+    from acceltrain.train.optim import build_optimizer
 
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
     cfg = TrainConfig(lr=0.1, weight_decay=0.01, norm_bias_lr_scale=64.0, decay_all_parameters=True)

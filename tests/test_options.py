@@ -10,7 +10,20 @@ import re
 import pytest
 from conftest import docs_example
 
-from acceltrain.config import LoopOptions, TrainConfig, parse_config
+from acceltrain.config.groups import (
+    CheckpointOptions,
+    EarlyStoppingOptions,
+    EvaluationOptions,
+    HubOptions,
+    LoggingOptions,
+    PlotOptions,
+    ProfilingOptions,
+    TimeBudgetOptions,
+    TrackingOptions,
+)
+from acceltrain.config.options import ConfigError
+from acceltrain.config.parser import parse_config
+from acceltrain.config.train_config import LoopOptions, TrainConfig
 from acceltrain.hooks import (
     CheckpointSchedule,
     Console,
@@ -23,18 +36,6 @@ from acceltrain.hooks import (
     TargetMetric,
     TimeBudget,
     TrainingLog,
-)
-from acceltrain.options import (
-    CheckpointOptions,
-    ConfigError,
-    EarlyStoppingOptions,
-    EvaluationOptions,
-    HubOptions,
-    LoggingOptions,
-    PlotOptions,
-    ProfilingOptions,
-    TimeBudgetOptions,
-    TrackingOptions,
 )
 
 # every field TrainConfig had before the options moved next to their hooks: what users type stays the same

@@ -15,7 +15,7 @@ import pytest
 from conftest import REPO, read_summary, subprocess_env
 
 from acceltrain import ConfigError
-from acceltrain.config import parse_config
+from acceltrain.config.parser import parse_config
 
 RECIPE_MODULES = (
     "acceltrain.recipes.resnet_cifar",
@@ -56,9 +56,9 @@ def test_every_public_name_of_the_lazy_packages_imports(package):
 
 def test_choices_come_from_the_modules_that_use_them():
     """The torch-free names are the same tuples the datasets, models and tasks check against."""
-    from acceltrain.tasks import ClassificationTask
     from acceltrain.text import lm
     from acceltrain.text import names as text_names
+    from acceltrain.train.tasks import ClassificationTask
     from acceltrain.vision import augment, data, models, names
 
     assert (augment.FLIPS, augment.PADDING_MODES, data.IMAGE_DATASETS) == (
@@ -100,7 +100,7 @@ def test_the_checkout_presets_are_the_shipped_ones():
 
 
 def test_bench_refuses_a_recipe_that_is_neither_a_file_nor_a_module(tmp_path):
-    from acceltrain.bench import main as bench_main
+    from acceltrain.commands.bench import main as bench_main
 
     assert bench_main(["--recipe", "acceltrain.recipes.nope", "--output-dir", str(tmp_path / "b")]) == 2
     assert bench_main(["--recipe", "nope/resnet_cifar.py", "--output-dir", str(tmp_path / "b")]) == 2

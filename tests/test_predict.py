@@ -211,7 +211,7 @@ def test_an_unlabelled_file_gets_no_metrics_and_a_partly_labelled_one_those_of_i
 def test_the_command_prints_a_labelled_files_metrics_and_writes_them_beside_the_predictions(
     runs, data, tmp_path, capsys
 ):
-    from acceltrain.cli import main
+    from acceltrain.commands.cli import main
 
     assert main(["predict", str(runs.full), str(data.eval), "--output", str(tmp_path / "scored.jsonl")]) == 0
     metrics = json.loads((tmp_path / "scored.metrics.json").read_text())
@@ -250,7 +250,7 @@ def test_two_processes_predict_each_row_once_in_the_inputs_order(runs, data, tmp
         launch(
             Path("-m"),
             [
-                "acceltrain.cli",
+                "acceltrain.commands.cli",
                 "predict",
                 str(runs.adapter),
                 str(data.eval),
@@ -459,7 +459,7 @@ BAD = [
     "make,message", BAD, ids=[f"{index}-{message.split()[0]}" for index, (_, message) in enumerate(BAD)]
 )
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(runs, data, tmp_path, capsys, make, message):
-    from acceltrain.cli import main
+    from acceltrain.commands.cli import main
 
     argv = [str(arg) for arg in make(runs, data, tmp_path)]
     before = sorted(tmp_path.rglob("*"))
@@ -500,7 +500,7 @@ OWN = {  # issue 43 item 2: an --output that names a file predict does not own, 
 @pytest.mark.parametrize("target", OWN)
 def test_the_output_is_never_the_input_or_a_run_folders_file_even_with_overwrite(runs, data, tmp_path, capsys, target):
     """Before the fix each of these was replaced with exit 0: the input lost, the run folder no longer loading."""
-    from acceltrain.cli import main
+    from acceltrain.commands.cli import main
 
     for name in ("full", "adapter"):
         shutil.copytree(getattr(runs, name), tmp_path / name)
@@ -519,7 +519,7 @@ def test_the_output_is_never_the_input_or_a_run_folders_file_even_with_overwrite
 
 def test_an_existing_output_or_metrics_file_is_replaced_only_with_overwrite(runs, data, tmp_path, capsys):
     """As acceltrain merge refuses an OUT that is not empty: a typo must not replace last week's predictions."""
-    from acceltrain.cli import main
+    from acceltrain.commands.cli import main
 
     out, metrics = tmp_path / "scored.csv", tmp_path / "scored.metrics.json"
     argv = ["predict", str(runs.full), str(data.eval), "--output", str(out)]

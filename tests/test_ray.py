@@ -42,7 +42,7 @@ def ray_launch(
     command = [
         sys.executable,
         "-m",
-        "acceltrain.cli",
+        "acceltrain.commands.cli",
         "ray",
         "--num-workers",
         str(workers),

@@ -13,7 +13,7 @@ from conftest import TINY_RECIPE, check, launch, read_events, read_summary, run_
 from safetensors.torch import load_file
 
 from acceltrain.checkpoint.state import CheckpointError, RunState
-from acceltrain.preemption import EXIT_PREEMPTED
+from acceltrain.runtime.preemption import EXIT_PREEMPTED
 
 # 96 samples, 2 epochs. Per-process micro-batch 4 everywhere, so BatchNorm sees the same batches in every
 # layout: 2 processes x grad_accum 2 and 1 process x grad_accum 4 both take 16 samples per step, 6 steps an epoch.

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from acceltrain import ConfigError, TrainConfig
 from acceltrain.checkpoint.files import checkpoint_dir
-from acceltrain.distributed import deepspeed_plugin
+from acceltrain.runtime.distributed import deepspeed_plugin
 
 pytestmark = pytest.mark.multiprocess
 
@@ -206,15 +206,19 @@ def test_accumulation_under_ddp_all_reduces_only_on_optimizer_steps(tmp_path):
         assert counts["steps"] == 3 and counts["allreduces"] == 3  # the tiny net fits one bucket
 
 
-def test_slurm_script_launches_each_node_with_its_rank_and_requeues_until_done(tmp_path):
-    """The sbatch script with stand-ins for srun, scontrol and accelerate: the command each node runs,
-    and the requeue while no summary.json exists."""
+@pytest.mark.parametrize("exit_code", [0, 75, 2])
+def test_slurm_script_launches_each_node_with_its_rank_and_requeues_only_a_stopped_run(tmp_path, exit_code):
+    """The sbatch script with stand-ins for srun, scontrol and accelerate: the command each node runs; a requeue
+    only when the run stopped to be resumed (exit 75), any other exit passed through (the real SLURM's side is
+    tests/test_slurm.py)."""
     bin_dir, calls = tmp_path / "bin", tmp_path / "calls.txt"
     bin_dir.mkdir()
+    (tmp_path / "recipes").mkdir()
+    (tmp_path / "recipes" / "resnet_cifar.py").write_text("")
     stubs = {
-        "srun": 'for node in 0 1; do SLURM_NODEID=$node "${@:2}"; done',  # skip --kill-on-bad-exit
+        "srun": 'for node in 0 1; do SLURM_NODEID=$node "${@:2}" || exit $?; done',  # skip --kill-on-bad-exit
         "scontrol": 'if [ "$1" = show ]; then printf "node-a\\nnode-b\\n"; else echo "scontrol $*" >> "$CALLS"; fi',
-        "accelerate": 'echo "accelerate $*" >> "$CALLS"',
+        "accelerate": f'echo "accelerate $*" >> "$CALLS"; exit {exit_code}',
     }
     for name, body in stubs.items():
         (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
@@ -243,14 +247,14 @@ def test_slurm_script_launches_each_node_with_its_rank_and_requeues_until_done(t
         capture_output=True,
         text=True,
     )
-    assert result.returncode == 0, result.stderr
+    assert result.returncode == exit_code, result.stderr
     lines = calls.read_text().splitlines()
     launches = [line for line in lines if line.startswith("accelerate")]
-    assert len(launches) == 2
+    assert len(launches) == (2 if exit_code == 0 else 1)
     for rank, line in enumerate(launches):
         assert f"--machine_rank {rank}" in line and "--num_processes 8" in line and "--main_process_ip node-a" in line
         assert line.endswith(
-            "recipes/resnet_cifar.py --output-dir runs/demo --save-every-minutes 30 --resume auto --lr 0.2 --run-name "
+            "recipes/resnet_cifar.py --save-every-minutes 30 --resume auto --output-dir runs/demo --lr 0.2 --run-name "
             "two words"
         )
-    assert lines[-1] == "scontrol requeue 42"
+    assert ("scontrol requeue 42" in lines) == (exit_code == 75)

@@ -18,7 +18,7 @@ from safetensors import safe_open
 from test_causal_lm import offline_on_one_thread
 
 from acceltrain.checkpoint.files import complete_checkpoints
-from acceltrain.preemption import EXIT_PREEMPTED
+from acceltrain.runtime.preemption import EXIT_PREEMPTED
 from acceltrain.text import IGNORE_INDEX, sft_examples, sft_kept
 
 sys.path.insert(0, str(REPO / "recipes"))

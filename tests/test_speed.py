@@ -11,8 +11,8 @@ from conftest import RECIPE, read_events, read_summary, reset_accelerate_state
 from safetensors.torch import load_file
 
 from acceltrain import run_recipe
-from acceltrain.speed import enable_activation_checkpointing, training_flops_per_sample
-from acceltrain.tasks import ClassificationTask
+from acceltrain.train.speed import enable_activation_checkpointing, training_flops_per_sample
+from acceltrain.train.tasks import ClassificationTask
 
 sys.path.insert(0, str(RECIPE.parent))
 from resnet_cifar import CifarConfig  # noqa: E402

@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 from conftest import read_events, read_summary, run_tiny_in_process
 
-import acceltrain.loop
+import acceltrain.train.loop
 from acceltrain import Hook, Run
 from acceltrain.checkpoint.files import complete_checkpoints
 from acceltrain.checkpoint.state import RunState
 from acceltrain.hooks import TrainingLog
-from acceltrain.run import RUN_PUBLIC
+from acceltrain.train.run import RUN_PUBLIC
 
 # 40 samples, batch 4, accumulate 3: 4 optimizer steps an epoch, 12 in all.
 RUN = [
@@ -86,9 +86,9 @@ def test_the_summary_train_loss_does_not_need_the_training_log(tmp_path, monkeyp
     """The core closes the loss window itself: without the TrainingLog hook the summary reports the same
     loss as a run whose only training-log row is its last step's."""
     assert run_tiny(tmp_path / "logged", "--log-every", "1000") == 0
-    builtin = acceltrain.loop.builtin_hooks
+    builtin = acceltrain.train.loop.builtin_hooks
     monkeypatch.setattr(
-        acceltrain.loop,
+        acceltrain.train.loop,
         "builtin_hooks",
         lambda cfg, **kwargs: [hook for hook in builtin(cfg, **kwargs) if not isinstance(hook, TrainingLog)],
     )

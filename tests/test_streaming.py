@@ -14,7 +14,7 @@ from conftest import TINY_RECIPE, check, launch, read_events, read_summary, run_
 from safetensors.torch import load_file
 
 from acceltrain.checkpoint.files import checkpoint_dir
-from acceltrain.preemption import EXIT_PREEMPTED
+from acceltrain.runtime.preemption import EXIT_PREEMPTED
 
 # 96 samples a pass, batch 8: 12 micro-batches a pass. Accumulating 5, the windows run across the passes'
 # ends (step 3 takes micro-batches 11-15: two of pass 0, three of pass 1); 12 steps = 5 passes.
@@ -173,14 +173,14 @@ def test_a_stream_checkpoint_resumes_only_on_its_own_layout(tmp_path, capsys):
 
 
 def test_a_shuffled_hugging_face_streams_own_state_does_not_resume_exactly_so_acceltrain_replays_it():
-    """Why acceltrain.streams.Replayed hides a stream's state_dict from the loader: datasets 5.2's own state
+    """Why acceltrain.data.streams.Replayed hides a stream's state_dict from the loader: datasets 5.2's own state
     of a shuffled stream, restored through StatefulDataLoader, drops the shuffle buffer's samples (and with
     2 workers fails with an IndexError inside datasets). If the first assertion starts to fail, the
     dataset's state may be trusted (a faster resume): revisit Replayed."""
     import datasets
     from torchdata.stateful_dataloader import StatefulDataLoader
 
-    from acceltrain.streams import Replayed
+    from acceltrain.data.streams import Replayed
 
     plain = datasets.Dataset.from_dict({"a": list(range(96))}).with_format("torch").to_iterable_dataset(num_shards=4)
 

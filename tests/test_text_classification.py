@@ -17,7 +17,7 @@ from safetensors import safe_open
 from test_causal_lm import offline_on_one_thread
 
 from acceltrain import ConfigError, parse_config
-from acceltrain.preemption import EXIT_PREEMPTED
+from acceltrain.runtime.preemption import EXIT_PREEMPTED
 
 sys.path.insert(0, str(REPO / "recipes"))
 sys.path.insert(0, str(REPO / "tests" / "helpers"))
@@ -223,7 +223,7 @@ def test_group_by_length_pads_less_and_resumes_byte_identically(tmp_path, data, 
 
 
 def test_length_grouped_epochs_train_each_example_once_in_batches_of_similar_length():
-    from acceltrain.data import EpochSampler
+    from acceltrain.data.loaders import EpochSampler
     from acceltrain.text import LengthGrouped
 
     lengths = [int(length) for length in torch.randint(3, 200, (1000,), generator=torch.Generator().manual_seed(0))]
@@ -358,7 +358,7 @@ SECTIONS = (1, 2, 3, 5, 7, 8)  # Debian's manual sections: integers, and not the
 IN_A_FRESH_PROCESS = """
 import sys
 from transformers import AutoModelForSequenceClassification
-from acceltrain.cli import main
+from acceltrain.commands.cli import main
 print(AutoModelForSequenceClassification.from_pretrained(sys.argv[1]).config.id2label)
 raise SystemExit(main(["predict", sys.argv[1], sys.argv[2], "--output", sys.argv[3], "--no-progress"]))
 """
@@ -399,7 +399,7 @@ def test_integer_labels_that_are_not_the_class_ids_are_class_names(tmp_path, dat
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.splitlines()[0] == str(dict(enumerate(names)))
     header, *rows = predictions.read_text().splitlines()
-    assert header.split(",")[-7:] == ["label", *(f"probability_{name}" for name in names)]
+    assert header.split(",")[-7:] == ["predicted_label", *(f"probability_{name}" for name in names)]
     assert len(rows) == 12 and {row.split(",")[-7] for row in rows} <= set(names)
 
 

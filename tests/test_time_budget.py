@@ -12,7 +12,7 @@ import pytest
 from conftest import read_events, read_summary, run_tiny_in_process
 
 from acceltrain import Hook
-from acceltrain.optim import DECAYS
+from acceltrain.train.optim import DECAYS
 
 BUDGET = 60.0  # --time-budget-minutes 1
 STEP, EVAL, EVAL_EVERY = 1.0, 2.0, 10  # fake seconds of an optimizer step and of an evaluation
@@ -22,15 +22,15 @@ LAST_STEP, FINAL_EVAL_ENDS = 48, 58.0
 
 
 class FakeClock(Hook):
-    """The run's clock (``Run.elapsed`` reads acceltrain.progress's ``time.perf_counter``, ``Run.evaluate``
-    acceltrain.run's), moved by this hook
+    """The run's clock (``Run.elapsed`` reads acceltrain.train.progress's ``time.perf_counter``, ``Run.evaluate``
+    acceltrain.train.run's), moved by this hook
     alone: a step takes ``step`` seconds (``stalls``: {step: seconds} for some), an evaluation ``evaluation``."""
 
     def __init__(
         self, monkeypatch, *, step: float = STEP, evaluation: float = EVAL, stalls: dict[int, float] | None = None
     ):
         self.now, self.step, self.evaluation, self.stalls = 0.0, step, evaluation, stalls or {}
-        for module in ("acceltrain.run", "acceltrain.progress"):
+        for module in ("acceltrain.train.run", "acceltrain.train.progress"):
             monkeypatch.setattr(f"{module}.time", SimpleNamespace(perf_counter=lambda: self.now))
 
     def on_step_start(self, run):

@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from acceltrain import ClassificationTask, ConfigError, parse_config
-from acceltrain.data import train_loader
+from acceltrain.data.loaders import train_loader
 from acceltrain.vision import (
     CropFlip,
     DeviceImageLoader,

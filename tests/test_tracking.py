@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from conftest import TINY_RECIPE, check, launch, read_events, read_summary
 
-from acceltrain.tracking import read_offline_run
+from acceltrain.runtime.tracking import read_offline_run
 
 RUN = ["--batch-size", "8", "--log-every", "1", "--eval-every", "3", "--no-progress", "--num-workers", "0"]
 
@@ -277,7 +277,7 @@ def fresh_wandb(monkeypatch, tmp_path):
 
 
 def test_wandb_online_check_passes_a_server_that_accepts_the_key(monkeypatch, wandb_stand_in, fresh_wandb):
-    from acceltrain.tracking import check_wandb_online
+    from acceltrain.runtime.tracking import check_wandb_online
 
     url = wandb_stand_in(200, {"data": {"viewer": {"id": "VXNlcjox", "entity": "someone", "username": "someone"}}})
     monkeypatch.setenv("WANDB_BASE_URL", url)
@@ -287,7 +287,7 @@ def test_wandb_online_check_passes_a_server_that_accepts_the_key(monkeypatch, wa
 
 def test_wandb_mode_online_without_credentials_is_one_line(monkeypatch, wandb_stand_in, fresh_wandb):
     from acceltrain import ConfigError
-    from acceltrain.tracking import check_wandb_online
+    from acceltrain.runtime.tracking import check_wandb_online
 
     monkeypatch.setenv("WANDB_BASE_URL", wandb_stand_in(401, {}))
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
@@ -304,7 +304,7 @@ def test_a_wandb_login_for_wandbs_default_host_counts_as_credentials(tmp_path, m
     import wandb
 
     from acceltrain import TrainConfig
-    from acceltrain.tracking import wandb_mode
+    from acceltrain.runtime.tracking import wandb_mode
 
     netrc_file = tmp_path / "netrc"
     netrc_file.write_text(

@@ -5,6 +5,7 @@ changed text: test_causal_lm.)"""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
 import subprocess
@@ -16,7 +17,7 @@ from conftest import REPO, TINY_RECIPE, _free_port, check, launch, read_summary,
 
 from acceltrain import ConfigError, Hook, Options, TrainConfig, option, parse_config
 from acceltrain.checkpoint.files import checkpoint_dir
-from acceltrain.preemption import EXIT_PREEMPTED
+from acceltrain.runtime.preemption import EXIT_PREEMPTED
 
 # 96 samples a pass on the first process, 88 on the second: at batch 8 on 2 processes with 2 loader workers each,
 # 6 and 4 batches a pass (each worker drops its own partial batch)
@@ -131,7 +132,8 @@ def test_workers_do_not_outlive_a_launcher_killed_outright(tmp_path):
         launcher.wait()
     gone, alive = psutil.wait_procs(workers, timeout=120)
     for worker in alive:
-        worker.kill()
+        with contextlib.suppress(psutil.NoSuchProcess):  # it may end between the wait and the kill
+            worker.kill()
     assert not alive, f"{len(alive)} worker(s) outlived their launcher"
 
 
@@ -230,7 +232,7 @@ def test_what_deepspeed_cannot_run_is_refused_before_the_process_group_starts(mo
     checkpointer's set-up, 14 s into a test launch)."""
     import accelerate
 
-    from acceltrain.distributed import init_process_state
+    from acceltrain.runtime.distributed import init_process_state
 
     def started(*args, **kwargs):
         raise AssertionError("the process group started before the refusal")

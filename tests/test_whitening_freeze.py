@@ -6,7 +6,7 @@ import pytest
 from safetensors.torch import load_file
 
 from acceltrain.checkpoint.files import complete_checkpoints
-from acceltrain.cli import run_recipe
+from acceltrain.commands.cli import run_recipe
 from acceltrain.recipes.resnet_cifar import CifarConfig
 from acceltrain.recipes.resnet_cifar import main as cifar_main
 

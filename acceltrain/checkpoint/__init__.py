@@ -11,7 +11,7 @@
 Names are imported on first use, as the package's own (:mod:`acceltrain.lazy_exports`).
 """
 
-from ..lazy_exports import lazy_exports
+from acceltrain.lazy_exports import lazy_exports
 
 _HOME = {
     "Checkpointer": "manager",

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..run_folder import WEIGHTS_FILE
-from .state import CheckpointError
+from acceltrain.checkpoint.state import CheckpointError
+from acceltrain.runtime.run_folder import WEIGHTS_FILE
 
 
 def frozen_names(accelerator, model) -> frozenset[str]:
     """The state-dict names of a peft model's frozen parameters (tied names too), as the unwrapped model has them."""
-    from ..lora import is_peft_model
+    from acceltrain.hf.lora import is_peft_model
 
     plain = accelerator.unwrap_model(model)
     if not is_peft_model(plain):

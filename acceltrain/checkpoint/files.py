@@ -13,10 +13,10 @@ import re
 import shutil
 from pathlib import Path
 
-from ..options import first_line, parse_json, shorten
-from ..run_folder import CHECKPOINTS_DIR
-from .safe_load import SHARD_DIGESTS_FILE, shard_digests
-from .state import STATE_FILE, CheckpointError, RunState, is_count, read_state
+from acceltrain.checkpoint.safe_load import SHARD_DIGESTS_FILE, shard_digests
+from acceltrain.checkpoint.state import STATE_FILE, CheckpointError, RunState, is_count, read_state
+from acceltrain.config.options import first_line, parse_json, shorten
+from acceltrain.runtime.run_folder import CHECKPOINTS_DIR
 
 COMPLETE_FILE = "COMPLETE"  # the manifest, written last: a checkpoint without it is incomplete
 
@@ -228,7 +228,7 @@ def checkpoint_engine(path: Path, state: RunState | None = None) -> str:
     """The engine that wrote checkpoint ``path``: "DDP" (whole state dicts, as DDP and one process write them),
     "FSDP" or "DeepSpeed", as its trainer state records it (guessed from Accelerate's file names for a checkpoint
     older than that field). Each loads only under its own engine."""
-    from ..accelerate_compat import engine_from_file_names
+    from acceltrain.runtime.accelerate_compat import engine_from_file_names
 
     if state is None:
         state = read_state(path / STATE_FILE)[0]

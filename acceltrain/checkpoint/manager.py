@@ -17,24 +17,29 @@ import torch
 from accelerate.logging import get_logger
 from accelerate.utils import DistributedType
 
-from ..accelerate_compat import save_loop_state, set_micro_step
-from ..config import TrainConfig, run_changes
-from ..distributed import ASYNC_UNDER_DEEPSPEED
-from ..options import ConfigError, first_line
-from ..preemption import TrainingDiverged
-from ..run_folder import CHECKPOINTS_DIR, finished_steps
-from . import adapters
-from .files import (
+from acceltrain.checkpoint import adapters
+from acceltrain.checkpoint.files import (
     checkpoint_engine,
     failed_save_refused,
     find_resume_checkpoint,
     staging_folder,
     verify_checkpoint,
 )
-from .safe_load import DCP_METADATA, check_loadable_without_code, load_dcp_metadata, loading_without_code
-from .state import STATE_FILE, CheckpointError, RunState, check_scheduler_state
-from .state_dicts import SHARDED_MODEL, checkpoint_parts, engine_name, writes_whole_copy
-from .writers import AsyncWriter, SyncWriter
+from acceltrain.checkpoint.safe_load import (
+    DCP_METADATA,
+    check_loadable_without_code,
+    load_dcp_metadata,
+    loading_without_code,
+)
+from acceltrain.checkpoint.state import STATE_FILE, CheckpointError, RunState, check_scheduler_state
+from acceltrain.checkpoint.state_dicts import SHARDED_MODEL, checkpoint_parts, engine_name, writes_whole_copy
+from acceltrain.checkpoint.writers import AsyncWriter, SyncWriter
+from acceltrain.config.options import ConfigError, first_line
+from acceltrain.config.train_config import TrainConfig, run_changes
+from acceltrain.runtime.accelerate_compat import save_loop_state, set_micro_step
+from acceltrain.runtime.distributed import ASYNC_UNDER_DEEPSPEED
+from acceltrain.runtime.preemption import TrainingDiverged
+from acceltrain.runtime.run_folder import CHECKPOINTS_DIR, finished_steps
 
 logger = get_logger(__name__)
 
@@ -83,8 +88,11 @@ class Checkpointer:
         self.resumed_from_step: int | None = None
         self.seconds_blocked = 0.0  # this launch's time blocked by saves (the waits below included)
         self.seconds_waited = 0.0  # of which optimizer steps waited for an async save's copy
-        if cfg.async_checkpoint:  # the copy of the weights and optimizer state overlaps the next forward and backward
+        self._step_hook = (  # the copy of the weights and optimizer state overlaps the next forward and backward
             getattr(optimizer, "optimizer", optimizer).register_step_pre_hook(lambda *_: self._before_step())
+            if cfg.async_checkpoint
+            else None
+        )
 
     @property
     def note(self) -> str | None:
@@ -137,6 +145,13 @@ class Checkpointer:
 
     def close(self) -> None:
         self.wait()
+
+    def release(self) -> None:
+        """Let go of the user's optimizer, however the run ended: its step pre-hook would keep this checkpointer, and
+        with it the async writer's process groups, alive after ``fit()`` returns."""
+        if self._step_hook is not None:
+            self._step_hook.remove()
+            self._step_hook = None
 
     def _published(self, folder: Path | None) -> None:
         if folder is not None:
@@ -345,7 +360,7 @@ class Checkpointer:
         process index)."""
         from accelerate.utils import set_seed
 
-        from ..data import mix_seed
+        from acceltrain.data.loaders import mix_seed
 
         if saved.num_processes != current.num_processes:
             set_seed(mix_seed(self.cfg.seed, saved.step, self.accelerator.process_index) % 2**32)

@@ -8,8 +8,8 @@ import contextlib
 import hashlib
 from pathlib import Path
 
-from ..options import first_line, parse_json
-from .state import CheckpointError
+from acceltrain.checkpoint.state import CheckpointError
+from acceltrain.config.options import first_line, parse_json
 
 PICKLED_SUFFIXES = (".bin", ".pt", ".pth", ".pkl")
 

@@ -8,7 +8,7 @@ import dataclasses
 import math
 from pathlib import Path
 
-from ..options import ConfigError, parse_json, shorten
+from acceltrain.config.options import ConfigError, parse_json, shorten
 
 STATE_FILE = "trainer_state.json"  # a checkpoint's RunState
 ENGINE_NAMES = ("", "DDP", "FSDP", "DeepSpeed")  # "": a checkpoint written before the field
@@ -21,7 +21,7 @@ class CheckpointError(ConfigError):
 @dataclasses.dataclass
 class RunState:
     """Where a run stands: with Accelerate's state (model, optimizer, grad scaler, RNG) and the hooks'
-    ``state_dict()``, all that survives a resume. The :class:`~acceltrain.run.Run` keeps one current as it
+    ``state_dict()``, all that survives a resume. The :class:`~acceltrain.train.run.Run` keeps one current as it
     trains, and a checkpoint's ``trainer_state.json`` is it, taken at a step boundary: one set of names in
     memory and on disk. The data order and the augmentation need nothing more: both derive from (seed,
     epoch, index)."""

@@ -22,8 +22,8 @@ from typing import Any
 from accelerate.utils import DistributedType
 from torch.distributed.checkpoint import DefaultSavePlanner
 
-from ..accelerate_compat import FSDP_MODEL_NAME, MODEL_NAME, OPTIMIZER_NAME, SAFE_WEIGHTS_NAME
-from ..distributed import ENGINES
+from acceltrain.runtime.accelerate_compat import FSDP_MODEL_NAME, MODEL_NAME, OPTIMIZER_NAME, SAFE_WEIGHTS_NAME
+from acceltrain.runtime.distributed import ENGINES
 
 SAFETENSORS, PICKLE, SHARDS, ENGINE = "safetensors", "pickle", "shards", "engine"
 SHARDED_MODEL, SHARDED_OPTIMIZER = f"{FSDP_MODEL_NAME}_0", f"{OPTIMIZER_NAME}_0"  # FSDP's DCP folders

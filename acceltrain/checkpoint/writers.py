@@ -26,10 +26,10 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
 
-from ..distributed import any_process
-from .files import failed_save, publish
-from .state import CheckpointError
-from .state_dicts import ENGINE, PICKLE, SAFETENSORS, SHARDS, Part
+from acceltrain.checkpoint.files import failed_save, publish
+from acceltrain.checkpoint.state import CheckpointError
+from acceltrain.checkpoint.state_dicts import ENGINE, PICKLE, SAFETENSORS, SHARDS, Part
+from acceltrain.runtime.distributed import any_process
 
 POLL_SECONDS = 0.05  # between checks while waiting for a save in flight
 

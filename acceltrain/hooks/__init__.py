@@ -3,17 +3,17 @@ protocol and the order). Every flag-driven behaviour of ``fit()`` is one of the 
 
 from __future__ import annotations
 
-from .base import EVENTS, Hook, Hooks
-from .checkpoint import CheckpointSchedule, Preemption
-from .early_stopping import EarlyStopping
-from .ema import EMA
-from .evaluation import Evaluation, TargetMetric
-from .hub import HubReady
-from .logging import Console, MetricsFile, Trackers, TrainingLog
-from .lookahead import Lookahead
-from .plots import Curves
-from .profiling import MemoryReport, Profiler
-from .time_budget import TimeBudget
+from acceltrain.hooks.base import EVENTS, Hook, Hooks
+from acceltrain.hooks.checkpoint import CheckpointSchedule, Preemption
+from acceltrain.hooks.early_stopping import EarlyStopping
+from acceltrain.hooks.ema import EMA
+from acceltrain.hooks.evaluation import Evaluation, TargetMetric
+from acceltrain.hooks.hub import HubReady
+from acceltrain.hooks.logging import Console, MetricsFile, Trackers, TrainingLog
+from acceltrain.hooks.lookahead import Lookahead
+from acceltrain.hooks.plots import Curves
+from acceltrain.hooks.profiling import MemoryReport, Profiler
+from acceltrain.hooks.time_budget import TimeBudget
 
 __all__ = [
     "EMA",
@@ -42,10 +42,10 @@ __all__ = [
 def builtin_hooks(cfg, *, evaluates: bool, trackers: list[str], run_config: dict) -> list[Hook]:
     """The hooks the flags ask for, in the order they run at each event (after the user's): looking inside,
     the training log, evaluation and what reacts to it, checkpoints, preemption, then the writers of
-    every logged row. Each is built by its own ``from_config`` from its option group (:mod:`acceltrain.options`).
+    every logged row. Each is built by its own ``from_config`` from its option group (:mod:`acceltrain.config.options`).
     ``CheckpointSchedule`` and ``Trackers`` are always there, so that their state (the best checkpoint, the
     W&B run id) goes on through a launch that does not use it."""
-    from .ray_report import RayReport
+    from acceltrain.hooks.ray_report import RayReport
 
     evaluation = Evaluation.from_config(cfg, evaluates=evaluates)  # asked by the time budget and the console
     hooks = [

@@ -59,7 +59,7 @@ from typing import Any
 
 import torch
 
-from ..options import ConfigError, first_line
+from acceltrain.config.options import ConfigError, first_line
 
 EVENTS = (
     "on_fit_start",

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import time
 
-from ..checkpoint.files import checkpoint_dir, rotate_checkpoints
-from ..options import CheckpointOptions, ConfigError
-from ..preemption import PreemptionSignals
-from ..run_folder import CHECKPOINTS_DIR
-from .base import Hook
+from acceltrain.checkpoint.files import checkpoint_dir, rotate_checkpoints
+from acceltrain.config.groups import CheckpointOptions
+from acceltrain.config.options import ConfigError
+from acceltrain.hooks.base import Hook
+from acceltrain.runtime.preemption import PreemptionSignals
+from acceltrain.runtime.run_folder import CHECKPOINTS_DIR
 
 
 class CheckpointSchedule(Hook):

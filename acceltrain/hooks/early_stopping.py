@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from accelerate.logging import get_logger
 
-from ..options import ConfigError, EarlyStoppingOptions
-from .base import Hook
-from .evaluation import Evaluation
+from acceltrain.config.groups import EarlyStoppingOptions
+from acceltrain.config.options import ConfigError
+from acceltrain.hooks.base import Hook
+from acceltrain.hooks.evaluation import Evaluation
 
 logger = get_logger(__name__)
 

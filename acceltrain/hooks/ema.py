@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from accelerate.utils import DistributedType
 
-from ..options import ConfigError
-from .base import Hook
+from acceltrain.config.options import ConfigError
+from acceltrain.hooks.base import Hook
 
 
 class EMA(Hook):

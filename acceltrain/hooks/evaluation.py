@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from accelerate.logging import get_logger
 
-from ..options import EvaluationOptions
-from .base import Hook
+from acceltrain.config.groups import EvaluationOptions
+from acceltrain.hooks.base import Hook
 
 logger = get_logger(__name__)
 # An evaluation batch (forward only) as a share of a training step, for the estimate before the first

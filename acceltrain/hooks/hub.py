@@ -1,5 +1,5 @@
 """Every finished run folder Hub-ready (``config.json``, model card, ``train_config.yaml``; see
-:mod:`acceltrain.hub`), and ``--push-to-hub``: the repo checked and created before the first step,
+:mod:`acceltrain.hf.hub`), and ``--push-to-hub``: the repo checked and created before the first step,
 the folder uploaded at the end. A model whose folder could not be written as its ecosystem loads it (a
 Transformers model whose weights do not fit its own config, an adapter under DeepSpeed) is refused before
 training; the parameter counts (trained, total) go into the summary. From a launch's first save on, the
@@ -10,19 +10,20 @@ from __future__ import annotations
 
 from accelerate.logging import get_logger
 
-from ..distributed import main_process_only
-from ..hub import (
+from acceltrain.config.groups import HubOptions
+from acceltrain.config.options import first_line
+from acceltrain.hf.hub import (
     check_fits_own_config,
     describe_checkpoints,
     is_transformers_model,
     write_model_files,
 )
-from ..hub_upload import prepare_repo, push_folder, upload_command
-from ..lora import check_backend, is_peft_model, merge_requested, parameter_counts
-from ..model_card import model_card, write_train_config
-from ..options import HubOptions, first_line
-from ..run_folder import CARD_FILE, write_summary
-from .base import Hook
+from acceltrain.hf.lora import check_backend, is_peft_model, merge_requested, parameter_counts
+from acceltrain.hf.model_card import model_card, write_train_config
+from acceltrain.hf.upload import prepare_repo, push_folder, upload_command
+from acceltrain.hooks.base import Hook
+from acceltrain.runtime.distributed import main_process_only
+from acceltrain.runtime.run_folder import CARD_FILE, write_summary
 
 logger = get_logger(__name__)
 

@@ -8,13 +8,13 @@ from pathlib import Path
 
 from accelerate.logging import get_logger
 
-from ..logs import show_progress
-from ..metrics import EventLog, peak_memory_mb, synchronize
-from ..options import LoggingOptions
-from ..run_folder import METRICS_FILE
-from ..tracking import finish_tracking, start_tracking
-from .base import Hook
-from .evaluation import Evaluation
+from acceltrain.config.groups import LoggingOptions
+from acceltrain.hooks.base import Hook
+from acceltrain.hooks.evaluation import Evaluation
+from acceltrain.runtime.logs import show_progress
+from acceltrain.runtime.metrics import EventLog, peak_memory_mb, synchronize
+from acceltrain.runtime.run_folder import METRICS_FILE
+from acceltrain.runtime.tracking import finish_tracking, start_tracking
 
 logger = get_logger(__name__)
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from accelerate.utils import DistributedType
 
-from ..options import ConfigError
-from .ema import EMA
+from acceltrain.config.options import ConfigError
+from acceltrain.hooks.ema import EMA
 
 
 class Lookahead(EMA):

@@ -6,9 +6,10 @@ import importlib.util
 import json
 from pathlib import Path
 
-from ..options import ConfigError, PlotOptions
-from ..run_folder import CURVES_FILE, METRICS_FILE
-from .base import Hook
+from acceltrain.config.groups import PlotOptions
+from acceltrain.config.options import ConfigError
+from acceltrain.hooks.base import Hook
+from acceltrain.runtime.run_folder import CURVES_FILE, METRICS_FILE
 
 
 class Curves(Hook):

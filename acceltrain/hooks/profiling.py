@@ -9,9 +9,10 @@ from pathlib import Path
 import torch
 from accelerate.logging import get_logger
 
-from ..options import ConfigError, ProfilingOptions, parse_step_range
-from ..run_folder import MEMORY_FILE
-from .base import Hook
+from acceltrain.config.groups import ProfilingOptions, parse_step_range
+from acceltrain.config.options import ConfigError
+from acceltrain.hooks.base import Hook
+from acceltrain.runtime.run_folder import MEMORY_FILE
 
 logger = get_logger(__name__)
 
@@ -164,6 +165,6 @@ def _current_rss_mb() -> float:
 
         return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
     except OSError:  # not Linux: fall back to the peak, which is what the platform offers
-        from ..metrics import peak_memory_mb
+        from acceltrain.runtime.metrics import peak_memory_mb
 
         return next(iter(peak_memory_mb(torch.device("cpu")).values()))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .base import Hook
+from acceltrain.hooks.base import Hook
 
 
 class RayReport(Hook):

@@ -7,9 +7,9 @@ import statistics
 
 import torch
 
-from ..options import TimeBudgetOptions
-from .base import Hook
-from .evaluation import Evaluation
+from acceltrain.config.groups import TimeBudgetOptions
+from acceltrain.hooks.base import Hook
+from acceltrain.hooks.evaluation import Evaluation
 
 RECENT_STEPS = 21  # the step time is the median of these: robust to a stalled step on a shared machine
 

@@ -18,8 +18,8 @@ import dataclasses
 from dataclasses import dataclass
 
 from acceltrain import ConfigError, TrainConfig, option, require, run_recipe
-from acceltrain.config import Optimizer
-from acceltrain.lora import LoraOptions
+from acceltrain.config.train_config import Optimizer
+from acceltrain.hf.lora import LoraOptions
 from acceltrain.text import MODEL_PRESETS, transformer_default
 
 __all__ = ["CausalLMConfig", "cli", "main"]
@@ -139,7 +139,7 @@ def main(cfg: CausalLMConfig, task_class: type | None = None) -> dict:
     """``task_class``: a CausalLMTask subclass (the tests count targets with one); default: CausalLMTask."""
     # imported here, not at the top: --help and bad flags answer in a fraction of a second, without torch
     from acceltrain import claim_run_folder, show_progress
-    from acceltrain.lora import check_backend
+    from acceltrain.hf.lora import check_backend
     from acceltrain.text import CausalLMTask, show_progress_bars
 
     task_class = task_class or CausalLMTask

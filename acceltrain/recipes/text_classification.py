@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 from acceltrain import ConfigError, TrainConfig, option, require, run_recipe
-from acceltrain.config import LRSchedule, Optimizer
-from acceltrain.lora import LoraOptions
+from acceltrain.config.train_config import LRSchedule, Optimizer
+from acceltrain.hf.lora import LoraOptions
 from acceltrain.text import transformer_default
 
 __all__ = ["TextClassificationConfig", "cli", "main"]
@@ -111,7 +111,7 @@ class TextClassificationConfig(LoraOptions, TrainConfig):
 def main(cfg: TextClassificationConfig) -> dict:
     # imported here, not at the top: --help and bad flags answer in a fraction of a second, without torch
     from acceltrain import apply_lora, build_optimizer, claim_run_folder, fit, show_progress
-    from acceltrain.lora import check_backend
+    from acceltrain.hf.lora import check_backend
     from acceltrain.text import (
         ClassificationReport,
         DataReport,

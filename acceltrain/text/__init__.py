@@ -3,7 +3,7 @@ Transformers causal LMs with the token-normalised loss; fine-tuning a pretrained
 sequence classifier, prompt/response or chat rows for supervised fine-tuning, padded per batch. Names are
 imported on first use (see ``acceltrain.lazy_exports``)."""
 
-from ..lazy_exports import lazy_exports
+from acceltrain.lazy_exports import lazy_exports
 
 __getattr__, __dir__, __all__ = lazy_exports(
     __name__,

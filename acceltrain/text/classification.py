@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..options import ConfigError
-from ..tasks import Task, describe, labels_problem
+from acceltrain.config.options import ConfigError
+from acceltrain.train.tasks import Task, describe, labels_problem
 
 
 def _is_pair(batch) -> bool:

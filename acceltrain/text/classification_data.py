@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 from accelerate.logging import get_logger
 
-from ..distributed import on_main_process_first
-from ..options import ConfigError, shorten
-from .corpus import default_num_proc
+from acceltrain.config.options import ConfigError, shorten
+from acceltrain.runtime.distributed import on_main_process_first
+from acceltrain.text.corpus import default_num_proc
 
 logger = get_logger(__name__)
 MODEL_COLUMNS = ("input_ids", "attention_mask", "token_type_ids", "labels")

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import json
 
-from ..hooks.base import Hook
-from ..run_folder import REPORT_FILE
-from .classification import TextClassificationTask, per_class
+from acceltrain.hooks.base import Hook
+from acceltrain.runtime.run_folder import REPORT_FILE
+from acceltrain.text.classification import TextClassificationTask, per_class
 
 CONFUSION_FILE = "confusion_matrix.png"
 

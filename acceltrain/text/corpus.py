@@ -9,7 +9,7 @@ counts as the end of a document and gets the tokenizer's end-of-text token: a Hu
 document, or the last line of a file that does not end with a newline (files that do run on into the
 next one: the ``text`` loader does not say where a file ends). A seeded fraction of the blocks is held
 out for evaluation. Both steps go through ``Dataset.map`` and its cache: the main process computes,
-the others find the cache files (:func:`~acceltrain.distributed.on_main_process_first`).
+the others find the cache files (:func:`~acceltrain.runtime.distributed.on_main_process_first`).
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ from pathlib import Path
 import numpy as np
 from accelerate.logging import get_logger
 
-from ..data import available_cpus
-from ..distributed import on_main_process_first, process_state
-from ..network import load_local_or_hub, one_line
-from ..options import ConfigError, file_kind
+from acceltrain.config.options import ConfigError, file_kind
+from acceltrain.data.loaders import available_cpus
+from acceltrain.runtime.distributed import on_main_process_first, process_state
+from acceltrain.runtime.network import load_local_or_hub, one_line
 
 logger = get_logger(__name__)
 
@@ -291,7 +291,7 @@ def held_out_lines(texts, count: int):
 def split_blocks(blocks, *, eval_fraction: float, seed: int):
     """(train, eval) torch-formatted datasets: a seeded ``eval_fraction`` of the blocks held out (at least
     one when the fraction is not 0), the rest for training; eval is None when the fraction is 0."""
-    from .tables import hold_out
+    from acceltrain.text.tables import hold_out
 
     train, held_out = hold_out(
         blocks,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from accelerate.logging import get_logger
 
-from ..hooks.base import Hook
+from acceltrain.hooks.base import Hook
 
 logger = get_logger(__name__)
 

@@ -1,7 +1,7 @@
 """``--group-by-length``: batches of examples of similar lengths, so that padding per batch pads little, in an
 order that is still a function of (seed, epoch) alone, so that a resumed run trains the same batches.
 
-The loop's sampler (:class:`acceltrain.data.EpochSampler`) shuffles the epoch's indices by (seed, epoch), and
+The loop's sampler (:class:`acceltrain.data.loaders.EpochSampler`) shuffles the epoch's indices by (seed, epoch), and
 a dataset with ``sample(index, epoch)`` is read through it. :class:`LengthGrouped` computes that same order,
 so that it knows the position each index is given, and hands out the example its own order puts there:
 groups of ``GROUP_BATCHES`` batches drawn at random and sorted by length within (Transformers'
@@ -16,7 +16,7 @@ import functools
 import torch
 from torch.utils.data import Dataset
 
-from ..data import EpochSampler, mix_seed
+from acceltrain.data.loaders import EpochSampler, mix_seed
 
 GROUP_BATCHES = 50  # batches per group sorted by length (Transformers' megabatch)
 

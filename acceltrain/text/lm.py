@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..options import ConfigError
-from ..tasks import Task
-from .names import ARCHITECTURES, MODEL_PRESETS, MODEL_SIZES
+from acceltrain.config.options import ConfigError
+from acceltrain.text.names import ARCHITECTURES, MODEL_PRESETS, MODEL_SIZES
+from acceltrain.train.tasks import Task
 
 IGNORE_INDEX = -100  # a target position that is not predicted (padding, masked tokens)
 
@@ -61,7 +61,7 @@ def load_causal_lm(name_or_path: str, *, vocab_size: int, block_size: int | None
     """(model, missing keys): a pretrained model from a local folder (or, online, the Hub), checked against the
     tokenizer and the block size (None: not chosen yet, see :func:`~acceltrain.text.pretrained.fitting_length`)
     before any training starts (see :func:`~acceltrain.text.pretrained.load_pretrained`)."""
-    from .pretrained import check_length, embedded_tokens, load_pretrained
+    from acceltrain.text.pretrained import check_length, embedded_tokens, load_pretrained
 
     model, missing = load_pretrained("AutoModelForCausalLM", name_or_path)
     embedded = embedded_tokens(model)

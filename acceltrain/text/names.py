@@ -23,8 +23,8 @@ def transformer_default(name: str, value):
     text recipes' config classes redeclare the loop's defaults with it (the loop's suit CIFAR)."""
     import dataclasses
 
-    from ..config import TrainConfig
-    from ..options import option
+    from acceltrain.config.options import option
+    from acceltrain.config.train_config import TrainConfig
 
     parent = {field.name: field for field in dataclasses.fields(TrainConfig)}[name]
     return option(value, **parent.metadata)

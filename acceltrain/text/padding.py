@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import copy
 
-from .lm import IGNORE_INDEX
+from acceltrain.text.lm import IGNORE_INDEX
 
 
 class PlainBatches:

@@ -8,11 +8,11 @@ import math
 import sys
 from pathlib import Path
 
-from ..options import ConfigError, first_line, shorten
+from acceltrain.config.options import ConfigError, first_line, shorten
 
 
 def _checked_column(rows, column: str, flag: str, where: str, folder: Path, task: str) -> None:
-    from . import check_columns
+    from acceltrain.text import check_columns
 
     try:
         check_columns(rows, where, **{flag: column})
@@ -29,7 +29,7 @@ class Classifier:
     whose labelled rows give the task's metrics."""
 
     def __init__(self, model, tokenizer, settings: dict, options):
-        from . import classification_batches
+        from acceltrain.text import classification_batches
 
         self.tokenizer, self.settings, self.collate = tokenizer, settings, classification_batches(tokenizer)
         self.labels = [model.config.id2label[index] for index in range(model.config.num_labels)]
@@ -44,7 +44,7 @@ class Classifier:
         return any(truth is not None for truth in self.truth)
 
     def encode(self, rows, column: str | None, where: str, folder: Path) -> list[dict]:
-        from . import check_texts
+        from acceltrain.text import check_texts
 
         text, pair = column or self.settings.get("text_column", "text"), self.settings.get("text_pair_column")
         _checked_column(rows, text, "text_column", where, folder, "text-classification")
@@ -102,7 +102,7 @@ class Classifier:
     def finish(self, predictions: list[dict]) -> tuple[list[dict], dict | None]:
         """(the output rows: the carried columns, then the predictions; the metrics of the labelled rows, as
         classification_report.json's with the mean cross-entropy, or None without any)."""
-        from .classification import per_class
+        from acceltrain.text.classification import per_class
 
         rows = [
             {**{name: values[index] for name, values in self.carried.items()}, **prediction}
@@ -132,7 +132,7 @@ class Generator:
     def __init__(self, model, tokenizer, settings: dict, options):
         from transformers import GenerationConfig
 
-        from . import generation_batches
+        from acceltrain.text import generation_batches
 
         self.tokenizer, self.settings, self.collate = tokenizer, settings, generation_batches(tokenizer)
         self.generation = GenerationConfig(
@@ -160,7 +160,7 @@ class Generator:
                 self._conversation(messages, index, where, column) for index, messages in enumerate(rows[column])
             ]
         else:
-            from . import check_texts
+            from acceltrain.text import check_texts
 
             check_texts(rows, where, text_column=column)
             prompts = self.tokenizer(list(rows[column]))["input_ids"]

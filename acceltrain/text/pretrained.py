@@ -10,12 +10,12 @@ from pathlib import Path
 
 from accelerate.logging import get_logger
 
-from ..distributed import on_main_process_first
-from ..hub import _few
-from ..logs import quiet_model_loading
-from ..network import load_local_or_hub, one_line
-from ..options import ConfigError
-from .corpus import load_tokenizer
+from acceltrain.config.options import ConfigError
+from acceltrain.hf.hub import _few
+from acceltrain.runtime.distributed import on_main_process_first
+from acceltrain.runtime.logs import quiet_model_loading
+from acceltrain.runtime.network import load_local_or_hub, one_line
+from acceltrain.text.corpus import load_tokenizer
 
 logger = get_logger(__name__)
 
@@ -108,7 +108,7 @@ def continue_adapter(base, name_or_path: str, missing: set[str]):
     one line, as is an adapter that does not fit (a head for another number of labels)."""
     from peft import PeftModel
 
-    from ..lora import describe, parameter_counts
+    from acceltrain.hf.lora import describe, parameter_counts
 
     try:
         model = PeftModel.from_pretrained(base, name_or_path, is_trainable=True)

@@ -12,10 +12,10 @@ dropped (counted)."""
 
 from __future__ import annotations
 
-from ..distributed import on_main_process_first
-from ..options import ConfigError, first_line, shorten
-from .corpus import default_num_proc
-from .lm import IGNORE_INDEX
+from acceltrain.config.options import ConfigError, first_line, shorten
+from acceltrain.runtime.distributed import on_main_process_first
+from acceltrain.text.corpus import default_num_proc
+from acceltrain.text.lm import IGNORE_INDEX
 
 KEPT, TRUNCATED, DROPPED = 0, 1, 2  # what happened to an example at block_size
 

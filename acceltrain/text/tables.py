@@ -1,6 +1,6 @@
 """Rows of text for fine-tuning: local csv, json/jsonl or parquet files, or a Hub dataset's splits, read by
 ``datasets.load_dataset`` (cached; the main process first, see
-:func:`~acceltrain.distributed.on_main_process_first`); the columns a recipe asks for checked against the ones
+:func:`~acceltrain.runtime.distributed.on_main_process_first`); the columns a recipe asks for checked against the ones
 there are; a seeded share held out for evaluation when there is no eval file."""
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from pathlib import Path
 
 import torch
 
-from ..data import mix_seed
-from ..distributed import on_main_process_first
-from ..network import one_line
-from ..options import ConfigError, file_kind
+from acceltrain.config.options import ConfigError, file_kind
+from acceltrain.data.loaders import mix_seed
+from acceltrain.runtime.distributed import on_main_process_first
+from acceltrain.runtime.network import one_line
 
 TABLE_KINDS = {".csv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 EVAL_SPLITS = ("validation", "test")  # a Hub dataset's split for evaluation, the first there is

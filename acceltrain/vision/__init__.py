@@ -1,7 +1,7 @@
 """Images: datasets and augmentation keyed on ``(seed, epoch, index)``, the on-device loader, ResNets and a
 fast CIFAR net, whitening initialisation. Names are imported on first use (see ``acceltrain.lazy_exports``)."""
 
-from ..lazy_exports import lazy_exports
+from acceltrain.lazy_exports import lazy_exports
 
 __getattr__, __dir__, __all__ = lazy_exports(
     __name__,

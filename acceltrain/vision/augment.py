@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from ..options import ConfigError
-from .names import FLIPS, PADDING_MODES
+from acceltrain.config.options import ConfigError
+from acceltrain.vision.names import FLIPS, PADDING_MODES
 
 
 def hash32(x: torch.Tensor) -> torch.Tensor:

@@ -10,13 +10,13 @@ from pathlib import Path
 import torch
 from torch.utils.data import Dataset
 
-from ..data import mix_seed
-from ..distributed import on_main_process_first
-from ..logs import show_progress
-from ..options import ConfigError, first_line
-from .augment import CropFlip
-from .images import decode_image_file, unreadable_reason
-from .names import IMAGE_DATASETS, is_hub_dataset
+from acceltrain.config.options import ConfigError, first_line
+from acceltrain.data.loaders import mix_seed
+from acceltrain.runtime.distributed import on_main_process_first
+from acceltrain.runtime.logs import show_progress
+from acceltrain.vision.augment import CropFlip
+from acceltrain.vision.images import decode_image_file, unreadable_reason
+from acceltrain.vision.names import IMAGE_DATASETS, is_hub_dataset
 
 # the plain logger: a recipe reads its data before Accelerate's state exists, which accelerate's logger needs
 logger = logging.getLogger(__name__)
@@ -88,7 +88,7 @@ class ImageClassification(Dataset):
     ):
         """``--data-on-device``: the whole set on ``device``, batches gathered and augmented there (see
         :class:`acceltrain.vision.DeviceImageLoader`)."""
-        from .device_loader import DeviceImageLoader
+        from acceltrain.vision.device_loader import DeviceImageLoader
 
         return DeviceImageLoader.from_dataset(
             self,
@@ -109,7 +109,7 @@ class ImageClassification(Dataset):
             return self
         import copy
 
-        from .device_loader import decoded_images
+        from acceltrain.vision.device_loader import decoded_images
 
         decoded = copy.copy(self)
         decoded.images = decoded_images(self.images, self.image_size, self.cache_dir, self.progress)
@@ -236,7 +236,7 @@ def image_datasets(
     with an image and a ClassLabel column (``uoft-cs/cifar10``; see :mod:`.hub_datasets`). Training samples get
     ``augment`` (default: crop with zero padding 4 + random flip); both are normalised with CIFAR-10 statistics.
     ``progress`` (``--progress``) decides the image-file check's and decode's bars."""
-    from .hub_datasets import hub_image_arrays
+    from acceltrain.vision.hub_datasets import hub_image_arrays
 
     augment = CropFlip() if augment is None else augment
     if is_hub_dataset(name):

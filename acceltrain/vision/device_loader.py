@@ -23,13 +23,13 @@ import torch
 from accelerate.logging import get_logger
 from accelerate.state import GradientState
 
-from ..accelerate_compat import LoaderStateMixin
-from ..data import EpochSampler
-from ..distributed import on_main_process_first, process_state
-from ..logs import show_progress
-from ..options import ConfigError, first_line
-from .augment import CropFlip
-from .images import decode_image_file
+from acceltrain.config.options import ConfigError, first_line
+from acceltrain.data.loaders import EpochSampler
+from acceltrain.runtime.accelerate_compat import LoaderStateMixin
+from acceltrain.runtime.distributed import on_main_process_first, process_state
+from acceltrain.runtime.logs import show_progress
+from acceltrain.vision.augment import CropFlip
+from acceltrain.vision.images import decode_image_file
 
 logger = get_logger(__name__)
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from ..distributed import on_main_process_first
-from ..options import ConfigError, first_line
+from acceltrain.config.options import ConfigError, first_line
+from acceltrain.runtime.distributed import on_main_process_first
 
 EVAL_SPLITS = ("test", "validation")
 
@@ -89,6 +89,6 @@ def _pixels(
 
 def _to_pixels(batch: dict, column: str, image_size: int) -> dict:
     """Dataset.map: PIL images -> RGB CHW uint8 arrays of ``image_size`` (converted as image files are)."""
-    from .images import rgb_chw
+    from acceltrain.vision.images import rgb_chw
 
     return {"pixels": [rgb_chw(image, image_size) for image in batch[column]]}

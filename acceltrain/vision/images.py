@@ -8,7 +8,7 @@ import stat
 
 import torch
 
-from ..options import ConfigError, first_line
+from acceltrain.config.options import ConfigError, first_line
 
 
 class UnreadableImage(ConfigError):

@@ -7,10 +7,10 @@ import torch
 from torch import nn
 from torchvision.models.resnet import BasicBlock
 
-from ..hub import loadable
-from ..options import ConfigError
-from .fast_net import FastCifarNet
-from .names import MODELS, RESNETS, STEMS
+from acceltrain.config.options import ConfigError
+from acceltrain.hf.hub import loadable
+from acceltrain.vision.fast_net import FastCifarNet
+from acceltrain.vision.names import MODELS, RESNETS, STEMS
 
 
 class TinyResNet(nn.Module):
@@ -58,7 +58,7 @@ def build_resnet(name: str, num_classes: int = 10, stem: str = "cifar") -> nn.Mo
 
 @loadable(
     "acceltrain.vision.build_model", pipeline_tag="image-classification"
-)  # acceltrain.hub.load_model() rebuilds it
+)  # acceltrain.hf.hub.load_model() rebuilds it
 def build_model(name: str, num_classes: int = 10, stem: str = "cifar") -> nn.Module:
     """Any of ``MODELS``, freshly initialised: a ResNet (:func:`build_resnet`) or the fast CIFAR net, which
     has its own stem."""

@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..data import mix_seed
-from ..options import ConfigError
+from acceltrain.config.options import ConfigError
+from acceltrain.data.loaders import mix_seed
 
 
 def whitening_images(dataset, count: int, *, seed: int) -> torch.Tensor:

@@ -45,9 +45,9 @@ def recording(hook):
     """``hook`` added to every run's hooks (before the built-in ones) while the context lasts."""
     import pytest
 
-    import acceltrain.loop
+    import acceltrain.train.loop
 
-    builtin = acceltrain.loop.builtin_hooks
+    builtin = acceltrain.train.loop.builtin_hooks
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(acceltrain.loop, "builtin_hooks", lambda cfg, **kwargs: [hook, *builtin(cfg, **kwargs)])
+        patch.setattr(acceltrain.train.loop, "builtin_hooks", lambda cfg, **kwargs: [hook, *builtin(cfg, **kwargs)])
         yield hook

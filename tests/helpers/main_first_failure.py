@@ -7,8 +7,8 @@ from pathlib import Path
 
 from accelerate import PartialState
 
-from acceltrain.config import ConfigError
-from acceltrain.distributed import on_main_process_first
+from acceltrain.config.options import ConfigError
+from acceltrain.runtime.distributed import on_main_process_first
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--fail-rank", type=int, required=True)

@@ -1,0 +1,1 @@
+"""The `acceltrain` command and its subcommands: bench, predict, merge, ray."""

@@ -1,0 +1,93 @@
+"""Training on a stream: a ``torch.utils.data.IterableDataset`` (Hugging Face ``load_dataset(...,
+streaming=True)`` is one) that need not fit in memory and has no length.
+
+What differs from a sized dataset, and why:
+
+- The run is planned by ``--max-steps``: without a length there are no epochs to count. A pass (an
+  epoch) ends when the stream does; the next pass starts it again after ``set_epoch(pass)``, which
+  reshuffles a Hugging Face stream's shards and buffer.
+- Sharding is Accelerate's ``IterableDatasetShard``: every process reads the stream and trains on its
+  slice of each ``batch size x processes`` samples, so no sample is trained on twice or skipped, every
+  process ends a pass at the same batch (a stream split by node can end unevenly and hang a
+  collective), and 2 processes at batch b train on what 1 process at batch 2b does. Not Accelerate's
+  default for streams, ``DataLoaderDispatcher`` (process 0 reads and sends the slices): on Accelerate
+  1.16 the position it checkpoints is one of its batches ahead of what was trained, so a resume would
+  skip samples.
+- Exact resume is torchdata's ``StatefulDataLoader``, through Accelerate's
+  ``DataLoaderConfiguration(use_stateful_dataloader=True)``: ``save_state`` records how many batches
+  each loader worker has yielded in this pass, and a resume re-reads the pass up to there (the loader's
+  fast-forward). The dataset's own ``state_dict()`` is hidden from the loader (:class:`Replayed`): a
+  Hugging Face stream's (datasets 5.2) through the loader drops samples with workers and the shuffle
+  buffer's content without them (``tests/test_streaming.py`` keeps that measured), and a resume must
+  be exact. Re-reading costs the time to read, not to train, the pass so far.
+- Accumulation windows run across a pass's end (Accelerate's ``sync_with_dataloader=False``): every
+  optimizer step covers ``batch size x processes x grad_accum`` samples, and a pass's end may fall
+  inside a window.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+from acceltrain.config.train_config import TrainConfig
+from acceltrain.data.loaders import loader_options
+from acceltrain.config.options import ConfigError
+
+
+def is_stream(dataset) -> bool:
+    return isinstance(dataset, IterableDataset)
+
+
+def check_stream(cfg: TrainConfig, train_set, eval_set) -> None:
+    """What a stream cannot do, one line each, before anything is prepared."""
+    name = type(train_set).__name__
+    if cfg.max_steps is None:
+        raise ConfigError(
+            f"the training set is a stream ({name}, an IterableDataset: no length, so no epochs to count): plan the "
+            f"run with --max-steps N (with --time-budget-minutes, the most it may train)"
+        )
+    for flag, on in (("--data-on-device", cfg.data_on_device), ("--auto-batch-size", cfg.auto_batch_size)):
+        if on:
+            raise ConfigError(f"{flag} needs a sized, indexable training set; {name} is a stream (an IterableDataset)")
+    if is_stream(eval_set):
+        raise ConfigError(
+            f"the eval set is a stream ({type(eval_set).__name__}): evaluation needs a sized one, e.g. its first N "
+            "samples in memory (datasets.Dataset.from_list(list(stream.take(N))))"
+        )
+
+
+def first_samples(dataset, count: int) -> list:
+    """The first ``count`` samples, indexed or streamed."""
+    if is_stream(dataset):
+        return list(itertools.islice(iter(dataset), count))
+    return [dataset[i] for i in range(min(count, len(dataset)))]
+
+
+class Replayed(IterableDataset):
+    """A stream without its own ``state_dict``, so that the stateful loader resumes it by re-reading (see
+    the module docstring); ``set_epoch`` still reaches it."""
+
+    def __init__(self, stream: IterableDataset):
+        self.stream = stream
+
+    def __iter__(self):
+        return iter(self.stream)
+
+    def set_epoch(self, epoch: int) -> None:
+        if hasattr(self.stream, "set_epoch"):
+            self.stream.set_epoch(epoch)
+
+
+def stream_loader(dataset: IterableDataset, *, batch_size: int, **options) -> DataLoader:
+    """Batches of a stream, the last incomplete one of each pass dropped; Accelerate makes it stateful and
+    dispatches it. ``options``: see :func:`acceltrain.data.loaders.loader_options`."""
+    return DataLoader(
+        Replayed(dataset),
+        batch_size=batch_size,
+        drop_last=True,
+        generator=torch.Generator(),  # see train_loader
+        **loader_options(**options),
+    )

@@ -1,0 +1,1 @@
+"""The Hugging Face side: the Hub, model cards, auto classes, LoRA adapters."""

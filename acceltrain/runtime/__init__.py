@@ -1,0 +1,1 @@
+"""What a launch runs on: processes and engines, the run folder, preemption, logs, honest metrics."""

@@ -1,0 +1,242 @@
+"""The accelerator for the launch's engine (one process, DDP, DeepSpeed, FSDP2), and what FSDP2 needs on any device,
+CPU processes over gloo included.
+
+Accelerate 1.16 turns a launch that asks for FSDP into ``DistributedType.FSDP`` only inside its multi-GPU
+branch (``AcceleratorState.__init__``): on CPU processes the plugin is left unused and the run is plain DDP,
+with no warning. Its FSDP2 path itself runs on CPU (``fully_shard`` over gloo, DCP checkpoints, full-weight
+gathering), so :func:`build_accelerator` lets Accelerate take that branch: while the ``Accelerator`` is built,
+the already-joined CPU state reads as multi-GPU, and Accelerate sets up FSDP as it would on GPUs (the plugin
+from the launch's ``FSDP_*`` settings, its mixed-precision policy, ``DistributedType.FSDP``). The device and
+the backend (CPU, gloo) were fixed when the processes joined.
+
+What is sharded is chosen per model (:func:`choose_wrap_policy`): a Hugging Face model wraps each transformer
+block it names in ``_no_split_modules``, any other model its modules of at least ``fsdp_min_num_params``
+parameters; the root module always holds the rest.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from accelerate.logging import get_logger
+from accelerate.utils import DistributedType
+from torch import nn
+
+from acceltrain.config.options import ConfigError
+from acceltrain.runtime.accelerate_compat import building_fsdp_on_cpu
+from acceltrain.runtime.distributed import forget_destroyed_groups, process_state, requested_engine, use_cpu
+
+logger = get_logger(__name__)
+
+
+def build_accelerator(on_cpu: bool, **kwargs):
+    """``Accelerator(cpu=on_cpu, **kwargs)``; in FSDP2 mode when the launch asks for FSDP on CPU processes. Its
+    ``end_training`` (trackers, then the process group) also lets go of the destroyed groups
+    (:func:`~acceltrain.runtime.distributed.forget_destroyed_groups`: FSDP2's mesh infos and DeviceMesh kept them)."""
+    Accelerator = _accelerator_class()
+    state = process_state()
+    if not (requested_engine() == DistributedType.FSDP and state.distributed_type == DistributedType.MULTI_CPU):
+        return Accelerator(cpu=on_cpu, **kwargs)
+    version = os.environ.get("FSDP_VERSION", "1")
+    if version != "2":
+        raise ConfigError(
+            f"fsdp_version {version} on CPU processes: FSDP1 needs GPUs; use fsdp_version: 2 "
+            "(accelerate_configs/fsdp_cpu.yaml)"
+        )
+    if not use_cpu(False):
+        raise ConfigError(
+            "FSDP on CPU processes of a machine with an accelerator: FSDP would build its device mesh on the "
+            "accelerator; train on it (accelerate_configs/fsdp.yaml), or use DDP on CPU (multi_cpu.yaml)"
+        )
+    with building_fsdp_on_cpu():
+        accelerator = Accelerator(cpu=True, **kwargs)
+    if not (
+        accelerator.distributed_type == DistributedType.FSDP
+        and accelerator.is_fsdp2
+        and accelerator.device.type == "cpu"
+    ):
+        raise ConfigError(
+            f"FSDP2 on CPU processes could not be set up (Accelerate set up {accelerator.distributed_type.value}): "
+            "use DDP on CPU (multi_cpu.yaml)"
+        )
+    if accelerator.num_processes == 1:
+        logger.warning(
+            "FSDP on 1 process shards nothing (each process holds 1/N of each sharded tensor): it runs, so that a "
+            "sharded checkpoint can continue on one process; to save memory, launch more processes"
+        )
+    return accelerator
+
+
+def _accelerator_class():
+    """Accelerate's ``Accelerator``, its ``end_training`` followed by :func:`forget_destroyed_groups`."""
+    from accelerate import Accelerator
+
+    class TrainingAccelerator(Accelerator):
+        def end_training(self):
+            import torch.distributed as dist
+
+            had_group = dist.is_available() and dist.is_initialized()
+            super().end_training()
+            if had_group:  # one process has none: nothing to let go of (and the search costs ~0.1 s)
+                forget_destroyed_groups()
+
+    return TrainingAccelerator
+
+
+def choose_wrap_policy(accelerator, model: nn.Module) -> str | None:
+    """Set the FSDP plugin's auto-wrap policy for ``model`` before ``prepare`` (a note for the log, or None when
+    not under FSDP). A transformer's blocks are its ``_no_split_modules``; wrapping by size would try to shard
+    its ``ModuleList`` of blocks, which ``fully_shard`` refuses (a container without ``forward``)."""
+    from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy, transformer_auto_wrap_policy
+
+    if accelerator.distributed_type != DistributedType.FSDP:
+        return None
+    plugin = accelerator.state.fsdp_plugin
+    blocks = _transformer_blocks(model)
+    if plugin.auto_wrap_policy is None and not os.environ.get("FSDP_AUTO_WRAP_POLICY"):
+        plugin.auto_wrap_policy = transformer_auto_wrap_policy if blocks else size_based_auto_wrap_policy
+    elif plugin.auto_wrap_policy is size_based_auto_wrap_policy and blocks:
+        plugin.auto_wrap_policy = transformer_auto_wrap_policy
+    elif (
+        plugin.auto_wrap_policy is transformer_auto_wrap_policy
+        and not blocks
+        and not plugin.transformer_cls_names_to_wrap
+    ):
+        plugin.auto_wrap_policy = size_based_auto_wrap_policy
+    if plugin.auto_wrap_policy is transformer_auto_wrap_policy:
+        if not plugin.transformer_cls_names_to_wrap:  # Accelerate would take every _no_split_modules class
+            plugin.transformer_cls_names_to_wrap = blocks
+        names = plugin.transformer_cls_names_to_wrap
+        return f"FSDP shards each {', '.join(names)} (the model's transformer blocks) and the root module"
+    if plugin.auto_wrap_policy is size_based_auto_wrap_policy:
+        return f"FSDP shards each module of at least {plugin.min_num_params:,} parameters and the root module"
+    return "FSDP shards the root module as one unit (fsdp_auto_wrap_policy: NO_WRAP)"
+
+
+def _transformer_blocks(model: nn.Module) -> list[str]:
+    """The class names in the model's ``_no_split_modules`` that it has (Transformers lists some it may lack), but
+    one that holds the input embeddings (BERT's ``BertEmbeddings``): Accelerate shards the input embeddings as a unit
+    of their own after the blocks, which fails on an embedding already sharded inside one."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    get_embeddings = getattr(model, "get_input_embeddings", None)
+    embeddings = get_embeddings() if callable(get_embeddings) else None
+    holders = {
+        type(module).__name__
+        for module in model.modules()
+        if embeddings is not None and module is not embeddings and any(sub is embeddings for sub in module.modules())
+    }
+    return sorted(({type(module).__name__ for module in model.modules()} & names) - holders)
+
+
+def average_reduction_works(group=None) -> bool:
+    """Whether ``reduce_scatter`` with ``ReduceOp.AVG``, which FSDP2 uses for the gradients, averages on this
+    backend: gloo is reported to sum instead (pytorch#162338, open; not seen with torch 2.14.1), which would
+    double the gradients of 2 processes silently."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size(group)
+    mine = torch.full((world,), float(dist.get_rank(group) + 1))
+    out = torch.zeros(1)
+    dist.reduce_scatter_tensor(out, mine, op=dist.ReduceOp.AVG, group=group)
+    return abs(out.item() - (world + 1) / 2) < 1e-6
+
+
+def guard_gradient_average(accelerator, model: nn.Module) -> str | None:
+    """After ``prepare`` under FSDP on gloo: when the backend's AVG sums (:func:`average_reduction_works`), every
+    FSDP unit reduces with SUM and divides (``set_force_sum_reduction_for_comms``, which is not recursive)."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
+
+    if (
+        accelerator.distributed_type != DistributedType.FSDP
+        or dist.get_backend() != "gloo"
+        or accelerator.num_processes == 1
+    ):
+        return None
+    if average_reduction_works():
+        return None
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_force_sum_reduction_for_comms(True)
+    return "gloo's ReduceOp.AVG sums here (pytorch#162338): FSDP reduces gradients with SUM and divides instead"
+
+
+def keep_norms_in_fp32(accelerator, model: nn.Module, optimizer) -> str | None:
+    """Before ``prepare`` under FSDP with mixed precision: each normalisation layer that keeps running statistics
+    (BatchNorm) becomes an FSDP unit of its own whose parameters stay in fp32. FSDP would cast its weight to bf16 while
+    its running statistics stay fp32, which ``batch_norm`` refuses; in fp32 it takes the bf16 activations as they come
+    (as under autocast, on CPU and GPU alike). Accelerate's own wrapping then leaves these units alone; the optimizer
+    is given the sharded parameters in place of the ones it held (Accelerate maps the others itself)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    if accelerator.distributed_type != DistributedType.FSDP or accelerator.mixed_precision == "no":
+        return None
+    norms = [module for module in model.modules() if _keeps_running_statistics(module)]
+    if not norms:
+        return None
+    plugin = accelerator.state.fsdp_plugin
+    policy = plugin.mixed_precision_policy or MixedPrecisionPolicy()
+    fp32 = MixedPrecisionPolicy(
+        param_dtype=None, reduce_dtype=policy.reduce_dtype, output_dtype=None, cast_forward_inputs=False
+    )
+    before = {id(param): (norm, name) for norm in norms for name, param in norm.named_parameters(recurse=False)}
+    for norm in norms:
+        fully_shard(
+            norm, reshard_after_forward=plugin.reshard_after_forward, offload_policy=plugin.cpu_offload, mp_policy=fp32
+        )
+    for group in optimizer.param_groups:
+        group["params"] = [getattr(*before[id(p)]) if id(p) in before else p for p in group["params"]]
+    return (
+        f"FSDP keeps the {len(norms)} normalisation layers with running statistics in fp32 under "
+        f"{accelerator.mixed_precision}"
+    )
+
+
+def share_norm_statistics(accelerator, model: nn.Module) -> str | None:
+    """After ``prepare`` under FSDP on several processes: the running statistics of normalisation layers (BatchNorm)
+    are rank 0's on every process after each training forward, as DDP makes them (its buffer broadcast). FSDP leaves
+    buffers alone, so each process would keep statistics of its own batches: a checkpoint (DCP keeps one copy of a
+    replicated tensor) and the exported weights would hold one process's, and a resume would continue the others
+    from them."""
+    import torch.distributed as dist
+
+    if accelerator.distributed_type != DistributedType.FSDP or accelerator.num_processes == 1:
+        return None
+    buffers = [
+        buffer
+        for module in model.modules()
+        if _keeps_running_statistics(module)
+        for buffer in module.buffers(recurse=False)
+    ]
+    if not buffers:
+        return None
+
+    def broadcast_from_rank_0(module, args, output):
+        if module.training:
+            for buffer in buffers:
+                dist.broadcast(buffer, src=0)
+
+    model.register_forward_hook(broadcast_from_rank_0)
+    return "FSDP: the normalisation layers' running statistics are rank 0's on every process, as under DDP"
+
+
+def _keeps_running_statistics(module: nn.Module) -> bool:
+    return isinstance(module, nn.modules.batchnorm._NormBase) and module.track_running_stats
+
+
+def parameters_held(model: nn.Module) -> dict[str, int]:
+    """The model's parameters and how many of them this process holds: equal under DDP, about 1/N of each
+    sharded tensor under FSDP (a DTensor's local shard) and DeepSpeed ZeRO-3 (its partition)."""
+    total = held = 0
+    for param in model.parameters():
+        total += getattr(param, "ds_numel", param.numel())
+        local = getattr(param, "ds_tensor", None)
+        held += (
+            local.numel()
+            if local is not None
+            else param.to_local().numel()
+            if hasattr(param, "to_local")
+            else param.numel()
+        )
+    return {"parameters": total, "parameters_per_process": held}

@@ -1,0 +1,1 @@
+"""The loop and what it trains with: prepare, progress, the hooks' view, tasks, optimizers, speed, export."""
