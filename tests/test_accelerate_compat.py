@@ -76,7 +76,7 @@ def test_mark_loader_finished_is_the_key_torchdata_resumes_a_finished_pass_from(
     )
 
 
-def test_the_file_names_that_tell_an_older_checkpoints_engine():
+def test_the_file_names_of_accelerates_checkpoint_parts():
     from accelerate.utils import constants
 
     assert (constants.MODEL_NAME, constants.FSDP_MODEL_NAME, constants.OPTIMIZER_NAME, constants.SAFE_WEIGHTS_NAME) == (
@@ -84,7 +84,7 @@ def test_the_file_names_that_tell_an_older_checkpoints_engine():
         "pytorch_model_fsdp",
         "optimizer",
         "model.safetensors",
-    ), "engine_from_file_names: Accelerate renamed its files"
+    ), "checkpoint.state_dicts: Accelerate renamed its files"
 
 
 def test_building_fsdp_on_cpu_switches_the_shared_state_it_relies_on():

@@ -222,7 +222,7 @@ def test_what_fsdp_cannot_resume_or_run_is_one_line(tmp_path, runs):
     with pytest.raises(
         CheckpointError, match="holds FSDP model and optimizer state and this run is DEEPSPEED: resume it under FSDP"
     ):
-        Checkpointer._check_engine(under_deepspeed, sharded, verify_checkpoint(sharded)[0])
+        Checkpointer._check_engine(under_deepspeed, sharded, verify_checkpoint(sharded))
     # another model with the same settings (a base folder replaced): a BatchNorm added, the config change allowed
     other = tmp_path / "other-model"
     continue_from(sharded, other)

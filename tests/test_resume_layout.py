@@ -160,13 +160,6 @@ def state(**layout) -> RunState:
     )
 
 
-def test_a_checkpoint_from_before_0_2_resumes_only_on_its_own_layout(tmp_path):
-    old = state(num_processes=0, batches_per_epoch=0)
-    old.check_compatible(state(num_processes=2), tmp_path)  # its own layout: as before
-    with pytest.raises(CheckpointError, match="predates acceltrain 0.2"):
-        old.check_compatible(state(global_batch_size=4, grad_accum=4, num_processes=1, batches_per_epoch=24), tmp_path)
-
-
 def test_the_position_in_the_epoch_is_counted_in_the_new_layouts_batches():
     saved = state(step=3, batch_in_epoch=6)  # 3 steps of 2 micro-batches on each of 2 processes: 48 samples
     moved = saved.in_layout(state(global_batch_size=4, grad_accum=4, num_processes=1, batches_per_epoch=24))

@@ -5,7 +5,6 @@ reports the training loss itself; and a checkpoint written before RunState still
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import inspect
 import json
 from pathlib import Path
@@ -113,71 +112,3 @@ def test_an_early_finish_reports_the_loss_since_the_last_training_log_row(tmp_pa
     assert run_tiny(tmp_path / "second", "--log-every", "2", hooks=[FinishAt(5)]) == 0
     row = {row["step"]: row["loss"] for row in read_events(tmp_path / "every") if "loss" in row}
     assert read_summary(tmp_path / "second")["train_loss"] == pytest.approx(row[5], rel=1e-6) != row[4]
-
-
-# trainer_state.json as acceltrain 0.1 wrote it, in its order: two names since changed or moved into hooks
-OLD_FIELDS = [
-    "step",
-    "epoch",
-    "batches_in_epoch",
-    "samples_seen",
-    "train_seconds",
-    "best_metric",
-    "best_checkpoint",
-    "last_eval",
-    "tracker_run_id",
-    "scheduler",
-    "hooks",
-    "loss_sum",
-    "loss_count",
-    "config",
-    "config_changes",
-    "seed",
-    "global_batch_size",
-    "grad_accum",
-    "train_samples",
-]
-
-
-def write_as_before_run_state(checkpoint: Path, best_checkpoint: str, tracker_run_id: str) -> None:
-    """Rewrite ``checkpoint`` as acceltrain 0.1 did: batches_in_epoch, the best checkpoint and the W&B run id
-    among the run's fields, no state files for the built-in hooks; and its manifest to match."""
-    new = json.loads((checkpoint / "trainer_state.json").read_text())
-    builtin = ("CheckpointSchedule", "Trackers")
-    old = {
-        **new,
-        "batches_in_epoch": new["batch_in_epoch"],
-        "best_checkpoint": best_checkpoint,
-        "tracker_run_id": tracker_run_id,
-        "hooks": [name for name in new["hooks"] if name not in builtin],
-    }
-    (checkpoint / "trainer_state.json").write_text(json.dumps({name: old[name] for name in OLD_FIELDS}, indent=2))
-    for name in builtin:
-        for suffix in (".json", ".safetensors"):
-            (checkpoint / "hooks" / f"{name}{suffix}").unlink()
-    (checkpoint / "hooks").rmdir()  # 0.1 made the folder only for stateful hooks
-    manifest = {}
-    for file in sorted(p for p in checkpoint.rglob("*") if p.is_file() and p.name != "COMPLETE"):
-        manifest[str(file.relative_to(checkpoint))] = {
-            "bytes": file.stat().st_size,
-            "sha256": hashlib.sha256(file.read_bytes()).hexdigest(),
-        }
-    (checkpoint / "COMPLETE").write_text(json.dumps(manifest, indent=1))
-
-
-@pytest.mark.slow
-def test_a_checkpoint_written_before_run_state_resumes_exactly_with_its_best_checkpoint_and_tracker_run(tmp_path):
-    full, part = tmp_path / "full", tmp_path / "part"
-    assert run_tiny(full) == 0
-    assert run_tiny(part, "--stop-after-steps", "5", "--save-every-steps", "4") == 75
-    newest = complete_checkpoints(part)[-1]
-    write_as_before_run_state(newest, best_checkpoint="step_00000004", tracker_run_id="wandb-run-of-0.1")
-    assert run_tiny(part, "--resume", "auto", "--save-every-steps", "3", "--keep-last", "1") == 0
-    assert (part / "model.safetensors").read_bytes() == (full / "model.safetensors").read_bytes()
-    assert read_summary(part)["resumed_from_step"] == 5
-    last = complete_checkpoints(part)[-1]
-    assert [path.name for path in complete_checkpoints(part)] == ["step_00000004", "step_00000012"], (
-        "the best one is never rotated"
-    )
-    assert json.loads((last / "hooks" / "CheckpointSchedule.json").read_text()) == {"best_checkpoint": "step_00000004"}
-    assert json.loads((last / "hooks" / "Trackers.json").read_text()) == {"run_id": "wandb-run-of-0.1"}

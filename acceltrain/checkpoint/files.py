@@ -118,9 +118,8 @@ def _out_of_space(err: Exception) -> bool:
     return "file write failed" in str(err) or "No space left" in str(err)
 
 
-def verify_checkpoint(path: Path) -> tuple[RunState, dict[str, dict]]:
-    """The checkpoint's run state and the hook states it keeps in it (:data:`MOVED_TO_HOOKS`), after checking
-    every file against the manifest; else CheckpointError."""
+def verify_checkpoint(path: Path) -> RunState:
+    """The checkpoint's run state, after checking every file against the manifest; else CheckpointError."""
     if not path.is_dir():
         raise CheckpointError(f"--resume {str(path)!r}: no such checkpoint folder")
     marker = path / COMPLETE_FILE
@@ -180,17 +179,17 @@ def complete_checkpoints(output_dir: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(_CHECKPOINT_NAME.fullmatch(p.name).group(1)))
 
 
-def find_resume_checkpoint(resume: str, output_dir: Path, warn) -> tuple[Path, RunState, dict[str, dict]] | None:
+def find_resume_checkpoint(resume: str, output_dir: Path, warn) -> tuple[Path, RunState] | None:
     """``--resume PATH``: that checkpoint or a one-line error. ``--resume auto``: the newest checkpoint
     that verifies, warning about (and skipping) newer broken ones; None when there is none. With the
-    checkpoint: its run state and the hook states kept in it (see :func:`verify_checkpoint`)."""
+    checkpoint: its run state (see :func:`verify_checkpoint`)."""
     if resume != "auto":
         path = Path(resume)
-        return path, *verify_checkpoint(path)
+        return path, verify_checkpoint(path)
     candidates = list(reversed(complete_checkpoints(output_dir)))
     for path in candidates:
         try:
-            return path, *verify_checkpoint(path)
+            return path, verify_checkpoint(path)
         except CheckpointError as err:
             warn(f"skipping checkpoint: {err}")
     return None
@@ -225,11 +224,6 @@ def rotate_checkpoints(output_dir: Path, keep_last: int | None, best: str | None
 
 
 def checkpoint_engine(path: Path, state: RunState | None = None) -> str:
-    """The engine that wrote checkpoint ``path``: "DDP" (whole state dicts, as DDP and one process write them),
-    "FSDP" or "DeepSpeed", as its trainer state records it (guessed from Accelerate's file names for a checkpoint
-    older than that field). Each loads only under its own engine."""
-    from acceltrain.runtime.accelerate_compat import engine_from_file_names
-
-    if state is None:
-        state = read_state(path / STATE_FILE)[0]
-    return state.engine or engine_from_file_names(path)
+    """The engine that wrote checkpoint ``path``, as its trainer state records it: "DDP" (whole state dicts, as DDP
+    and one process write them), "FSDP" or "DeepSpeed". Each loads only under its own engine."""
+    return (state or read_state(path / STATE_FILE)).engine

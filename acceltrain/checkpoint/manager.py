@@ -181,7 +181,7 @@ class Checkpointer:
         continues this run, and load it: the model, optimizer, grad scaler and RNG (Accelerate's ``load_state``),
         the scheduler, the loop's state and the hooks' states. False when the run in the folder finished at that
         checkpoint: nothing to do."""
-        path, saved, kept_in_state = self._agreed_checkpoint(
+        path, saved = self._agreed_checkpoint(
             lambda: find_resume_checkpoint(self.cfg.resume, self.output_dir, warn=logger.warning)
         )
         finished = finished_steps(self.output_dir)
@@ -221,9 +221,9 @@ class Checkpointer:
                 "new --output-dir"
             )
         check_scheduler_state(saved.scheduler, self.scheduler.state_dict(), saved.step, path)
-        check_loadable_without_code(path, digests_required=bool(saved.engine))
+        check_loadable_without_code(path, digests_required=True)
         self._check_shards_fit(path)
-        self.hooks.load_states(path, saved.hooks, kept_in_state)
+        self.hooks.load_states(path, saved.hooks)
         fresh = [
             {key: value for key, value in group.items() if key != "params"} for group in self.optimizer.param_groups
         ]
@@ -255,8 +255,8 @@ class Checkpointer:
         Refused in one line that keeps every checkpoint: another checkpoint's weights exported instead would be
         silently wrong."""
         try:
-            _, saved, _ = self._agreed_checkpoint(lambda: (path, *verify_checkpoint(_present(path))))
-            check_loadable_without_code(path, digests_required=bool(saved.engine))
+            _, saved = self._agreed_checkpoint(lambda: (path, verify_checkpoint(_present(path))))
+            check_loadable_without_code(path, digests_required=True)
             self._load(path)
         except ConfigError as err:
             raise CheckpointError(
@@ -266,26 +266,26 @@ class Checkpointer:
             ) from None
         logger.info(f"the run folder's weights are those of {path}")
 
-    def _agreed_checkpoint(self, find: Callable[[], tuple | None]) -> tuple[Path | None, RunState | None, dict]:
+    def _agreed_checkpoint(self, find: Callable[[], tuple | None]) -> tuple[Path | None, RunState | None]:
         """The checkpoint ``find`` finds and verifies (:func:`.files.verify_checkpoint`) on the main process, with
-        its state and the hook states kept in it, the same on every process; or its one-line error on every one."""
+        its state, the same on every process; or its one-line error on every one."""
         from accelerate.utils import broadcast_object_list
 
-        found = [None, None, None, None]  # path, state fields, hook states kept in them, error
+        found = [None, None, None]  # path, state fields, error
         if self.accelerator.is_main_process:
             try:
                 hit = find()
                 if hit is not None:
-                    found[:3] = [str(hit[0]), dataclasses.asdict(hit[1]), hit[2]]
+                    found[:2] = [str(hit[0]), dataclasses.asdict(hit[1])]
             except ConfigError as err:
-                found[3] = str(err)
+                found[2] = str(err)
         broadcast_object_list(found, from_process=0)
-        path, fields, kept_in_state, error = found
+        path, fields, error = found
         if error:
             raise ConfigError(error)
         if path is None:
-            return None, None, {}
-        return Path(path), RunState(**fields), kept_in_state
+            return None, None
+        return Path(path), RunState(**fields)
 
     def _load(self, path: Path) -> None:
         """Accelerate's ``load_state``: every ``torch.load`` without running code; a model or optimizer that does not

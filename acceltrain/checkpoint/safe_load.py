@@ -83,7 +83,7 @@ def check_loadable_without_code(path: Path, *, digests_required: bool = False) -
     if digests is None and digests_required and any(path.glob(f"*/{DCP_METADATA}")):
         raise CheckpointError(
             f"checkpoint {str(path)!r} holds DCP shards without {SHARD_DIGESTS_FILE}, which every sharded "
-            "checkpoint of its version records; refusing to resume from it"
+            "checkpoint records; refusing to resume from it"
         )
     with torch.serialization.safe_globals(_allowed_globals()):
         for file in sorted(
@@ -155,7 +155,7 @@ def shard_digests(checkpoint: Path) -> dict[str, str]:
 
 
 def read_shard_digests(path: Path) -> dict[str, str] | None:
-    """The checkpoint's recorded item digests, or None when it records none (written before acceltrain 0.4)."""
+    """The checkpoint's recorded item digests, or None when it records none (no DCP shards, or removed)."""
     file = path / SHARD_DIGESTS_FILE
     if not file.is_file():
         return None

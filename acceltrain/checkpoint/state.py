@@ -11,7 +11,8 @@ from pathlib import Path
 from acceltrain.config.options import ConfigError, parse_json, shorten
 
 STATE_FILE = "trainer_state.json"  # a checkpoint's RunState
-ENGINE_NAMES = ("", "DDP", "FSDP", "DeepSpeed")  # "": a checkpoint written before the field
+ENGINE_NAMES = ("DDP", "FSDP", "DeepSpeed")  # DDP: whole state dicts, as DDP and one process write them
+FORMAT_VERSION = 1  # trainer_state.json's format: a newer one is refused; an older one goes through migrate()
 
 
 class CheckpointError(ConfigError):
@@ -26,6 +27,7 @@ class RunState:
     memory and on disk. The data order and the augmentation need nothing more: both derive from (seed,
     epoch, index)."""
 
+    format_version: int = FORMAT_VERSION
     # kept current as the run trains
     step: int = 0
     epoch: int = 0
@@ -48,21 +50,21 @@ class RunState:
     global_batch_size: int = 0  # samples of one micro-step over all processes: batch size x processes
     grad_accum: int = 1
     train_samples: int = 0
-    data_fingerprint: str | None = None  # the training set's fingerprint, when it has one (acceltrain 0.3)
-    num_processes: int = 0  # 0: not recorded (written before acceltrain 0.2)
-    batches_per_epoch: int = 0  # per process; 0: not recorded
-    engine: str = (
-        ""  # the engine that wrote the model and optimizer state: DDP, FSDP or DeepSpeed; "": not recorded (before 0.4)
-    )
+    data_fingerprint: str | None = None  # the training set's fingerprint, when it has one
+    num_processes: int = 1
+    batches_per_epoch: int = 0  # per process; 0: a stream, whose passes end when the stream does
+    engine: str = "DDP"  # the engine that wrote the model and optimizer state: one of ENGINE_NAMES
 
     @property
     def samples_per_step(self) -> int:
         return self.global_batch_size * self.grad_accum
 
     def layout(self) -> str:
-        batch = self.global_batch_size // self.num_processes if self.num_processes else self.global_batch_size
-        processes = f"{self.num_processes} processes x batch {batch}" if self.num_processes else f"global batch {batch}"
-        return f"{processes} x grad_accum {self.grad_accum} = {self.samples_per_step} samples per optimizer step"
+        batch = self.global_batch_size // self.num_processes
+        return (
+            f"{self.num_processes} processes x batch {batch} x grad_accum {self.grad_accum} = {self.samples_per_step} "
+            "samples per optimizer step"
+        )
 
     def check_compatible(self, current: "RunState", path: Path) -> None:
         """Refuse what would not continue the same run. Another layout (process count, batch size,
@@ -87,15 +89,10 @@ class RunState:
                 )
         if not self.relayout(current):
             return
-        if self.num_processes and not self.batches_per_epoch:
+        if not self.batches_per_epoch:
             raise CheckpointError(
                 f"checkpoint {str(path)!r} was written with {self.layout()}, this run has {current.layout()}, and it "
                 "trained on a stream, whose loader position is recorded per layout: resume with its layout"
-            )
-        if not (self.num_processes and self.batches_per_epoch):
-            raise CheckpointError(
-                f"checkpoint {str(path)!r} was written with {self.layout()}, this run has {current.layout()}, and "
-                "it predates acceltrain 0.2, which records what another layout needs: resume with its layout"
             )
         if self.samples_per_step != current.samples_per_step:
             per_process = current.global_batch_size  # batch size x processes of this run
@@ -119,8 +116,10 @@ class RunState:
 
     def relayout(self, current: "RunState") -> bool:
         """Whether ``current`` trains on another layout than this checkpoint's."""
-        return (self.global_batch_size, self.grad_accum) != (current.global_batch_size, current.grad_accum) or (
-            self.num_processes and self.num_processes != current.num_processes
+        return (self.global_batch_size, self.grad_accum, self.num_processes) != (
+            current.global_batch_size,
+            current.grad_accum,
+            current.num_processes,
         )
 
     def in_layout(self, current: "RunState") -> "RunState":
@@ -136,8 +135,6 @@ class RunState:
     def contradiction(self) -> str | None:
         """What in these fields contradicts the rest (a hand-edited trainer_state.json), or None. A checkpoint
         sits at an optimizer-step boundary, so its place in the data and its sample count follow from its step."""
-        if not self.num_processes:  # written before acceltrain 0.2: no batches_per_epoch to check against
-            return None
         micro_batches = self.step * self.grad_accum
         if not self.batches_per_epoch:  # a stream: every step a full window; a pass holds at least one batch
             if self.samples_seen != self.step * self.samples_per_step:
@@ -181,14 +178,6 @@ def _finite_non_negative(value) -> bool:
     return _is_number(value) and math.isfinite(value) and value >= 0
 
 
-# Checkpoints written before RunState (acceltrain 0.1) name one field otherwise, and keep two built-in
-# hooks' states among the run's: they load as the hooks' states.
-RENAMED_FIELDS = {"batches_in_epoch": "batch_in_epoch"}
-MOVED_TO_HOOKS = {
-    "best_checkpoint": ("CheckpointSchedule", "best_checkpoint"),
-    "tracker_run_id": ("Trackers", "run_id"),
-}
-
 # What each trainer_state.json field may hold, as (test, what is allowed): a tampered value (a negative step,
 # a string count) would otherwise train from it, or fail deep inside the loop.
 _FIELD_CHECKS = {
@@ -202,20 +191,17 @@ _FIELD_CHECKS = {
             "seed",
             "global_batch_size",
             "train_samples",
-            "num_processes",
             "batches_per_epoch",
-            *RENAMED_FIELDS,
         )
     },
+    "format_version": (lambda v: is_count(v) and v >= 1, "an integer >= 1"),
+    "num_processes": (lambda v: is_count(v) and v >= 1, "an integer >= 1"),
     "grad_accum": (lambda v: is_count(v) and v >= 1, "an integer >= 1"),
     "train_seconds": (_finite_non_negative, "a finite number >= 0"),
     "loss_count": (_finite_non_negative, "a finite number >= 0"),
     "loss_sum": (lambda v: _is_number(v) and math.isfinite(v), "a finite number"),
     "best_metric": (lambda v: v is None or _is_number(v), "a number or null"),
-    **{
-        name: (lambda v: v is None or isinstance(v, str), "a string or null")
-        for name in (*MOVED_TO_HOOKS, "data_fingerprint")
-    },
+    **{name: (lambda v: v is None or isinstance(v, str), "a string or null") for name in ("data_fingerprint",)},
     **{
         name: (lambda v: isinstance(v, dict), "a JSON object")
         for name in ("last_eval", "scheduler", "config", "config_changes")
@@ -223,15 +209,10 @@ _FIELD_CHECKS = {
     "hooks": (lambda v: isinstance(v, list) and all(isinstance(n, str) for n in v), "a list of hook names"),
     "engine": (lambda v: v in ENGINE_NAMES, f"one of {', '.join(map(repr, ENGINE_NAMES))}"),
 }
-# Every trainer_state.json since acceltrain 0.1 holds these (0.2 added num_processes and batches_per_epoch, whose
-# 0 means "not recorded", 0.3 data_fingerprint): a missing one is tampering, never a default (a step-4 checkpoint
-# "at step 0").
-REQUIRED_FIELDS = tuple(
-    name
-    for name in (field.name for field in dataclasses.fields(RunState))
-    if name not in ("num_processes", "batches_per_epoch", "data_fingerprint", "engine")
-)
-# The settings that change the maths, in every checkpoint's config since 0.1: "config": {} would skip the comparison
+# Every field is in every trainer_state.json of this format: a missing one is tampering, never a default (a step-4
+# checkpoint "at step 0").
+REQUIRED_FIELDS = tuple(field.name for field in dataclasses.fields(RunState))
+# The settings that change the maths, in every checkpoint's config: "config": {} would skip the comparison
 REQUIRED_CONFIG = (
     "seed",
     "batch_size",
@@ -249,9 +230,26 @@ REQUIRED_CONFIG = (
 )
 
 
-def read_state(state_file: Path) -> tuple[RunState, dict[str, dict]]:
-    """``trainer_state.json``'s fields, every one checked for type and range, as a RunState and the hook
-    states an older checkpoint keeps among them (by hook name)."""
+def migrate(fields: dict, state_file: Path) -> dict:
+    """``trainer_state.json``'s fields in this acceltrain's format (:data:`FORMAT_VERSION`): a newer format is refused
+    in one line; an older one is brought up to date here, one step per version, when a release changes the format
+    (none has yet: 1 is the first)."""
+    version = fields.get("format_version")
+    if not is_count(version) or version < 1:
+        raise CheckpointError(
+            f"checkpoint file {str(state_file)!r}: format_version is {shorten(version)}; it must be an integer >= 1 "
+            "(a checkpoint of a development build before the first release has none: start a new --output-dir)"
+        )
+    if version > FORMAT_VERSION:
+        raise CheckpointError(
+            f"checkpoint file {str(state_file)!r} is of format {version}, written by a newer acceltrain; this one "
+            f"reads format {FORMAT_VERSION} and older: upgrade acceltrain to resume it"
+        )
+    return fields
+
+
+def read_state(state_file: Path) -> RunState:
+    """``trainer_state.json``'s fields, migrated to this format, every one checked for type and range."""
     try:
         fields = parse_json(state_file.read_text())
     except (OSError, ValueError):
@@ -260,6 +258,7 @@ def read_state(state_file: Path) -> tuple[RunState, dict[str, dict]]:
         raise CheckpointError(
             f"checkpoint file {str(state_file)!r} is malformed: a JSON {type(fields).__name__}, not an object"
         )
+    fields = migrate(fields, state_file)
     unknown = sorted(set(fields) - set(_FIELD_CHECKS))
     if unknown:
         raise CheckpointError(
@@ -272,17 +271,10 @@ def read_state(state_file: Path) -> tuple[RunState, dict[str, dict]]:
             raise CheckpointError(
                 f"checkpoint file {str(state_file)!r}: {name} is {shorten(value)}; it must be {allowed}"
             )
-    for old, new in RENAMED_FIELDS.items():
-        if old in fields and new in fields:
-            raise CheckpointError(
-                f"checkpoint file {str(state_file)!r} has both {new} and {old}, its older name: keep one"
-            )
-    named = {RENAMED_FIELDS.get(name, name) for name in fields}
-    missing = [name for name in REQUIRED_FIELDS if name not in named]
+    missing = [name for name in REQUIRED_FIELDS if name not in fields]
     if missing:
         raise CheckpointError(
-            f"checkpoint file {str(state_file)!r} lacks {', '.join(missing)}: every checkpoint since acceltrain 0.1 "
-            "holds them"
+            f"checkpoint file {str(state_file)!r} lacks {', '.join(missing)}: every checkpoint holds them"
         )
     missing = [name for name in REQUIRED_CONFIG if name not in fields["config"]]
     if missing:
@@ -290,15 +282,11 @@ def read_state(state_file: Path) -> tuple[RunState, dict[str, dict]]:
             f"checkpoint file {str(state_file)!r}: config lacks {', '.join(missing[:5])}: it must hold the resolved "
             "config the checkpoint was written with (a resume compares it)"
         )
-    hook_states: dict[str, dict] = {}
-    for field, (hook, key) in MOVED_TO_HOOKS.items():
-        if field in fields:
-            hook_states.setdefault(hook, {})[key] = fields.pop(field)
-    state = RunState(**{RENAMED_FIELDS.get(name, name): value for name, value in fields.items()})
+    state = RunState(**fields)
     contradiction = state.contradiction()
     if contradiction:
         raise CheckpointError(f"checkpoint file {str(state_file)!r} contradicts itself: {contradiction}")
-    return state, hook_states
+    return state
 
 
 def check_scheduler_state(saved: dict, fresh: dict, step: int, path: Path) -> None:

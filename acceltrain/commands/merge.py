@@ -33,7 +33,7 @@ def merge(checkpoint: Path, out: Path) -> Path:
 
     _check_is_checkpoint(checkpoint)
     verify_checkpoint(checkpoint)
-    check_loadable_without_code(checkpoint)
+    check_loadable_without_code(checkpoint, digests_required=True)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"OUT {str(out)!r} exists and is not an empty folder: choose a new one")
     engine = checkpoint_engine(checkpoint)

@@ -196,14 +196,12 @@ class Hooks:
             )
         return list(encoded)
 
-    def load_states(self, folder: Path, saved: list[str], kept_elsewhere: dict[str, dict] | None = None) -> None:
-        """Give each stateful hook its state from ``folder`` (``saved``: the names there), or from
-        ``kept_elsewhere`` (by name: the states an older checkpoint kept in its trainer state); a different
-        set of hooks is a ConfigError."""
+    def load_states(self, folder: Path, saved: list[str]) -> None:
+        """Give each stateful hook its state from ``folder`` (``saved``: the names there); a different set of hooks
+        is a ConfigError."""
         from safetensors.torch import load_file
 
-        kept_elsewhere = kept_elsewhere or {}
-        held, have = {*saved, *kept_elsewhere}, set(self.stateful)
+        held, have = set(saved), set(self.stateful)
         if held != have:
             said = (
                 [f"holds the state of hooks [{', '.join(sorted(held - have))}] that this run does not have"]
@@ -224,8 +222,6 @@ class Hooks:
                 raise ConfigError(
                     f"checkpoint {str(folder)!r}: the state of hook {name!r} is unreadable ({first_line(err, 200)})"
                 ) from None
-            self.stateful[name].load_state_dict(state)
-        for name, state in kept_elsewhere.items():
             self.stateful[name].load_state_dict(state)
 
 

@@ -49,17 +49,6 @@ def mark_loader_finished(loader) -> None:
     loader.dl_state_dict["_iterator_finished"] = True
 
 
-def engine_from_file_names(path: Path) -> str:
-    """The engine that wrote a checkpoint older than the ``engine`` field of its trainer state, guessed from the
-    names Accelerate's ``save_state`` gives its files: DeepSpeed's ``pytorch_model/`` folder, FSDP's
-    ``pytorch_model_fsdp*``, else whole state dicts (DDP or one process)."""
-    if (path / MODEL_NAME).is_dir():
-        return "DeepSpeed"
-    if any(path.glob(f"{FSDP_MODEL_NAME}*")):
-        return "FSDP"
-    return "DDP"
-
-
 def building_fsdp_on_cpu():
     """A context in which Accelerate's ``AcceleratorState`` sets up FSDP on CPU processes. Accelerate 1.16 sets
     ``DistributedType.FSDP`` only in its multi-GPU branch (``AcceleratorState.__init__``) and otherwise leaves the
