@@ -1,4 +1,4 @@
-"""Every private part of Accelerate the toolkit relies on (acceltrain/runtime/accelerate_compat.py, issue 37),
+"""Every private part of Accelerate the toolkit relies on (acceltrain/accelerate_compat.py, issue 37),
 checked against the installed Accelerate: an upgrade that changes one fails here, naming the use, instead of deep
 inside a run. And no module but the compat module touches them."""
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import REPO
 
-from acceltrain.runtime import accelerate_compat
+from acceltrain import accelerate_compat
 
 PRIVATE = re.compile(
     r"accelerator\._[a-z]|_shared_state|accelerate\.checkpointing|DataLoaderStateMixin|\.step = |"
@@ -84,7 +84,7 @@ def test_the_file_names_of_accelerates_checkpoint_parts():
         "pytorch_model_fsdp",
         "optimizer",
         "model.safetensors",
-    ), "checkpoint.state_dicts: Accelerate renamed its files"
+    ), "acceltrain.engines: Accelerate renamed its files"
 
 
 def test_building_fsdp_on_cpu_switches_the_shared_state_it_relies_on():

@@ -22,7 +22,7 @@ EXPECTED = {
     "deepspeed_zero2.yaml": (DistributedType.DEEPSPEED, 1),
     "deepspeed_zero3.yaml": (DistributedType.DEEPSPEED, 1),
     "fsdp.yaml": (DistributedType.FSDP, 8),
-    "fsdp_cpu.yaml": (DistributedType.FSDP, 2),  # 2 gloo processes: acceltrain.runtime.engines sets FSDP2 up on them
+    "fsdp_cpu.yaml": (DistributedType.FSDP, 2),  # 2 gloo processes: acceltrain.engines.fsdp2 sets FSDP2 up on them
 }
 CONFIGS = sorted(p.name for p in CONFIG_DIR.glob("*.yaml"))
 AUTO_FIELDS = ("train_micro_batch_size_per_gpu", "train_batch_size", "gradient_accumulation_steps", "gradient_clipping")

@@ -228,20 +228,18 @@ def test_a_disk_that_fills_during_an_async_write_is_one_line_and_keeps_the_previ
 
 
 def test_async_saves_are_refused_where_they_cannot_work():
-    from accelerate.utils import DistributedType
-
-    from acceltrain.checkpoint.manager import check_async_supported
+    from acceltrain.engines import DDP, FSDP2, DeepSpeed
 
     with pytest.raises(
         ConfigError, match="--async-checkpoint works under DDP and FSDP; DeepSpeed writes its checkpoints itself"
     ):
-        check_async_supported(SimpleNamespace(distributed_type=DistributedType.DEEPSPEED))
+        DeepSpeed(SimpleNamespace()).check_async_supported()
     full = SimpleNamespace(
-        distributed_type=DistributedType.FSDP,
         state=SimpleNamespace(fsdp_plugin=SimpleNamespace(state_dict_type="StateDictType.FULL_STATE_DICT")),
     )
     with pytest.raises(ConfigError, match="under FSDP needs fsdp_state_dict_type: SHARDED_STATE_DICT"):
-        check_async_supported(full)
+        FSDP2(full).check_async_supported()
+    DDP(SimpleNamespace()).check_async_supported()
 
 
 class KeepsTheOptimizer(Hook):

@@ -22,18 +22,21 @@ import pytest
 from conftest import REPO, check, launch
 
 from acceltrain.checkpoint.files import COMPLETE_FILE, complete_checkpoints
+from acceltrain.engines import DDP, FSDP2, DeepSpeed, OneProcess
+from acceltrain.engines import ENGINES as REGISTERED_ENGINES
 from acceltrain.runtime.preemption import EXIT_PREEMPTED
 
 sys.path.insert(0, str(REPO / "tests" / "helpers"))
 from pretrained_folders import bert_folder  # noqa: E402
 
 MATRIX_RECIPE = REPO / "tests" / "helpers" / "matrix_recipe.py"
-ENGINES = {  # how each engine is launched
-    "one": {},
-    "ddp": {"processes": 2, "launcher": "accelerate", "config": "multi_cpu.yaml"},
-    "fsdp": {"processes": 2, "launcher": "accelerate", "config": "fsdp_cpu.yaml"},
-    "deepspeed": {"processes": 1, "launcher": "accelerate", "config": "deepspeed_zero2.yaml"},
+LAUNCHES = {  # how each registered engine is launched on CPU: a new engine without its line here fails below
+    OneProcess: ("one", {}),
+    DDP: ("ddp", {"processes": 2, "launcher": "accelerate", "config": "multi_cpu.yaml"}),
+    FSDP2: ("fsdp", {"processes": 2, "launcher": "accelerate", "config": "fsdp_cpu.yaml"}),
+    DeepSpeed: ("deepspeed", {"processes": 1, "launcher": "accelerate", "config": "deepspeed_zero2.yaml"}),
 }
+ENGINES = {LAUNCHES[engine][0]: LAUNCHES[engine][1] for engine in REGISTERED_ENGINES}  # the registry's engine axis
 STEPS = 8
 RUN = [
     "--max-steps",
@@ -67,13 +70,17 @@ DEFAULT = [
     ("fsdp", "async", "lm", "sigterm"),  # a save at every 2nd step and one off schedule (shared DCP plans failed)
     ("deepspeed", "sync", "cnn", "sigterm"),
 ]
-REFUSED = {  # combinations that cannot work, and their one line
-    (
-        "deepspeed",
-        "async",
-    ): "--async-checkpoint works under DDP and FSDP; DeepSpeed writes its checkpoints itself: drop the flag",
-    ("deepspeed", "lora"): "LoRA (--lora-r) is not supported under DeepSpeed here",
+REFUSED = {  # combinations that cannot work, and their one line (the engine's own)
+    (LAUNCHES[engine][0], key): engine.refusals[setting]
+    for engine in REGISTERED_ENGINES
+    for key, setting in (("async", "async_checkpoint"), ("lora", "lora"))
+    if setting in engine.refusals
 }
+
+
+def test_every_registered_engine_has_its_launch_in_the_matrix():
+    assert set(LAUNCHES) == set(REGISTERED_ENGINES)
+    assert set(REFUSED) == {("deepspeed", "async"), ("deepspeed", "lora")}
 
 
 def _cases():

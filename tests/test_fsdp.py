@@ -210,17 +210,14 @@ def test_what_fsdp_cannot_resume_or_run_is_one_line(tmp_path, runs):
     )
     from types import SimpleNamespace
 
-    from accelerate.utils import DistributedType
-
     from acceltrain.checkpoint import Checkpointer
     from acceltrain.checkpoint.files import verify_checkpoint
+    from acceltrain.engines import DeepSpeed
 
     sharded = complete_checkpoints(runs["fsdp"])[0]
-    under_deepspeed = SimpleNamespace(
-        accelerator=SimpleNamespace(distributed_type=DistributedType.DEEPSPEED), engine="DeepSpeed"
-    )
+    under_deepspeed = SimpleNamespace(engine=DeepSpeed(SimpleNamespace()))
     with pytest.raises(
-        CheckpointError, match="holds FSDP model and optimizer state and this run is DEEPSPEED: resume it under FSDP"
+        CheckpointError, match="holds FSDP model and optimizer state and this run is DeepSpeed: resume it under FSDP"
     ):
         Checkpointer._check_engine(under_deepspeed, sharded, verify_checkpoint(sharded))
     # another model with the same settings (a base folder replaced): a BatchNorm added, the config change allowed
@@ -273,7 +270,7 @@ def test_fsdp1_on_cpu_is_one_line(monkeypatch):
     from accelerate.utils import DistributedType
 
     from acceltrain import ConfigError
-    from acceltrain.runtime.engines import build_accelerator
+    from acceltrain.engines import FSDP2
 
     monkeypatch.setattr(
         accelerate, "PartialState", lambda **_: type("State", (), {"distributed_type": DistributedType.MULTI_CPU})()
@@ -281,7 +278,7 @@ def test_fsdp1_on_cpu_is_one_line(monkeypatch):
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
     monkeypatch.setenv("FSDP_VERSION", "1")
     with pytest.raises(ConfigError, match="fsdp_version 1 on CPU processes: FSDP1 needs GPUs; use fsdp_version: 2"):
-        build_accelerator(True)
+        FSDP2.build_accelerator(True)
 
 
 @pytest.fixture(scope="module")

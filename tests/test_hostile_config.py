@@ -14,7 +14,7 @@ import pytest
 from conftest import REPO, TINY_RECIPE, check, launch, run_tiny_in_process, subprocess_env
 
 from acceltrain import ConfigError, TrainConfig, parse_config
-from acceltrain.runtime.distributed import deepspeed_plugin
+from acceltrain.engines.deepspeed import deepspeed_plugin
 from acceltrain.runtime.tracking import read_offline_run
 
 TINY = ["--batch-size", "8", "--no-progress", "--num-workers", "0"]

@@ -73,3 +73,20 @@ def test_modules_and_the_core_loop_stay_short():
     for file, name in ((PACKAGE / "train" / "run.py", "Run"), (PACKAGE / "train" / "loop.py", "fit")):
         node = next(n for n in ast.parse(file.read_text()).body if getattr(n, "name", None) == name)
         assert node.end_lineno - node.lineno + 1 <= LIMITS[name], f"{name}: {node.end_lineno - node.lineno + 1} lines"
+
+
+def test_only_the_engines_and_the_compat_module_know_accelerates_engine_types():
+    """Issue 44: a new engine is its own module under acceltrain/engines/; nothing else branches on Accelerate's
+    DistributedType or loads a checkpoint through Accelerate."""
+    allowed = {PACKAGE / "accelerate_compat.py", *(PACKAGE / "engines").glob("*.py")}
+    knowing = sorted(
+        str(path.relative_to(REPO))
+        for path in PACKAGE.rglob("*.py")
+        if path not in allowed and ("DistributedType" in (text := path.read_text()) or ".load_state(" in text)
+    )
+    assert not knowing, knowing
+
+
+def test_at_most_four_modules_stay_at_the_top_level():
+    top = sorted(path.name for path in PACKAGE.glob("*.py"))
+    assert len(top) <= 4, top

@@ -133,21 +133,16 @@ def test_a_model_not_loaded_from_a_checkpoint_is_refused():
 
 
 def test_backends_that_cannot_train_or_write_an_adapter_are_refused():
-    from accelerate.utils import DistributedType
-
+    from acceltrain.engines import DDP, FSDP2, DeepSpeed, OneProcess
     from acceltrain.hf.lora import check_backend
 
     with pytest.raises(ConfigError, match=r"^LoRA \(--lora-r\) is not supported under DeepSpeed here: .*; use DDP$"):
-        check_backend(DistributedType.DEEPSPEED, merge=False)
+        check_backend(DeepSpeed, merge=False)
     with pytest.raises(ConfigError, match="^--merge-lora needs the whole weights on one process and FSDP shards them"):
-        check_backend(DistributedType.FSDP, merge=True)
-    for distributed_type in (
-        DistributedType.NO,
-        DistributedType.MULTI_CPU,
-        DistributedType.MULTI_GPU,
-        DistributedType.FSDP,
-    ):
-        check_backend(distributed_type, merge=False)
+        check_backend(FSDP2, merge=True)
+    for engine in (OneProcess, DDP, FSDP2):
+        check_backend(engine, merge=False)
+    check_backend(DDP, merge=True)
 
 
 def test_the_docs_fit_example_trains_an_adapter_that_keeps_the_new_head(tmp_path, data, capsys):

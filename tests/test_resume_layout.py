@@ -170,14 +170,13 @@ def test_deepspeed_state_is_refused_on_another_process_count_and_fsdp_state_is_n
     """FSDP's DCP shards reshard on load (issue 32: tests/test_fsdp.py resumes 2 -> 1 and 1 -> 2 processes)."""
     from types import SimpleNamespace
 
-    from accelerate.utils import DistributedType
-
     from acceltrain.checkpoint import Checkpointer
+    from acceltrain.engines import FSDP2, DeepSpeed
 
     def under(engine):  # a checkpointer as far as this check reads it
-        return SimpleNamespace(accelerator=SimpleNamespace(distributed_type=engine))
+        return SimpleNamespace(engine=engine(None))
 
-    deepspeed = under(DistributedType.DEEPSPEED)
+    deepspeed = under(DeepSpeed)
     with pytest.raises(CheckpointError, match="partitioned over 2 processes and this run has 1: resume on 2 processes"):
         Checkpointer._check_relayout_supported(
             deepspeed, state(), state(num_processes=1, global_batch_size=4, grad_accum=4), "ckpt"
@@ -185,7 +184,7 @@ def test_deepspeed_state_is_refused_on_another_process_count_and_fsdp_state_is_n
     Checkpointer._check_relayout_supported(
         deepspeed, state(), state(global_batch_size=16, grad_accum=1, batches_per_epoch=6), "ckpt"
     )
-    fsdp = under(DistributedType.FSDP)
+    fsdp = under(FSDP2)
     Checkpointer._check_relayout_supported(
         fsdp, state(), state(num_processes=1, global_batch_size=4, grad_accum=4), "ckpt"
     )

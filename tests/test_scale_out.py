@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from acceltrain import ConfigError, TrainConfig
 from acceltrain.checkpoint.files import checkpoint_dir
-from acceltrain.runtime.distributed import deepspeed_plugin
+from acceltrain.engines.deepspeed import deepspeed_plugin
 
 pytestmark = pytest.mark.multiprocess
 

@@ -1,7 +1,7 @@
 """Checkpoints: the one owner of saving and restoring a run (:class:`Checkpointer`), and what it is made of.
 
 - :mod:`.manager`: :class:`Checkpointer`, what the loop calls (restore, save, poll, wait, close);
-- :mod:`.state_dicts`: the one builder of the model and optimizer state both writers write;
+- the model and optimizer parts come from the run's engine (:mod:`acceltrain.engines`), one builder for both writers;
 - :mod:`.writers`: the synchronous and the asynchronous writer (one protocol);
 - :mod:`.state`: the :class:`RunState` schema (``trainer_state.json``) and its validation;
 - :mod:`.files`: staging, publishing, verifying, finding and rotating checkpoint folders;
@@ -15,7 +15,6 @@ from acceltrain.lazy_exports import lazy_exports
 
 _HOME = {
     "Checkpointer": "manager",
-    "check_async_supported": "manager",
     "CheckpointError": "state",
     "RunState": "state",
     "COMPLETE_FILE": "files",

@@ -1,9 +1,9 @@
 """The one owner of a run's checkpoints, after torchtitan's ``CheckpointManager``: the loop calls :meth:`restore`
 once, :meth:`save` when the processes agree to save, :meth:`poll` at each optimizer step, :meth:`wait` before it
-stops and :meth:`close` at the end. It knows what a checkpoint holds (the model and optimizer through
-:mod:`.state_dicts`, Accelerate's RNG and loader files, the LR scheduler, the loop's :class:`RunState` and the hooks'
-states), which engine wrote it, whether an adapter run's frozen base is left out, and whether the bytes are written
-now or while training goes on; the loop knows none of it."""
+stops and :meth:`close` at the end. It knows what a checkpoint holds (the model and optimizer parts the run's engine
+gives, :mod:`acceltrain.engines`; Accelerate's RNG and loader files, the LR scheduler, the loop's :class:`RunState`
+and the hooks' states), which engine wrote it, whether an adapter run's frozen base is left out, and whether the
+bytes are written now or while training goes on; the loop knows none of it."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from typing import Protocol
 
 import torch
 from accelerate.logging import get_logger
-from accelerate.utils import DistributedType
 
+from acceltrain.accelerate_compat import save_loop_state, set_micro_step
 from acceltrain.checkpoint import adapters
 from acceltrain.checkpoint.files import (
     checkpoint_engine,
@@ -32,12 +32,10 @@ from acceltrain.checkpoint.safe_load import (
     loading_without_code,
 )
 from acceltrain.checkpoint.state import STATE_FILE, CheckpointError, RunState, check_scheduler_state
-from acceltrain.checkpoint.state_dicts import SHARDED_MODEL, checkpoint_parts, engine_name, writes_whole_copy
 from acceltrain.checkpoint.writers import AsyncWriter, SyncWriter
 from acceltrain.config.options import ConfigError, first_line
 from acceltrain.config.train_config import TrainConfig, run_changes
-from acceltrain.runtime.accelerate_compat import save_loop_state, set_micro_step
-from acceltrain.runtime.distributed import ASYNC_UNDER_DEEPSPEED
+from acceltrain.engines import engine_of
 from acceltrain.runtime.preemption import TrainingDiverged
 from acceltrain.runtime.run_folder import CHECKPOINTS_DIR, finished_steps
 
@@ -71,8 +69,9 @@ class Checkpointer:
         output_dir: Path,
         announce: Callable[[Path], None],
     ):
+        self.engine = engine_of(accelerator)  # what the checkpoint holds of the model and optimizer, and how
         if cfg.async_checkpoint:
-            check_async_supported(accelerator)
+            self.engine.check_async_supported()
         self.accelerator, self.cfg, self.model, self.optimizer, self.scheduler = (
             accelerator,
             cfg,
@@ -83,7 +82,6 @@ class Checkpointer:
         self.hooks, self.trainer, self.output_dir, self._announce = hooks, trainer, output_dir, announce
         self.frozen = adapters.frozen_names(accelerator, model)
         self.writer = AsyncWriter(accelerator) if cfg.async_checkpoint else SyncWriter(accelerator)
-        self.engine = engine_name(accelerator)
         self.last_saved_step: int | None = None
         self.resumed_from_step: int | None = None
         self.seconds_blocked = 0.0  # this launch's time blocked by saves (the waits below included)
@@ -111,13 +109,13 @@ class Checkpointer:
             self.trainer.snapshot(),
             scheduler=self.scheduler.state_dict(),
             hooks=list(self.hooks.stateful),
-            engine=self.engine,
+            engine=self.engine.checkpoint_format,
         )
         final, staging = staging_folder(self.accelerator, self.output_dir, state.step)
         with failed_save_refused(final, staging):
             staging.mkdir(parents=True, exist_ok=True)
             self.accelerator.wait_for_everyone()
-            parts = checkpoint_parts(self.accelerator, self.model, self.optimizer, self.frozen)
+            parts = self.engine.checkpoint_parts(self.model, self.optimizer, self.frozen)
             save_loop_state(self.accelerator, staging)
             if self.accelerator.is_main_process:
                 self.hooks.save_states(staging)
@@ -296,7 +294,7 @@ class Checkpointer:
         arguments = adapters.load_arguments(self.accelerator, self.model, self.frozen, path)
         try:
             with loading_without_code():
-                self.accelerator.load_state(str(path), **arguments)
+                self.engine.load_checkpoint(path, **arguments)
         except (RuntimeError, KeyError, ValueError, IndexError, SafetensorError, CheckpointException) as err:
             raise CheckpointError(
                 f"checkpoint {str(path)!r} does not fit this model or optimizer: {first_line(err)}"
@@ -305,25 +303,23 @@ class Checkpointer:
     def _check_engine(self, path: Path, saved: RunState) -> None:
         """A checkpoint loads under the engine that wrote it (Accelerate would look for files that are not there)."""
         wrote = checkpoint_engine(path, saved)
-        if wrote != self.engine:
+        if wrote != self.engine.checkpoint_format:
             weights = " (its weights alone: DeepSpeed's zero_to_fp32.py in that folder)" if wrote == "DeepSpeed" else ""
             shown = "DDP or single-process" if wrote == "DDP" else wrote
             raise CheckpointError(
                 f"checkpoint {str(path)!r} holds {shown} model and optimizer state and this run is "
-                f"{self.accelerator.distributed_type.value}: resume it under {shown}, as it was written{weights}, or "
-                "start a new --output-dir"
+                f"{self.engine.name}: resume it under {shown}, as it was written{weights}, or start a new --output-dir"
             )
 
     def _check_shards_fit(self, path: Path) -> None:
-        """FSDP's shards hold this model's tensors, by name and whole shape (DCP would fail on every process with a
-        CheckpointException naming one tensor, deep inside its load plan)."""
-        if self.accelerator.distributed_type != DistributedType.FSDP:
+        """The engine's DCP shards hold this model's tensors, by name and whole shape (DCP would fail on every process
+        with a CheckpointException naming one tensor, deep inside its load plan)."""
+        folder = self.engine.sharded_model()
+        metadata = path / folder / DCP_METADATA if folder else None
+        if metadata is None or not metadata.is_file():  # no shards (whole state dicts, or the engine's own files)
             return
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-        metadata = path / SHARDED_MODEL / DCP_METADATA
-        if not metadata.is_file():  # full state dicts: the engine's own files
-            return
         saved = {
             name.removeprefix("model."): tuple(meta.size)
             for name, meta in load_dcp_metadata(metadata).state_dict_metadata.items()
@@ -340,18 +336,11 @@ class Checkpointer:
             )
 
     def _check_relayout_supported(self, saved: RunState, current: RunState, path: Path) -> None:
-        """DeepSpeed partitions optimizer state per process: its checkpoints load on their own count. (FSDP's DCP
-        shards are resharded on load: they continue on another count.)"""
-        if (
-            self.accelerator.distributed_type == DistributedType.DEEPSPEED
-            and saved.num_processes != current.num_processes
-        ):
-            raise CheckpointError(
-                f"checkpoint {str(path)!r} holds DeepSpeed ZeRO state partitioned over {saved.num_processes} processes "
-                f"and this run has {current.num_processes}: resume on {saved.num_processes} processes (or convert it "
-                "with DeepSpeed's ds_to_universal.py and load it with its universal-checkpoint support, outside "
-                "acceltrain; a run trained under DDP or FSDP resumes on another process count)"
-            )
+        """Whether the engine's checkpoints continue on another process count (DeepSpeed's partitions do not; DCP
+        reshards FSDP's on load)."""
+        refusal = self.engine.relayout_refusal(saved.num_processes, current.num_processes)
+        if refusal:
+            raise CheckpointError(f"checkpoint {str(path)!r} {refusal}")
 
     def _continue_in_layout(self, saved: RunState, current: RunState) -> RunState:
         """A checkpoint of another layout: the same samples of the epoch done, counted in this layout's batches.
@@ -386,18 +375,6 @@ class Checkpointer:
         for group, value in zip(self.optimizer.param_groups, values):
             group["lr"] = value
         scheduler._last_lr = values
-
-
-def check_async_supported(accelerator) -> None:
-    """DeepSpeed and FSDP's full state dicts write their own files at the save,
-    so nothing can be copied and written later."""
-    if accelerator.distributed_type == DistributedType.DEEPSPEED:
-        raise ConfigError(ASYNC_UNDER_DEEPSPEED)
-    if not writes_whole_copy(accelerator):
-        raise ConfigError(
-            "--async-checkpoint under FSDP needs fsdp_state_dict_type: SHARDED_STATE_DICT in the accelerate config "
-            "(accelerate_configs/fsdp_cpu.yaml, fsdp.yaml)"
-        )
 
 
 def _present(path: Path) -> Path:

@@ -9,9 +9,9 @@ import math
 from pathlib import Path
 
 from acceltrain.config.options import ConfigError, parse_json, shorten
+from acceltrain.engines import CHECKPOINT_FORMATS
 
 STATE_FILE = "trainer_state.json"  # a checkpoint's RunState
-ENGINE_NAMES = ("DDP", "FSDP", "DeepSpeed")  # DDP: whole state dicts, as DDP and one process write them
 FORMAT_VERSION = 1  # trainer_state.json's format: a newer one is refused; an older one goes through migrate()
 
 
@@ -53,7 +53,7 @@ class RunState:
     data_fingerprint: str | None = None  # the training set's fingerprint, when it has one
     num_processes: int = 1
     batches_per_epoch: int = 0  # per process; 0: a stream, whose passes end when the stream does
-    engine: str = "DDP"  # the engine that wrote the model and optimizer state: one of ENGINE_NAMES
+    engine: str = "DDP"  # the checkpoint format of the engine that wrote the model and optimizer state
 
     @property
     def samples_per_step(self) -> int:
@@ -207,7 +207,7 @@ _FIELD_CHECKS = {
         for name in ("last_eval", "scheduler", "config", "config_changes")
     },
     "hooks": (lambda v: isinstance(v, list) and all(isinstance(n, str) for n in v), "a list of hook names"),
-    "engine": (lambda v: v in ENGINE_NAMES, f"one of {', '.join(map(repr, ENGINE_NAMES))}"),
+    "engine": (lambda v: v in CHECKPOINT_FORMATS, f"one of {', '.join(map(repr, CHECKPOINT_FORMATS))}"),
 }
 # Every field is in every trainer_state.json of this format: a missing one is tampering, never a default (a step-4
 # checkpoint "at step 0").

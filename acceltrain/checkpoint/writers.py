@@ -1,7 +1,7 @@
-"""The two writers of a checkpoint's model and optimizer parts (:mod:`.state_dicts`), one protocol: ``start`` the
-parts of a save, ``poll`` for the folder once it is published (every process's files on disk, then the main
-process's manifest and atomic rename), ``wait`` until nothing is in flight. They differ only in when the bytes hit
-the disk:
+"""The two writers of a checkpoint's model and optimizer parts (each engine's ``checkpoint_parts``), one
+protocol: ``start`` the parts of a save, ``poll`` for the folder once it is published (every process's files on
+disk, then the main process's manifest and atomic rename), ``wait`` until nothing is in flight. They differ only in
+when the bytes hit the disk:
 
 - :class:`SyncWriter` writes and publishes inside ``start``;
 - :class:`AsyncWriter` (``--async-checkpoint``; Accelerate has no async save, accelerate#3746) blocks only for a
@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.staging import BlockingAsyncStager
 
 from acceltrain.checkpoint.files import failed_save, publish
 from acceltrain.checkpoint.state import CheckpointError
-from acceltrain.checkpoint.state_dicts import ENGINE, PICKLE, SAFETENSORS, SHARDS, Part
+from acceltrain.engines.base import ENGINE, PICKLE, SAFETENSORS, SHARDS, Part
 from acceltrain.runtime.distributed import any_process
 
 POLL_SECONDS = 0.05  # between checks while waiting for a save in flight

@@ -38,7 +38,7 @@ def run_recipe(
         set_log_level(cfg.log_level)  # before anything logs, or imports a library that does
         active_trackers(cfg)  # a tracker that cannot work (W&B key rejected, unreachable) stops here, before any data
         if os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":  # else no torch import here
-            from acceltrain.runtime.distributed import deepspeed_config
+            from acceltrain.engines.deepspeed import deepspeed_config
 
             deepspeed_config(cfg)  # a broken DeepSpeed JSON stops here, before DeepSpeed sets up the process group
         from accelerate.utils import set_seed
@@ -94,7 +94,7 @@ def environment_report(accelerate_config_file: str | None = None) -> dict:
     from accelerate.commands.env import env_command
 
     from acceltrain import __version__
-    from acceltrain.runtime.distributed import use_cpu
+    from acceltrain.engines import use_cpu
 
     with contextlib.redirect_stdout(io.StringIO()):  # it prints a copy-and-paste block; we print the dict
         accelerate_report = env_command(argparse.Namespace(config_file=accelerate_config_file))

@@ -28,6 +28,7 @@ def merge(checkpoint: Path, out: Path) -> Path:
     """Write ``out/model.safetensors`` and the files that describe it from ``checkpoint``; returns the weights' path."""
     from acceltrain.checkpoint.files import checkpoint_engine, verify_checkpoint
     from acceltrain.checkpoint.safe_load import check_loadable_without_code
+    from acceltrain.engines import writer_of
     from acceltrain.runtime.run_folder import CONFIG_FILE, WEIGHTS_FILE
     from acceltrain.train.export import save_tensors
 
@@ -36,19 +37,9 @@ def merge(checkpoint: Path, out: Path) -> Path:
     check_loadable_without_code(checkpoint, digests_required=True)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"OUT {str(out)!r} exists and is not an empty folder: choose a new one")
-    engine = checkpoint_engine(checkpoint)
-    if engine == "DeepSpeed":
-        raise ConfigError(
-            f"checkpoint {str(checkpoint)!r} holds DeepSpeed state: DeepSpeed's zero_to_fp32.py in that folder merges "
-            "it"
-        )
-    if engine == "FSDP" and not (checkpoint / "pytorch_model_fsdp_0").is_dir():
-        raise ConfigError(
-            f"checkpoint {str(checkpoint)!r} holds FSDP's full state dict, not DCP shards: use fsdp_state_dict_type: "
-            "SHARDED_STATE_DICT, or load it under FSDP"
-        )
+    engine = writer_of(checkpoint_engine(checkpoint))
     with _left_as_found(out):
-        tensors = _weights(checkpoint, engine, out)
+        tensors = engine.merged_weights(checkpoint, out)  # each engine's checkpoints merge its own way
         if any(name.startswith(PEFT_PREFIX) for name in tensors):
             _merge_adapter(tensors, checkpoint, out)
         elif _described(checkpoint, CONFIG_FILE) is not None:
@@ -99,20 +90,6 @@ def _left_as_found(out: Path):
             for path in out.iterdir():
                 shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
         raise
-
-
-def _weights(checkpoint: Path, engine: str, out: Path) -> dict:
-    """The checkpoint's model weights by name, on the CPU: FSDP's shards merged (into ``out``, then read)."""
-    from safetensors.torch import load_file
-
-    from acceltrain.runtime.run_folder import WEIGHTS_FILE
-
-    if engine == "FSDP":
-        from accelerate.utils import merge_fsdp_weights
-
-        merge_fsdp_weights(str(checkpoint / "pytorch_model_fsdp_0"), str(out), safe_serialization=True)
-        return load_file(str(out / WEIGHTS_FILE))
-    return {name.removeprefix("module."): tensor for name, tensor in load_file(str(checkpoint / WEIGHTS_FILE)).items()}
 
 
 def _described(checkpoint: Path, name: str) -> Path | None:

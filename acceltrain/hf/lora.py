@@ -43,14 +43,6 @@ PEFT_TASKS = {
     "AutoModelForSeq2SeqLM": ("SEQ_2_SEQ_LM", "AutoPeftModelForSeq2SeqLM"),
     "AutoModel": ("FEATURE_EXTRACTION", "AutoPeftModelForFeatureExtraction"),
 }
-LORA_UNDER_DEEPSPEED = (
-    "LoRA (--lora-r) is not supported under DeepSpeed here: its engine keeps the trainable weights in its "
-    "own partitions; use DDP"
-)
-MERGE_UNDER_FSDP = (
-    "--merge-lora needs the whole weights on one process and FSDP shards them: drop --merge-lora and merge the "
-    "adapter afterwards (AutoPeftModelFor...from_pretrained(run_dir).merge_and_unload().save_pretrained(out))"
-)
 
 
 @dataclasses.dataclass
@@ -175,20 +167,15 @@ def merge_requested(model) -> bool:
     return bool(getattr(model, MERGE_ATTRIBUTE, False))
 
 
-def check_backend(distributed_type=None, *, merge: bool) -> None:
-    """LoRA under a backend that cannot train or write it is one line, before training. ``distributed_type``: the
-    engine set up; None: the one the launch asks for, known before any process group (DeepSpeed's start-up takes
-    minutes on a CPU)."""
-    from accelerate.utils import DistributedType
+def check_backend(engine=None, *, merge: bool) -> None:
+    """Refuse, in one line, an engine that cannot train or write an adapter: ``engine`` (a class or a run's), by
+    default the one the launch asks for (before the process group: DeepSpeed's start-up takes minutes on a CPU)."""
+    from acceltrain.engines import launch_engine
 
-    from acceltrain.runtime.distributed import requested_engine
-
-    distributed_type = distributed_type if distributed_type is not None else requested_engine()
-
-    if distributed_type == DistributedType.DEEPSPEED:
-        raise ConfigError(LORA_UNDER_DEEPSPEED)
-    if distributed_type == DistributedType.FSDP and merge:
-        raise ConfigError(MERGE_UNDER_FSDP)
+    engine = engine or launch_engine()
+    engine.refuse_setting("lora")
+    if merge:
+        engine.refuse_setting("merge_lora")
 
 
 def parameter_counts(model) -> tuple[int, int]:

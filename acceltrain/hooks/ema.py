@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import torch
-from accelerate.utils import DistributedType
 
 from acceltrain.config.options import ConfigError
+from acceltrain.engines import engine_of
 from acceltrain.hooks.base import Hook
 
 
@@ -32,11 +32,7 @@ class EMA(Hook):
 
     def on_fit_start(self, run) -> None:
         accelerator = run.accelerator
-        sharded = accelerator.distributed_type == DistributedType.FSDP or (
-            accelerator.distributed_type == DistributedType.DEEPSPEED
-            and accelerator.state.deepspeed_plugin.zero_stage == 3
-        )
-        if sharded:
+        if not engine_of(accelerator).holds_whole_weights():
             raise ConfigError(
                 f"{type(self).__name__} needs every process to hold the full weights: FSDP and DeepSpeed ZeRO-3 "
                 "shard them; use DDP or ZeRO-1/2"

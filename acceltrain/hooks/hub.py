@@ -12,6 +12,7 @@ from accelerate.logging import get_logger
 
 from acceltrain.config.groups import HubOptions
 from acceltrain.config.options import first_line
+from acceltrain.engines import engine_of
 from acceltrain.hf.hub import (
     check_fits_own_config,
     describe_checkpoints,
@@ -44,7 +45,7 @@ class HubReady(Hook):
     def on_fit_start(self, run) -> None:
         model = run.accelerator.unwrap_model(run.model)
         if is_peft_model(model):
-            check_backend(run.accelerator.distributed_type, merge=merge_requested(model))
+            check_backend(engine_of(run.accelerator), merge=merge_requested(model))
         elif is_transformers_model(model):
             check_fits_own_config(model)
         trainable, total = parameter_counts(model)

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import torch
-from accelerate.utils import DistributedType
 
-from acceltrain.config.options import ConfigError
+from acceltrain.engines import engine_of
 from acceltrain.hooks.ema import EMA
 
 
@@ -25,11 +24,7 @@ class Lookahead(EMA):
         self.updated_step = None
 
     def on_fit_start(self, run) -> None:
-        if run.accelerator.distributed_type == DistributedType.DEEPSPEED:
-            raise ConfigError(
-                "Lookahead rewrites the weights between steps, and DeepSpeed's optimizer would overwrite them "
-                "from its own copy: use DDP or one process"
-            )
+        engine_of(run.accelerator).refuse_setting("lookahead")
         super().on_fit_start(run)
 
     def on_step_end(self, run) -> None:

@@ -56,10 +56,6 @@ RUN_FILES = (
     ADAPTER_WEIGHTS_FILE,
     ADAPTER_SETTINGS_FILE,
 )
-TOKEN_NORMALISATION_UNDER_DEEPSPEED = (
-    "a task returning (loss sum, target count) needs the gradients in param.grad to normalise them, and "
-    "DeepSpeed keeps them in its partitions: use DDP or FSDP for this recipe"
-)
 
 
 @dataclasses.dataclass
@@ -69,7 +65,6 @@ class RunFolder:
     cfg: TrainConfig  # with output_dir resolved
     output_dir: Path
     is_main_process: bool
-    distributed_type: object  # accelerate's DistributedType
     num_processes: int
     found: (
         frozenset[str] | None
@@ -107,13 +102,9 @@ def claim_run_folder(cfg: TrainConfig, name: str, task=None) -> RunFolder:
     the output folder (refusing to replace a finished run or files it did not write), and refuse a ``task`` that
     cannot work on this backend. ``fit()`` calls it; a recipe that writes into the output folder before training
     (a tokenizer) calls it first, and ``fit()`` then continues that claim."""
-    from accelerate.utils import DistributedType
+    from acceltrain.runtime.distributed import init_process_state, main_process_only
 
-    from acceltrain.runtime.distributed import init_process_state, main_process_only, requested_engine
-
-    if getattr(task, "sums_losses", False) and requested_engine() == DistributedType.DEEPSPEED:
-        raise ConfigError(TOKEN_NORMALISATION_UNDER_DEEPSPEED)  # before DeepSpeed's start-up (minutes on a CPU)
-    state = init_process_state(cfg)
+    state = init_process_state(cfg, task)  # what the engine cannot run is one line before its start-up
     output_dir = resolve_output_dir(cfg, name)
     claimed = _CLAIMS.get(_key(output_dir))
     if claimed is not None:
@@ -124,7 +115,6 @@ def claim_run_folder(cfg: TrainConfig, name: str, task=None) -> RunFolder:
         dataclasses.replace(cfg, output_dir=str(output_dir)),
         output_dir,
         state.is_main_process,
-        state.distributed_type,
         state.num_processes,
         found[0],
     )

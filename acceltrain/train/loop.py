@@ -25,7 +25,6 @@ from pathlib import Path
 import torch
 import yaml
 from accelerate.logging import get_logger
-from accelerate.utils import DistributedType
 from torch import nn
 from torch.utils.data import Dataset
 
@@ -41,7 +40,6 @@ from acceltrain.runtime.metrics import peak_memory_mb
 from acceltrain.runtime.preemption import StoppedToResume
 from acceltrain.runtime.run_folder import (
     SUMMARY_FILE,
-    TOKEN_NORMALISATION_UNDER_DEEPSPEED,
     claim_run_folder,
     write_summary,
 )
@@ -214,8 +212,7 @@ def _backward(loop: _Loop, batch, window: int):
     if not isinstance(loss, tuple):
         run.accelerator.backward(loss * (run.cfg.grad_accum / window))
         return loss, 1.0
-    if run.accelerator.distributed_type == DistributedType.DEEPSPEED:  # a task that did not say sums_losses
-        raise ConfigError(TOKEN_NORMALISATION_UNDER_DEEPSPEED)
+    loop.checkpointer.engine.refuse_setting("summed_losses")  # a task that did not say sums_losses
     loss, count = loss
     loop.progress.window_targets += count
     run.accelerator.backward(loss)

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import accelerate
 import torch
-from accelerate.utils import DistributedType
 from torch import nn
 from torch.utils.data import default_collate
 
@@ -22,21 +21,9 @@ from acceltrain.config.train_config import TrainConfig
 from acceltrain.data.eval_subset import eval_subset
 from acceltrain.data.loaders import default_num_workers, eval_loader, train_loader
 from acceltrain.data.streams import first_samples, is_stream, stream_loader
-from acceltrain.runtime.distributed import (
-    ENGINES,
-    check_backend_honoured,
-    convert_sync_batchnorm,
-    deepspeed_plugin,
-    use_cpu,
-)
-from acceltrain.runtime.engines import (
-    build_accelerator,
-    choose_wrap_policy,
-    guard_gradient_average,
-    keep_norms_in_fp32,
-    parameters_held,
-    share_norm_statistics,
-)
+from acceltrain.engines import Engine, launch_engine
+from acceltrain.engines.base import parameters_held
+from acceltrain.runtime.distributed import convert_sync_batchnorm
 from acceltrain.train.optim import ScheduleProgress, build_scheduler
 from acceltrain.train.speed import (
     apply_batch_size,
@@ -54,6 +41,7 @@ class Prepared:
 
     cfg: TrainConfig  # resolved: output folder, loader options, precision, a found batch size, the target metric
     accelerator: accelerate.Accelerator
+    engine: Engine
     model: nn.Module
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
@@ -85,10 +73,8 @@ def prepare(
     from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin, ProjectConfiguration
 
     stream = is_stream(train_set)
-    accelerator = build_accelerator(
-        use_cpu(cfg.cpu),
-        mixed_precision=cfg.mixed_precision,
-        deepspeed_plugin=deepspeed_plugin(cfg),
+    engine = launch_engine().start(
+        cfg,
         # a stream's windows run across its passes' ends, and its loader's position is checkpointed (streams.py)
         gradient_accumulation_plugin=GradientAccumulationPlugin(
             num_steps=cfg.grad_accum, sync_with_dataloader=not stream
@@ -99,16 +85,16 @@ def prepare(
         log_with=trackers or None,
         project_config=ProjectConfiguration(project_dir=str(output_dir), logging_dir=str(output_dir / "logs")),
     )
-    check_backend_honoured(accelerator.distributed_type)
+    accelerator = engine.accelerator
     collate_fn = collate_fn or default_collate
     model, flops_per_sample, found, notes = _apply_speed_flags(
         cfg, accelerator, model, optimizer, train_set, task, collate_fn
     )
     cfg = _resolved(cfg, accelerator, output_dir, task, found)
     train_loaders, eval_set = _loaders(cfg, accelerator, train_set, eval_set, collate_fn)
-    notes += [choose_wrap_policy(accelerator, model), keep_norms_in_fp32(accelerator, model, optimizer)]
+    notes += engine.before_prepare(model, optimizer)
     model, optimizer, *loaders = accelerator.prepare(model, optimizer, *train_loaders)
-    notes += [guard_gradient_average(accelerator, model), share_norm_statistics(accelerator, model)]
+    notes += engine.after_prepare(model)
     if cfg.data_on_device:
         loaders.insert(
             0,
@@ -136,7 +122,7 @@ def prepare(
     peak_flops = peak_flops_per_device(accelerator.device, accelerator.mixed_precision, cfg.peak_tflops)
     runtime = _runtime(
         cfg,
-        accelerator,
+        engine,
         model=type(accelerator.unwrap_model(model)).__name__,
         train_rows=None if stream else len(train_set),
         eval_rows=_rows(eval_set),
@@ -150,6 +136,7 @@ def prepare(
     return Prepared(
         cfg,
         accelerator,
+        engine,
         model,
         optimizer,
         scheduler,
@@ -261,21 +248,22 @@ def _loaders(cfg: TrainConfig, accelerator, train_set, eval_set, collate_fn):
     return loaders, eval_set
 
 
-def _runtime(cfg: TrainConfig, accelerator, **plan) -> dict:
+def _runtime(cfg: TrainConfig, engine: Engine, **plan) -> dict:
     """What this launch runs on, for the start-up print, the run config and the summary."""
+    accelerator = engine.accelerator
     device = accelerator.device
     return {
         "acceltrain": __version__,
         "torch": str(torch.__version__),
         "accelerate": accelerate.__version__,
         "distributed_type": accelerator.distributed_type.value,
-        "engine": ENGINES.get(accelerator.distributed_type, "DDP"),
+        "engine": engine.name,
         "num_processes": accelerator.num_processes,
         "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
         "global_batch_size": cfg.batch_size * accelerator.num_processes * cfg.grad_accum,
         **plan,
-        **_backend_settings(accelerator),
+        **engine.settings(),
     }
 
 
@@ -291,21 +279,3 @@ def _class_count(task, train_set) -> int | None:
     """How many classes the task or the data names (its ``labels`` or ``classes``), None where neither says."""
     names = getattr(task, "labels", None) or getattr(train_set, "classes", None)
     return len(names) if isinstance(names, (list, tuple)) else None
-
-
-def _backend_settings(accelerator) -> dict:
-    """The resolved DeepSpeed JSON or FSDP plugin settings, for the start-up print and the run config."""
-    if accelerator.distributed_type == DistributedType.DEEPSPEED:
-        return {"deepspeed_config": accelerator.state.deepspeed_plugin.deepspeed_config}
-    if accelerator.distributed_type == DistributedType.FSDP:
-        plugin = accelerator.state.fsdp_plugin
-        keys = (
-            "fsdp_version",
-            "reshard_after_forward",
-            "state_dict_type",
-            "auto_wrap_policy",
-            "cpu_offload",
-            "mixed_precision_policy",
-        )
-        return {"fsdp": {key: str(getattr(plugin, key, None)) for key in keys}}
-    return {}

@@ -16,9 +16,9 @@ import time
 import torch
 from accelerate.logging import get_logger
 
+from acceltrain.accelerate_compat import mark_loader_finished
 from acceltrain.checkpoint.state import RunState
 from acceltrain.config.options import ConfigError
-from acceltrain.runtime.accelerate_compat import mark_loader_finished
 from acceltrain.runtime.distributed import any_process, control_group
 from acceltrain.runtime.metrics import Throughput, synchronize
 from acceltrain.runtime.preemption import EXIT_PREEMPTED, TrainingDiverged

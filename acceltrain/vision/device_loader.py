@@ -23,9 +23,9 @@ import torch
 from accelerate.logging import get_logger
 from accelerate.state import GradientState
 
+from acceltrain.accelerate_compat import LoaderStateMixin
 from acceltrain.config.options import ConfigError, first_line
 from acceltrain.data.loaders import EpochSampler
-from acceltrain.runtime.accelerate_compat import LoaderStateMixin
 from acceltrain.runtime.distributed import on_main_process_first, process_state
 from acceltrain.runtime.logs import show_progress
 from acceltrain.vision.augment import CropFlip

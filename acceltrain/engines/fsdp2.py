@@ -1,5 +1,5 @@
-"""The accelerator for the launch's engine (one process, DDP, DeepSpeed, FSDP2), and what FSDP2 needs on any device,
-CPU processes over gloo included.
+"""FSDP2: each process holds a shard of every sharded tensor (``fully_shard`` per block, then the root), on GPUs and
+on CPU processes over gloo alike.
 
 Accelerate 1.16 turns a launch that asks for FSDP into ``DistributedType.FSDP`` only inside its multi-GPU
 branch (``AcceleratorState.__init__``): on CPU processes the plugin is left unused and the run is plain DDP,
@@ -22,66 +22,161 @@ import torch
 from accelerate.logging import get_logger
 from accelerate.utils import DistributedType
 from torch import nn
+from torch.distributed.checkpoint import DefaultSavePlanner
 
+from acceltrain.accelerate_compat import FSDP_MODEL_NAME, OPTIMIZER_NAME, building_fsdp_on_cpu
 from acceltrain.config.options import ConfigError
-from acceltrain.runtime.accelerate_compat import building_fsdp_on_cpu
-from acceltrain.runtime.distributed import forget_destroyed_groups, process_state, requested_engine, use_cpu
+from acceltrain.engines.base import ENGINE, SHARDS, Engine, Part, accelerator_present, training_accelerator
 
 logger = get_logger(__name__)
+SHARDED_MODEL, SHARDED_OPTIMIZER = f"{FSDP_MODEL_NAME}_0", f"{OPTIMIZER_NAME}_0"  # the checkpoint's DCP folders
 
 
-def build_accelerator(on_cpu: bool, **kwargs):
-    """``Accelerator(cpu=on_cpu, **kwargs)``; in FSDP2 mode when the launch asks for FSDP on CPU processes. Its
-    ``end_training`` (trackers, then the process group) also lets go of the destroyed groups
-    (:func:`~acceltrain.runtime.distributed.forget_destroyed_groups`: FSDP2's mesh infos and DeviceMesh kept them)."""
-    Accelerator = _accelerator_class()
-    state = process_state()
-    if not (requested_engine() == DistributedType.FSDP and state.distributed_type == DistributedType.MULTI_CPU):
-        return Accelerator(cpu=on_cpu, **kwargs)
-    version = os.environ.get("FSDP_VERSION", "1")
-    if version != "2":
-        raise ConfigError(
-            f"fsdp_version {version} on CPU processes: FSDP1 needs GPUs; use fsdp_version: 2 "
-            "(accelerate_configs/fsdp_cpu.yaml)"
+class FSDP2(Engine):
+    name = "FSDP"
+    checkpoint_format = "FSDP"
+    distributed_types = (DistributedType.FSDP,)
+    launch_variable = "ACCELERATE_USE_FSDP"
+    keeps_weight_matrices = False
+    refusals = {
+        "merge_lora": (
+            "--merge-lora needs the whole weights on one process and FSDP shards them: drop --merge-lora and merge the "
+            "adapter afterwards (AutoPeftModelFor...from_pretrained(run_dir).merge_and_unload().save_pretrained(out))"
+        ),
+    }
+
+    @classmethod
+    def build_accelerator(cls, on_cpu: bool, **kwargs):
+        """FSDP2 on CPU processes where the launch asks for them (Accelerate would run plain DDP there)."""
+        from accelerate import PartialState
+
+        if PartialState().distributed_type != DistributedType.MULTI_CPU:
+            return super().build_accelerator(on_cpu, **kwargs)
+        version = os.environ.get("FSDP_VERSION", "1")
+        if version != "2":
+            raise ConfigError(
+                f"fsdp_version {version} on CPU processes: FSDP1 needs GPUs; use fsdp_version: 2 "
+                "(accelerate_configs/fsdp_cpu.yaml)"
+            )
+        if accelerator_present():
+            raise ConfigError(
+                "FSDP on CPU processes of a machine with an accelerator: FSDP would build its device mesh on the "
+                "accelerator; train on it (accelerate_configs/fsdp.yaml), or use DDP on CPU (multi_cpu.yaml)"
+            )
+        with building_fsdp_on_cpu():
+            accelerator = training_accelerator()(cpu=True, **kwargs)
+        if not (
+            accelerator.distributed_type == DistributedType.FSDP
+            and accelerator.is_fsdp2
+            and accelerator.device.type == "cpu"
+        ):
+            raise ConfigError(
+                f"FSDP2 on CPU processes could not be set up (Accelerate set up {accelerator.distributed_type.value}):"
+                " use DDP on CPU (multi_cpu.yaml)"
+            )
+        if accelerator.num_processes == 1:
+            logger.warning(
+                "FSDP on 1 process shards nothing (each process holds 1/N of each sharded tensor): it runs, so that "
+                "a sharded checkpoint can continue on one process; to save memory, launch more processes"
+            )
+        return accelerator
+
+    def before_prepare(self, model: nn.Module, optimizer) -> list[str]:
+        return [
+            note
+            for note in (
+                choose_wrap_policy(self.accelerator, model),
+                keep_norms_in_fp32(self.accelerator, model, optimizer),
+            )
+            if note
+        ]
+
+    def after_prepare(self, model: nn.Module) -> list[str]:
+        return [
+            note
+            for note in (
+                guard_gradient_average(self.accelerator, model),
+                share_norm_statistics(self.accelerator, model),
+            )
+            if note
+        ]
+
+    def settings(self) -> dict:
+        plugin = self.accelerator.state.fsdp_plugin
+        keys = (
+            "fsdp_version",
+            "reshard_after_forward",
+            "state_dict_type",
+            "auto_wrap_policy",
+            "cpu_offload",
+            "mixed_precision_policy",
         )
-    if not use_cpu(False):
-        raise ConfigError(
-            "FSDP on CPU processes of a machine with an accelerator: FSDP would build its device mesh on the "
-            "accelerator; train on it (accelerate_configs/fsdp.yaml), or use DDP on CPU (multi_cpu.yaml)"
-        )
-    with building_fsdp_on_cpu():
-        accelerator = Accelerator(cpu=True, **kwargs)
-    if not (
-        accelerator.distributed_type == DistributedType.FSDP
-        and accelerator.is_fsdp2
-        and accelerator.device.type == "cpu"
-    ):
-        raise ConfigError(
-            f"FSDP2 on CPU processes could not be set up (Accelerate set up {accelerator.distributed_type.value}): "
-            "use DDP on CPU (multi_cpu.yaml)"
-        )
-    if accelerator.num_processes == 1:
-        logger.warning(
-            "FSDP on 1 process shards nothing (each process holds 1/N of each sharded tensor): it runs, so that a "
-            "sharded checkpoint can continue on one process; to save memory, launch more processes"
-        )
-    return accelerator
+        return {"fsdp": {key: str(getattr(plugin, key, None)) for key in keys}}
+
+    def holds_whole_weights(self) -> bool:
+        return False
+
+    def checkpoint_parts(self, model, optimizer, frozen: frozenset[str]) -> list[Part]:
+        """Sharded state dicts: DCP folders ``pytorch_model_fsdp_0/`` and ``optimizer_0/``, each process writing its
+        shards (each with a save planner of its own: DCP caches plans by the planner's class name); with full state
+        dicts, Accelerate's own files, written at the save. The shards hold every weight, an adapter run's too."""
+        accelerator = self.accelerator
+        if self.writes_own_files():
+            from accelerate.utils import save_fsdp_model, save_fsdp_optimizer
+
+            def write(folder) -> None:
+                save_fsdp_model(accelerator.state.fsdp_plugin, accelerator, model, str(folder))
+                save_fsdp_optimizer(accelerator.state.fsdp_plugin, accelerator, optimizer, model, str(folder))
+
+            return [Part(FSDP_MODEL_NAME, write, ENGINE)]
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+        return [
+            Part(SHARDED_MODEL, {"model": get_model_state_dict(model)}, SHARDS, ModelSavePlanner),
+            Part(
+                SHARDED_OPTIMIZER,
+                {"optimizer": get_optimizer_state_dict(model, optimizer.optimizer)},
+                SHARDS,
+                OptimizerSavePlanner,
+            ),
+        ]
+
+    def writes_own_files(self) -> bool:
+        return "SHARDED" not in str(self.accelerator.state.fsdp_plugin.state_dict_type)
+
+    def check_async_supported(self) -> None:
+        if self.writes_own_files():
+            raise ConfigError(
+                "--async-checkpoint under FSDP needs fsdp_state_dict_type: SHARDED_STATE_DICT in the accelerate "
+                "config (accelerate_configs/fsdp_cpu.yaml, fsdp.yaml)"
+            )
+
+    def sharded_model(self) -> str | None:
+        return SHARDED_MODEL
+
+    @classmethod
+    def merged_weights(cls, checkpoint, out) -> dict:
+        """The DCP shards merged into ``out/model.safetensors`` (Accelerate's ``merge_fsdp_weights``), then read."""
+        from accelerate.utils import merge_fsdp_weights
+        from safetensors.torch import load_file
+
+        from acceltrain.accelerate_compat import SAFE_WEIGHTS_NAME
+
+        if not (checkpoint / SHARDED_MODEL).is_dir():
+            raise ConfigError(
+                f"checkpoint {str(checkpoint)!r} holds FSDP's full state dict, not DCP shards: use "
+                "fsdp_state_dict_type: SHARDED_STATE_DICT, or load it under FSDP"
+            )
+        merge_fsdp_weights(str(checkpoint / SHARDED_MODEL), str(out), safe_serialization=True)
+        return load_file(str(out / SAFE_WEIGHTS_NAME))
 
 
-def _accelerator_class():
-    """Accelerate's ``Accelerator``, its ``end_training`` followed by :func:`forget_destroyed_groups`."""
-    from accelerate import Accelerator
+class ModelSavePlanner(DefaultSavePlanner):
+    """DCP's planner for the model's shards; a class of its own, so that its cached plan is the model's."""
 
-    class TrainingAccelerator(Accelerator):
-        def end_training(self):
-            import torch.distributed as dist
 
-            had_group = dist.is_available() and dist.is_initialized()
-            super().end_training()
-            if had_group:  # one process has none: nothing to let go of (and the search costs ~0.1 s)
-                forget_destroyed_groups()
-
-    return TrainingAccelerator
+class OptimizerSavePlanner(DefaultSavePlanner):
+    """DCP's planner for the optimizer's shards (sharing one cache with the model's ended runs at the 2nd save)."""
 
 
 def choose_wrap_policy(accelerator, model: nn.Module) -> str | None:
@@ -90,8 +185,6 @@ def choose_wrap_policy(accelerator, model: nn.Module) -> str | None:
     its ``ModuleList`` of blocks, which ``fully_shard`` refuses (a container without ``forward``)."""
     from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy, transformer_auto_wrap_policy
 
-    if accelerator.distributed_type != DistributedType.FSDP:
-        return None
     plugin = accelerator.state.fsdp_plugin
     blocks = _transformer_blocks(model)
     if plugin.auto_wrap_policy is None and not os.environ.get("FSDP_AUTO_WRAP_POLICY"):
@@ -148,11 +241,7 @@ def guard_gradient_average(accelerator, model: nn.Module) -> str | None:
     import torch.distributed as dist
     from torch.distributed.fsdp import FSDPModule
 
-    if (
-        accelerator.distributed_type != DistributedType.FSDP
-        or dist.get_backend() != "gloo"
-        or accelerator.num_processes == 1
-    ):
+    if dist.get_backend() != "gloo" or accelerator.num_processes == 1:
         return None
     if average_reduction_works():
         return None
@@ -170,7 +259,7 @@ def keep_norms_in_fp32(accelerator, model: nn.Module, optimizer) -> str | None:
     is given the sharded parameters in place of the ones it held (Accelerate maps the others itself)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    if accelerator.distributed_type != DistributedType.FSDP or accelerator.mixed_precision == "no":
+    if accelerator.mixed_precision == "no":
         return None
     norms = [module for module in model.modules() if _keeps_running_statistics(module)]
     if not norms:
@@ -201,7 +290,7 @@ def share_norm_statistics(accelerator, model: nn.Module) -> str | None:
     from them."""
     import torch.distributed as dist
 
-    if accelerator.distributed_type != DistributedType.FSDP or accelerator.num_processes == 1:
+    if accelerator.num_processes == 1:
         return None
     buffers = [
         buffer
@@ -223,20 +312,3 @@ def share_norm_statistics(accelerator, model: nn.Module) -> str | None:
 
 def _keeps_running_statistics(module: nn.Module) -> bool:
     return isinstance(module, nn.modules.batchnorm._NormBase) and module.track_running_stats
-
-
-def parameters_held(model: nn.Module) -> dict[str, int]:
-    """The model's parameters and how many of them this process holds: equal under DDP, about 1/N of each
-    sharded tensor under FSDP (a DTensor's local shard) and DeepSpeed ZeRO-3 (its partition)."""
-    total = held = 0
-    for param in model.parameters():
-        total += getattr(param, "ds_numel", param.numel())
-        local = getattr(param, "ds_tensor", None)
-        held += (
-            local.numel()
-            if local is not None
-            else param.to_local().numel()
-            if hasattr(param, "to_local")
-            else param.numel()
-        )
-    return {"parameters": total, "parameters_per_process": held}
