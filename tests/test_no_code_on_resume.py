@@ -131,8 +131,8 @@ def test_deepspeed_checkpoint_files_with_a_planted_pickle_are_refused_and_never_
     without = launch(RECIPE, resume)  # no DeepSpeed (issue 31, item 2)
     assert without.returncode == 2 and without.stderr.strip().splitlines()[-1] == (
         f"error: checkpoint {str(checkpoint)!r} holds DeepSpeed model and optimizer state and this run is one process: "
-        "resume it under DeepSpeed, as it was written (its weights alone: DeepSpeed's zero_to_fp32.py in that folder), or "
-        "start a new --output-dir"
+        "resume it under DeepSpeed, as it was written (its weights alone: DeepSpeed's zero_to_fp32.py in that folder), "
+        "or start a new --output-dir"
     ), without.stderr[-2000:]
     check(launch(RECIPE, resume, launcher="accelerate", config="deepspeed_zero2.yaml"))
 
