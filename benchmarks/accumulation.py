@@ -97,7 +97,7 @@ def main() -> None:
             "steps": args.steps,
             "memory_key": key,
             "peaks_mb": peaks,
-            "median_mb": dict(zip(configs, (base, accum, big))),
+            "median_mb": dict(zip(configs, (base, accum, big), strict=True)),
             "ratio": ratio,
             "ratio_batch_4b": big / base,
             "target": TARGET,

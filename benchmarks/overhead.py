@@ -125,7 +125,9 @@ def main() -> None:
 
     acc, plain = median(rates["acceltrain"]), median(rates["plain"])
     ratio = acc / plain
-    paired = median([a / b for a, b in zip(rates["acceltrain"], rates["plain"])])  # robust to slow drifts in load
+    paired = median(
+        [a / b for a, b in zip(rates["acceltrain"], rates["plain"], strict=True)]
+    )  # robust to slow drifts in load
     print(f"median samples/s: acceltrain {acc:.1f}, plain loop {plain:.1f}")
     print(
         f"ratio acceltrain/plain: {ratio:.3f}  ({verdict(ratio, TARGET, at_least=True)}); median of per-round ratios "

@@ -263,7 +263,7 @@ class HostEvent:
     def synchronize(self) -> None:
         pass
 
-    def elapsed_time(self, end: "HostEvent") -> float:
+    def elapsed_time(self, end: HostEvent) -> float:
         return 1000 * (end.seconds - self.seconds)
 
 
@@ -698,7 +698,7 @@ def plain_row(args) -> dict:
     finally:
         sys.argv = argv
     rates = caught["samples_per_second"]
-    speed = spread([a / b for a, b in zip(rates["acceltrain"], rates["plain"])])
+    speed = spread([a / b for a, b in zip(rates["acceltrain"], rates["plain"], strict=True)])
     return {
         "peer": "a hand-written PyTorch loop (benchmarks/overhead.py's plain_leg)",
         "toolkit": "acceltrain.fit",
@@ -1255,7 +1255,7 @@ def plot(rows: dict, path: Path, quick: bool) -> None:
         for key, row in measured.items()
         for leg, values in (row.get("legs") or {"": row}).items()
     ]  # the finetune row: a bar per leg
-    for y, (label, row) in enumerate(bars):
+    for y, (_label, row) in enumerate(bars):
         ratio = row["tokens_per_second_ratio" if "tokens_per_second_ratio" in row else "samples_per_second_ratio"]
         speed.barh(
             y,

@@ -229,10 +229,8 @@ def main() -> None:
     headline = write(args.budget_minutes, info, results)
     if "fast-epochs" in results:
         epochs = results["fast-epochs"]["epochs_to_target"]
-        print(
-            f">= {TARGET:.0%} within 10 epochs: {'met at epoch %g' % epochs if epochs and epochs <= 10 else 'NOT met'} "
-            f"(best {results['fast-epochs']['best_accuracy']:.4f})"
-        )
+        met = f"met at epoch {epochs:g}" if epochs and epochs <= 10 else "NOT met"
+        print(f">= {TARGET:.0%} within 10 epochs: {met} (best {results['fast-epochs']['best_accuracy']:.4f})")
     if headline:
         print(
             f"within {args.budget_minutes:g} min: fast preset {headline['fast_budget_accuracy']:.4f}, tiny ResNet "

@@ -41,9 +41,9 @@ def test_augmentation_depends_only_on_seed_epoch_and_index():
     dataset = ImageClassification(images, labels, [str(i) for i in range(10)], augment=CropFlip(), seed=7)
     forward = [dataset.sample(i, epoch=2)[0] for i in range(16)]
     backward = [dataset.sample(i, epoch=2)[0] for i in reversed(range(16))][::-1]
-    assert all(torch.equal(a, b) for a, b in zip(forward, backward))
+    assert all(torch.equal(a, b) for a, b in zip(forward, backward, strict=True))
     other_epoch = [dataset.sample(i, epoch=3)[0] for i in range(16)]
-    assert not all(torch.equal(a, b) for a, b in zip(forward, other_epoch))
+    assert not all(torch.equal(a, b) for a, b in zip(forward, other_epoch, strict=True))
     plain = dataset[0][0]
     assert plain.shape == forward[0].shape == (3, 32, 32) and plain.dtype == torch.float32
 
@@ -79,7 +79,7 @@ def test_loader_with_workers_gives_the_same_batches_as_without():
         loader.sampler.set_epoch(1)
         batches.append([images for images, _ in loader])
     assert len(batches[0]) == 5
-    assert all(torch.equal(a, b) for a, b in zip(*batches))
+    assert all(torch.equal(a, b) for a, b in zip(*batches, strict=True))
 
 
 def test_image_folder_datasets_decode_and_resize(image_folder):

@@ -56,7 +56,7 @@ def dataloader_batches(dataset, *, epoch, processes=1, rank=0, skip=0, seed=5):
 
 def assert_same_batches(ours, reference):
     assert len(ours) == len(reference) > 0
-    for (images, labels), (expected_images, expected_labels) in zip(ours, reference):
+    for (images, labels), (expected_images, expected_labels) in zip(ours, reference, strict=True):
         assert images.dtype == torch.float32 and labels.dtype == torch.int64
         assert torch.equal(images, expected_images) and torch.equal(labels, expected_labels)
 
@@ -121,7 +121,7 @@ def test_epochs_differ_and_the_seed_decides():
     dataset = identified_dataset()
 
     def epoch_of(**options) -> tuple[torch.Tensor, torch.Tensor]:
-        images, labels = zip(*device_batches(dataset, **options))
+        images, labels = zip(*device_batches(dataset, **options), strict=True)
         return torch.cat(images), torch.cat(labels)
 
     assert all(map(torch.equal, epoch_of(epoch=1, seed=5), epoch_of(epoch=1, seed=5)))
@@ -180,7 +180,7 @@ def test_gradient_accumulation_syncs_at_the_end_of_each_epoch_like_a_prepared_da
 def test_channels_last_batches_are_channels_last_with_the_same_values():
     dataset = identified_dataset()
     plain = device_batches(dataset, epoch=0)
-    for (images, _), (expected, _) in zip(device_batches(dataset, epoch=0, channels_last=True), plain):
+    for (images, _), (expected, _) in zip(device_batches(dataset, epoch=0, channels_last=True), plain, strict=True):
         assert images.is_contiguous(memory_format=torch.channels_last) and torch.equal(images, expected)
     assert plain[0][0].is_contiguous()
 

@@ -98,7 +98,7 @@ def evaluate(run, hook: EarlyStopping, value: float) -> None:
 def test_the_count_follows_the_tasks_direction_and_the_threshold(higher_is_better, values, stopped_at):
     run, stops = fake_run(higher_is_better)
     hook = EarlyStopping(patience=2, threshold=0.01, evaluation=Evaluation(1))
-    for index, value in enumerate(values):
+    for index, value in enumerate(values):  # noqa: B007 - the index of the stop, read after the loop
         evaluate(run, hook, value)
         if stops:
             break
@@ -122,7 +122,7 @@ def test_the_threshold_is_measured_from_the_best_evaluation(values, stopped_at, 
     the threshold, and the best one is any evaluation better than all before it (the trainer's best_metric)."""
     run, stops = fake_run(higher_is_better=True)
     hook = EarlyStopping(patience=2, threshold=0.01, evaluation=Evaluation(1))
-    for index, value in enumerate(values):
+    for index, value in enumerate(values):  # noqa: B007 - the index of the stop, read after the loop
         evaluate(run, hook, value)
         if stops:
             break

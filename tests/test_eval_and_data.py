@@ -211,7 +211,7 @@ def write_hub_layout(
     from PIL import Image as PILImage
 
     generator = np.random.default_rng(0)
-    for split, count in zip(splits, (30, 9, 9)):
+    for split, count in zip(splits, (30, 9, 9), strict=False):  # two or three splits
         labels = [index % 3 for index in range(count)]
         pictures = [
             PILImage.fromarray((generator.integers(0, 60, (40, 36, 3)) + 80 * label).astype(np.uint8))

@@ -191,8 +191,10 @@ def test_quiet_loading_keeps_every_other_warning():
             with quiet_model_loading():
                 modeling.warning("BertModel LOAD REPORT from: x\n| key | MISSING |")
                 modeling.warning("a real warning")
-                warnings.warn("`is_gradient_checkpointing` is deprecated and will be removed in v6.", FutureWarning)
-                warnings.warn("another deprecation", FutureWarning)
+                warnings.warn(
+                    "`is_gradient_checkpointing` is deprecated and will be removed in v6.", FutureWarning, stacklevel=1
+                )
+                warnings.warn("another deprecation", FutureWarning, stacklevel=1)
     finally:
         modeling.removeHandler(recorded)
         modeling.setLevel(level)

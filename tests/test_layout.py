@@ -9,7 +9,8 @@ from pathlib import Path
 from conftest import REPO
 
 PACKAGE = REPO / "acceltrain"
-LIMITS = {"module": 450, "Run": 200, "loop.py": 400, "fit": 50}
+# today's figures (issue 44): growth past them is a decision, made here with its reason, not a drift
+LIMITS = {"module": 406, "Run": 150, "loop.py": 359, "fit": 45}
 
 
 def module_name(path: Path) -> str:

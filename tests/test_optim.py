@@ -121,7 +121,7 @@ def test_adamw_is_torchs_fused_kernel_and_steps_as_the_default_one():
     fused_model, default_model = model(), model()
     fused = build_optimizer(fused_model, cfg)
     assert all(group["fused"] for group in fused.param_groups)
-    same = dict(zip((id(p) for p in fused_model.parameters()), default_model.parameters()))
+    same = dict(zip((id(p) for p in fused_model.parameters()), default_model.parameters(), strict=True))
     default = torch.optim.AdamW(
         [
             {
@@ -137,7 +137,7 @@ def test_adamw_is_torchs_fused_kernel_and_steps_as_the_default_one():
             optimizer.zero_grad()
             net(inputs).square().mean().backward()
             optimizer.step()
-    for ours, theirs in zip(fused_model.parameters(), default_model.parameters()):
+    for ours, theirs in zip(fused_model.parameters(), default_model.parameters(), strict=True):
         torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-7)
     again = build_optimizer(fused_model, cfg)
     again.load_state_dict(fused.state_dict())

@@ -112,7 +112,9 @@ def test_a_conversation_trains_on_each_assistant_turn_as_the_chat_template_rende
     examples, _, _ = encoded(tokenizer, [{"messages": messages}], messages="messages")
     ids, labels = examples[0]["input_ids"], examples[0]["labels"]
     assert ids == tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)
-    trained = tokenizer.convert_ids_to_tokens([token for token, label in zip(ids, labels) if label != IGNORE_INDEX])
+    trained = tokenizer.convert_ids_to_tokens(
+        [token for token, label in zip(ids, labels, strict=True) if label != IGNORE_INDEX]
+    )
     assert trained == ["good", "good", "<|im_end|>", "bad", "<|im_end|>"], (
         "the answers and their ends, nothing of the user's"
     )

@@ -198,7 +198,7 @@ def jobs(tmp_path_factory, slurm):
         yield _submit_and_signal(cases, submitted, tmp_path_factory)
     finally:  # also when a job never started: nothing is left in the queue
         for job_id, _ in submitted.values():
-            wait_for(lambda: cancelled(job_id), f"job {job_id} to be cancelled", 60)
+            wait_for(lambda job_id=job_id: cancelled(job_id), f"job {job_id} to be cancelled", 60)
 
 
 def cancelled(job_id: str) -> bool:

@@ -63,9 +63,9 @@ def test_activation_checkpointing_gives_the_same_gradients():
     task = ClassificationTask()
     for model in (reference, checkpointed):
         task.train_loss(model, (inputs, labels)).backward()
-    for (name, a), b in zip(reference.named_parameters(), checkpointed.parameters()):
+    for (name, a), b in zip(reference.named_parameters(), checkpointed.parameters(), strict=True):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-7, msg=name)
-    for (name, a), b in zip(reference.named_buffers(), checkpointed.buffers()):
+    for (name, a), b in zip(reference.named_buffers(), checkpointed.buffers(), strict=True):
         assert torch.equal(a, b), f"{name}: recomputation must not update BatchNorm statistics twice"
 
 

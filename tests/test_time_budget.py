@@ -6,6 +6,7 @@ the seconds the clock is told a step and an evaluation take, however slow or loa
 
 from __future__ import annotations
 
+import itertools
 from types import SimpleNamespace
 
 import pytest
@@ -71,7 +72,7 @@ def _assert_planned(output_dir) -> None:
     assert summary["steps"] == evals[-1]["step"] == LAST_STEP, "the final model is evaluated, at the planned step"
     assert evals[-1]["wall_seconds"] == FINAL_EVAL_ENDS <= BUDGET, "the final evaluation ends inside the budget"
     lrs = {event["step"]: event["lr"] for event in events if "lr" in event}
-    assert all(later <= earlier for earlier, later in zip(list(lrs.values()), list(lrs.values())[1:]))
+    assert all(later <= earlier for earlier, later in itertools.pairwise(lrs.values()))
     ended = {event["step"]: event["wall_seconds"] for event in events}  # a step's last row: its evaluation's, if any
     # the lr of step n is set at step n-1 from the time after step n-2; from EVAL_EVERY on an evaluation is measured
     for step in range(EVAL_EVERY + 2, LAST_STEP + 1):

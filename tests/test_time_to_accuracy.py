@@ -150,7 +150,7 @@ def test_device_loader_gives_the_alternating_reflect_batches_of_the_dataloader_o
             expected = list(DataLoader(reference.dataset, batch_sampler=shard))
             ours = list(loader)
             assert len(ours) == len(expected) == 10 // processes
-            for (x, y), (x_ref, y_ref) in zip(ours, expected):
+            for (x, y), (x_ref, y_ref) in zip(ours, expected, strict=True):
                 assert torch.equal(x, x_ref) and torch.equal(y, y_ref)
 
 

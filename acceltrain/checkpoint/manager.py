@@ -365,14 +365,14 @@ class Checkpointer:
         """After ``load_state`` put the checkpoint's optimizer hyperparameters back: the new settings' (lr,
         momentum, weight decay) replace them, and the schedule continues from the new peak at the same step."""
         scheduler = self.scheduler
-        for group, fresh in zip(self.optimizer.param_groups, fresh_groups):
+        for group, fresh in zip(self.optimizer.param_groups, fresh_groups, strict=True):
             group.update(fresh)
         scheduler.base_lrs = [group["initial_lr"] for group in self.optimizer.param_groups]
         values = [
             base * multiplier(scheduler.last_epoch)
-            for base, multiplier in zip(scheduler.base_lrs, scheduler.lr_lambdas)
+            for base, multiplier in zip(scheduler.base_lrs, scheduler.lr_lambdas, strict=True)
         ]
-        for group, value in zip(self.optimizer.param_groups, values):
+        for group, value in zip(self.optimizer.param_groups, values, strict=True):
             group["lr"] = value
         scheduler._last_lr = values
 

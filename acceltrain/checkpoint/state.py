@@ -66,7 +66,7 @@ class RunState:
             "samples per optimizer step"
         )
 
-    def check_compatible(self, current: "RunState", path: Path) -> None:
+    def check_compatible(self, current: RunState, path: Path) -> None:
         """Refuse what would not continue the same run. Another layout (process count, batch size,
         accumulation) continues it when every optimizer step covers the same samples: equal samples per
         step and per epoch (so the same steps per epoch, the same short last window)."""
@@ -114,7 +114,7 @@ class RunState:
                 "a batch size that divides the epoch as the checkpoint's did"
             )
 
-    def relayout(self, current: "RunState") -> bool:
+    def relayout(self, current: RunState) -> bool:
         """Whether ``current`` trains on another layout than this checkpoint's."""
         return (self.global_batch_size, self.grad_accum, self.num_processes) != (
             current.global_batch_size,
@@ -122,7 +122,7 @@ class RunState:
             current.num_processes,
         )
 
-    def in_layout(self, current: "RunState") -> "RunState":
+    def in_layout(self, current: RunState) -> RunState:
         """This state as the layout of ``current`` counts it: the same samples of the epoch trained on (a
         checkpoint sits at a step boundary, a whole number of this run's micro-steps), the new layout's fields."""
         position = self.batch_in_epoch * self.global_batch_size // current.global_batch_size

@@ -131,7 +131,8 @@ class AsyncWriter:
             raise RuntimeError("a checkpoint is still in flight: wait() for it (and announce it) before the next save")
         whole = [part for part in parts if part.form in (SAFETENSORS, PICKLE)]
         shards = [part for part in parts if part.form == SHARDS]
-        futures = [self._stage_shards(part, staging, group) for part, group in zip(shards, self._groups[1:])]
+        groups = self._groups[1:]  # one per sharded part (the model's, the optimizer's); no shards: none used
+        futures = [self._stage_shards(part, staging, group) for part, group in zip(shards, groups, strict=False)]
         for part in whole:  # now: what the next forward and backward change
             self._copy(part, part.changes_before_step)
 
@@ -270,5 +271,5 @@ def copied_to_cpu(value, into=None):
         return type(value)((k, copied_to_cpu(v, into.get(k))) for k, v in value.items())
     if isinstance(value, (list, tuple)):
         into = into if isinstance(into, (list, tuple)) and len(into) == len(value) else [None] * len(value)
-        return type(value)(copied_to_cpu(v, i) for v, i in zip(value, into))
+        return type(value)(copied_to_cpu(v, i) for v, i in zip(value, into, strict=True))
     return value

@@ -71,7 +71,7 @@ def _without_options(flags: list[str], replacing: list[str]) -> list[str]:
     """``flags`` less the ``--option value`` pairs that ``replacing`` sets again (``--mixed-precision``)."""
     options = {
         flag
-        for flag, value in zip(replacing, [*replacing[1:], None])
+        for flag, value in zip(replacing, [*replacing[1:], None], strict=True)
         if flag.startswith("--") and value and not value.startswith("--")
     }
     kept, skip_value = [], False

@@ -87,7 +87,7 @@ def bench_figure(rows: list[Row], title: str):
         (speed, [r.figures["samples_per_second"] / base if r.status == "ok" else 0.0 for r in rows], "{:.2f}x"),
         (memory, [r.figures["peak_memory_mb"] if r.status == "ok" else 0.0 for r in rows], "{:.0f} MB"),
     ):
-        for position, (row, value, style) in enumerate(zip(rows, values, styles)):
+        for position, (row, value, style) in enumerate(zip(rows, values, styles, strict=True)):
             axis.barh(position, value, **style)
             axis.text(
                 value, position, f" {text.format(value)}" if row.status == "ok" else " skipped", va="center", fontsize=9

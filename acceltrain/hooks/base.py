@@ -156,9 +156,7 @@ class Hooks:
             if not any(_implements(hook, event) for event in EVENTS):
                 raise ConfigError(f"hook {hook!r} implements none of the hook methods ({', '.join(EVENTS)})")
         self._methods = {event: [getattr(h, event) for h in self.hooks if _implements(h, event)] for event in EVENTS}
-        self._methods["on_fit_start"] = [
-            getattr(h, "on_fit_start") for h in [*builtin, *hooks] if _implements(h, "on_fit_start")
-        ]
+        self._methods["on_fit_start"] = [h.on_fit_start for h in [*builtin, *hooks] if _implements(h, "on_fit_start")]
         self.stateful = {}
         for hook in self.hooks:
             if _implements(hook, "state_dict"):

@@ -53,7 +53,7 @@ def curves_figure(rows: list[dict], metric: str | None, title: str):
     series = [("loss", "training loss")] + ([(metric, metric.replace("_", " "))] if metric else [])
     figure = Figure(figsize=(11, 3.2 * len(series)))
     axes = figure.subplots(len(series), 2, squeeze=False)
-    for (key, label), (by_step, by_time) in zip(series, axes):
+    for (key, label), (by_step, by_time) in zip(series, axes, strict=True):
         points = [row for row in rows if row.get(key) is not None]
         timed = [row for row in points if "wall_seconds" in row]
         style = {"marker": "o" if len(points) < 30 else None, "markersize": 3}

@@ -204,7 +204,7 @@ def main(cfg: TextClassificationConfig) -> dict:
                 "padded_token_fraction": first_epoch_padding(
                     train_set, lengths, batch_size=cfg.batch_size, seed=cfg.seed
                 ),
-                **({"class_weights": dict(zip(labels.names, weights))} if weights is not None else {}),
+                **({"class_weights": dict(zip(labels.names, weights, strict=True))} if weights is not None else {}),
             }
         )
         if folder.is_main_process:  # before training: the run folder loads with from_pretrained, tokenizer included

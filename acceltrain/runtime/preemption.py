@@ -41,7 +41,7 @@ class PreemptionSignals:
         self.received: int | None = None
         self._previous = {}
 
-    def install(self) -> "PreemptionSignals":
+    def install(self) -> PreemptionSignals:
         if threading.current_thread() is threading.main_thread():
             for sig in self.SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._handle)

@@ -21,7 +21,7 @@ def text_fingerprint(files: list[str]) -> str:
     sizes = [os.path.getsize(path) for path in files]
     whole = sum(sizes) <= FINGERPRINT_WHOLE_BYTES
     digest = hashlib.sha256(f"{whole}:{sizes}".encode())
-    for path, size in zip(files, sizes):
+    for path, size in zip(files, sizes, strict=True):
         with open(path, "rb") as file:
             if whole or size <= 2 * FINGERPRINT_END_BYTES:
                 for block in iter(lambda: file.read(FINGERPRINT_END_BYTES), b""):

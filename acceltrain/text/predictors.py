@@ -68,7 +68,7 @@ class Classifier:
             truncation=True,
             max_length=self.settings.get("max_length"),
         )
-        return [dict(zip(encoded, values)) for values in zip(*encoded.values())]
+        return [dict(zip(encoded, values, strict=True)) for values in zip(*encoded.values(), strict=True)]
 
     def __call__(self, model, examples: list[dict]) -> list[dict]:
         import torch
@@ -79,7 +79,7 @@ class Classifier:
         return [
             {
                 "predicted_label": self.labels[int(row.argmax())],
-                **{f"probability_{label}": float(p) for label, p in zip(self.labels, row)},
+                **{f"probability_{label}": float(p) for label, p in zip(self.labels, row, strict=True)},
             }
             for row in probabilities
         ]
@@ -108,7 +108,9 @@ class Classifier:
             {**{name: values[index] for name, values in self.carried.items()}, **prediction}
             for index, prediction in enumerate(predictions)
         ]
-        scored = [(truth, row) for truth, row in zip(self.truth, predictions) if truth is not None]
+        if not self.truth:  # the file has no label column
+            return rows, None
+        scored = [(truth, row) for truth, row in zip(self.truth, predictions, strict=True) if truth is not None]
         if not scored:
             return rows, None
         confusion = [[0] * len(self.labels) for _ in self.labels]
@@ -166,9 +168,10 @@ class Generator:
             prompts = self.tokenizer(list(rows[column]))["input_ids"]
         cut = [ids[-self.longest :] if self.longest and len(ids) > self.longest else ids for ids in prompts]
         if cut != prompts:
+            longer = sum(len(a) != len(b) for a, b in zip(cut, prompts, strict=True))
             _log(
-                f"{sum(len(a) != len(b) for a, b in zip(cut, prompts))} prompts longer than {self.longest} tokens "
-                "(the model's positions less --max-new-tokens) keep their last tokens"
+                f"{longer} prompts longer than {self.longest} tokens (the model's positions less --max-new-tokens) "
+                "keep their last tokens"
             )
         return [{"input_ids": ids} for ids in cut]
 

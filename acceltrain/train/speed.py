@@ -141,7 +141,7 @@ def _frozen_batchnorm_statistics(block: nn.Module):
     try:
         yield
     finally:
-        for module, (mean, var, count) in zip(norms, saved):
+        for module, (mean, var, count) in zip(norms, saved, strict=True):
             module.running_mean.copy_(mean)
             module.running_var.copy_(var)
             module.num_batches_tracked.copy_(count)

@@ -102,7 +102,7 @@ class ImageClassification(Dataset):
             progress=self.progress,
         )
 
-    def decoded(self) -> "ImageClassification":
+    def decoded(self) -> ImageClassification:
         """This dataset with its image files decoded once into one uint8 tensor (cached in ``cache_dir``),
         for repeated evaluation under ``--data-on-device``; itself when the images are in memory already."""
         if isinstance(self.images, torch.Tensor):
@@ -215,7 +215,7 @@ def _without_bad_images(splits: dict, root: Path, skip: bool, progress: bool | N
         logger.warning(f"--skip-bad-images: skipped {count} in {str(root)!r}: {named}{', ...' if len(bad) > 3 else ''}")
     kept = {}
     for split, (paths, labels, classes) in splits.items():
-        pairs = [(path, label) for path, label in zip(paths, labels) if path not in bad]
+        pairs = [(path, label) for path, label in zip(paths, labels, strict=True) if path not in bad]
         kept[split] = ([path for path, _ in pairs], [label for _, label in pairs], classes)
     return kept
 
