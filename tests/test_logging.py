@@ -56,6 +56,7 @@ def test_the_start_up_says_what_data_model_engine_and_steps_in_six_lines(tmp_pat
     start = lines[: lines.index(next(line for line in lines if line.startswith("step=")))]
     assert [line.split(":")[0] + ":" for line in start] == list(START_LINES), start
     assert start[0] == "data: 32 training rows, 16 eval rows, 10 classes"
+    assert start[2] == "engine: one process on cpu, mixed precision no", "the engine's own name, said once"
     assert start[3] == "steps: 4 (4 an epoch), 8 samples a step (--batch-size 8 x 1 process x --grad-accum 1)"
     assert "config:" not in lines and lines[-1].startswith("done: 4 steps, train loss ")
     loss = lines[-1].split("train loss ")[1].split(",")[0]

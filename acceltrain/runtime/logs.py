@@ -143,9 +143,9 @@ def start_block(runtime: dict, cfg, checkpoints: str) -> list[str]:
     processes = runtime["num_processes"]
     held = runtime.get("parameters_per_process", runtime["parameters"])
     per_process = f", {held:,} held by each process" if held != runtime["parameters"] else ""
-    engine = f"{runtime['engine']}, {processes} processes" if processes > 1 else "one process"
-    if runtime["engine"] != "DDP" and processes == 1:  # DeepSpeed on one process
-        engine = f"{runtime['engine']}, one process"
+    engine = runtime["engine"]  # the one-process engine's name says it all; the others, how many processes
+    if engine != "one process":
+        engine += f", {processes} process{'es' if processes > 1 else ''}"
     epoch = f" ({runtime['steps_per_epoch']:,} an epoch)" if runtime.get("steps_per_epoch") else ""
     device = runtime["device"]
     if runtime["device_name"] not in (device, device.split(":")[0]):
