@@ -34,6 +34,19 @@ def save_loop_state(accelerator, folder: Path) -> None:
     )
 
 
+def load_loop_state(accelerator, folder: Path) -> None:
+    """Read back what :func:`save_loop_state` wrote, with its reader: ``load_accelerator_state`` with no models,
+    optimizers or schedulers (the engine loads the model and optimizer itself), and the micro-step count it returns
+    (``load_state`` sets it so)."""
+    from accelerate.checkpointing import load_accelerator_state
+
+    restored = load_accelerator_state(
+        str(folder), [], [], [], accelerator._dataloaders, accelerator.process_index, accelerator.scaler, "cpu"
+    )
+    if "step" in restored:
+        accelerator.step = restored["step"]
+
+
 def set_micro_step(accelerator, micro_batches: int) -> None:
     """Accelerate counts the epoch's micro-batches (``Accelerator.step``, settable but undocumented) to know when an
     accumulation window closes. A checkpoint continued on another layout restored the old layout's count (or none

@@ -30,9 +30,9 @@ def test_no_module_but_the_compat_module_touches_accelerates_private_parts():
     assert not found, "\n".join(found)
 
 
-def test_save_loop_state_writes_what_load_state_reads(tmp_path):
+def test_load_loop_state_reads_back_what_save_loop_state_writes(tmp_path):
     from accelerate import Accelerator
-    from accelerate.checkpointing import save_accelerator_state
+    from accelerate.checkpointing import load_accelerator_state, save_accelerator_state
 
     accelerator = Accelerator(cpu=True)
     loader = accelerator.prepare(torch.utils.data.DataLoader(list(range(8)), batch_size=2))
@@ -50,9 +50,25 @@ def test_save_loop_state_writes_what_load_state_reads(tmp_path):
         "step",
         "scaler",
     ], f"save_loop_state: save_accelerator_state's parameters changed: {parameters}"
+    loaded = list(inspect.signature(load_accelerator_state).parameters)
+    assert loaded[:8] == [
+        "input_dir",
+        "models",
+        "optimizers",
+        "schedulers",
+        "dataloaders",
+        "process_index",
+        "scaler",
+        "map_location",
+    ], f"load_loop_state: load_accelerator_state's parameters changed: {loaded}"
+    accelerator.step = 3
     accelerate_compat.save_loop_state(accelerator, tmp_path)
     assert (tmp_path / "random_states_0.pkl").is_file(), "save_loop_state: no RNG state written"
-    accelerator.load_state(str(tmp_path))
+    drawn = torch.rand(4)
+    accelerator.step = 0
+    accelerate_compat.load_loop_state(accelerator, tmp_path)
+    assert accelerator.step == 3, "load_loop_state: the micro-step count is not restored"
+    assert torch.equal(torch.rand(4), drawn), "load_loop_state: the RNG state is not restored"
 
 
 def test_set_micro_step_is_the_count_accumulate_reads():

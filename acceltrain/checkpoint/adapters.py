@@ -30,22 +30,21 @@ def describe(frozen: frozenset[str]) -> str | None:
     )
 
 
-def load_arguments(accelerator, model, frozen: frozenset[str], checkpoint: Path) -> dict:
-    """``load_state``'s arguments for ``checkpoint``: ``strict=False`` when it holds exactly this adapter run's
-    trainable weights (the frozen base is loaded already), nothing otherwise (every weight, or FSDP's shards);
-    weights of another model are one line."""
+def strict_load(accelerator, model, frozen: frozenset[str], checkpoint: Path) -> bool:
+    """Whether ``checkpoint``'s weights load strictly: not when it holds exactly this adapter run's trainable weights
+    (the frozen base is loaded already); every weight, or FSDP's shards, do. Weights of another model are one line."""
     from safetensors import safe_open
 
-    file = checkpoint / WEIGHTS_FILE  # Accelerate's name for a DDP or one-process checkpoint's model
+    file = checkpoint / WEIGHTS_FILE  # the weights of a DDP or one-process checkpoint
     if not frozen or not file.is_file():
-        return {}
+        return True
     with safe_open(str(file), "pt") as weights:
         saved = set(weights.keys())
     names = set(accelerator.unwrap_model(model).state_dict())
     if saved == names:
-        return {}
+        return True
     if saved == names - frozen:
-        return {"strict": False}
+        return False
     raise CheckpointError(
         f"checkpoint {str(checkpoint)!r} holds other weights than this adapter run's "
         f"({len(saved ^ (names - frozen))} names differ): resume with the same base model and LoRA settings"

@@ -16,7 +16,7 @@ from typing import Protocol
 import torch
 from accelerate.logging import get_logger
 
-from acceltrain.accelerate_compat import save_loop_state, set_micro_step
+from acceltrain.accelerate_compat import load_loop_state, save_loop_state, set_micro_step
 from acceltrain.checkpoint import adapters
 from acceltrain.checkpoint.files import (
     checkpoint_engine,
@@ -176,8 +176,8 @@ class Checkpointer:
 
     def restore(self) -> bool:
         """``--resume``: find and verify the checkpoint on the main process, agree on it everywhere, check that it
-        continues this run, and load it: the model, optimizer, grad scaler and RNG (Accelerate's ``load_state``),
-        the scheduler, the loop's state and the hooks' states. False when the run in the folder finished at that
+        continues this run, and load it: the model and optimizer (the engine's reader of its parts), the grad scaler, RNG and
+        loaders (Accelerate's reader of its files), the scheduler, the loop's state and the hooks' states. False when the run in the folder finished at that
         checkpoint: nothing to do."""
         path, saved = self._agreed_checkpoint(
             lambda: find_resume_checkpoint(self.cfg.resume, self.output_dir, warn=logger.warning)
@@ -286,15 +286,17 @@ class Checkpointer:
         return Path(path), RunState(**fields)
 
     def _load(self, path: Path) -> None:
-        """Accelerate's ``load_state``: every ``torch.load`` without running code; a model or optimizer that does not
-        fit is one line."""
+        """Read back what :meth:`save` wrote, the same two halves: the engine's parts of the model and optimizer, and
+        Accelerate's RNG, loader and grad-scaler files; every ``torch.load`` without running code. A model or
+        optimizer that does not fit is one line."""
         from safetensors import SafetensorError
         from torch.distributed.checkpoint.api import CheckpointException
 
-        arguments = adapters.load_arguments(self.accelerator, self.model, self.frozen, path)
+        strict = adapters.strict_load(self.accelerator, self.model, self.frozen, path)
         try:
             with loading_without_code():
-                self.engine.load_checkpoint(path, **arguments)
+                self.engine.load_parts(path, self.model, self.optimizer, strict=strict)
+                load_loop_state(self.accelerator, path)
         except (RuntimeError, KeyError, ValueError, IndexError, SafetensorError, CheckpointException) as err:
             raise CheckpointError(
                 f"checkpoint {str(path)!r} does not fit this model or optimizer: {first_line(err)}"
@@ -362,7 +364,7 @@ class Checkpointer:
         return moved
 
     def _apply_changes(self, fresh_groups: list[dict]) -> None:
-        """After ``load_state`` put the checkpoint's optimizer hyperparameters back: the new settings' (lr,
+        """After the load put the checkpoint's optimizer hyperparameters back: the new settings' (lr,
         momentum, weight decay) replace them, and the schedule continues from the new peak at the same step."""
         scheduler = self.scheduler
         for group, fresh in zip(self.optimizer.param_groups, fresh_groups, strict=True):

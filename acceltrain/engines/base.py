@@ -125,10 +125,15 @@ class Engine:
             Part(f"{OPTIMIZER_NAME}.bin", optimizer.state_dict(), PICKLE),
         ]
 
-    def load_checkpoint(self, path, **arguments) -> None:
-        """The model, optimizer, RNG and loader states of checkpoint ``path`` (Accelerate's ``load_state``, which reads
-        every engine's parts as :meth:`checkpoint_parts` lays them out); the checkpointer has verified it."""
-        self.accelerator.load_state(str(path), **arguments)
+    def load_parts(self, folder, model, optimizer, *, strict: bool = True) -> None:
+        """Read back, on every process, what :meth:`checkpoint_parts` wrote into checkpoint ``folder`` (the
+        checkpointer has verified it and loads without running code): the weights into the plain module (``strict``
+        False for an adapter run's trainable weights alone), the optimizer state into the optimizer."""
+        import torch
+        from safetensors.torch import load_model
+
+        load_model(self.accelerator.unwrap_model(model), str(folder / SAFE_WEIGHTS_NAME), strict=strict)
+        optimizer.load_state_dict(torch.load(folder / f"{OPTIMIZER_NAME}.bin", map_location="cpu", weights_only=True))
 
     @classmethod
     def merged_weights(cls, checkpoint, out) -> dict:

@@ -51,6 +51,10 @@ class DeepSpeed(Engine):
     def checkpoint_parts(self, model, optimizer, frozen: frozenset[str]) -> list[Part]:
         return [Part(MODEL_NAME, lambda folder: model.save_checkpoint(str(folder), MODEL_NAME), ENGINE)]
 
+    def load_parts(self, folder, model, optimizer, *, strict: bool = True) -> None:
+        """DeepSpeed's engine reads back its own checkpoint: the model, its optimizer partitions and loss scaler."""
+        model.load_checkpoint(str(folder), MODEL_NAME)
+
     def writes_own_files(self) -> bool:
         return True
 

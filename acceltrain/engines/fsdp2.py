@@ -141,6 +141,32 @@ class FSDP2(Engine):
             ),
         ]
 
+    def load_parts(self, folder, model, optimizer, *, strict: bool = True) -> None:
+        """Each process reads its shards of the DCP folders back (DCP reshards them onto another process count); with
+        full state dicts, Accelerate's readers of the files its writers wrote."""
+        if self.writes_own_files():
+            from accelerate.utils import load_fsdp_model, load_fsdp_optimizer
+
+            plugin = self.accelerator.state.fsdp_plugin
+            load_fsdp_model(plugin, self.accelerator, model, str(folder))
+            load_fsdp_optimizer(plugin, self.accelerator, optimizer, model, str(folder))
+            return
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import (
+            get_model_state_dict,
+            get_optimizer_state_dict,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        weights = {"model": get_model_state_dict(model)}
+        dcp.load(weights, checkpoint_id=str(folder / SHARDED_MODEL))
+        set_model_state_dict(model, weights["model"])
+        state = {"optimizer": get_optimizer_state_dict(model, optimizer.optimizer)}  # the torch optimizer: getting
+        # a fresh one's state steps it once, which must not step the fp16 grad scaler in Accelerate's wrapper
+        dcp.load(state, checkpoint_id=str(folder / SHARDED_OPTIMIZER))
+        set_optimizer_state_dict(model, optimizer.optimizer, state["optimizer"])
+
     def writes_own_files(self) -> bool:
         return "SHARDED" not in str(self.accelerator.state.fsdp_plugin.state_dict_type)
 
