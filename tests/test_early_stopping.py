@@ -73,7 +73,7 @@ def fake_run(higher_is_better: bool):
 def evaluate(run, hook: EarlyStopping, value: float) -> None:
     """One evaluation at the next step, recorded as the loop records it (its best and ``eval_improved``, the rule
     ``--keep-best`` follows) before the hook sees it."""
-    from acceltrain.train.progress import _improves
+    from acceltrain.train.state import _improves
 
     run.step += 1
     run.eval_improved = _improves(value, run.best_metric, run.task.higher_is_better)

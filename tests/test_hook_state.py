@@ -16,6 +16,7 @@ from conftest import run_tiny_in_process
 from safetensors.torch import load_file, save_file
 
 from acceltrain import ConfigError, Hook
+from acceltrain.checkpoint.hook_states import check_states, load_states, save_states
 from acceltrain.hooks.base import Hooks
 from acceltrain.runtime.preemption import EXIT_PREEMPTED
 
@@ -65,9 +66,9 @@ def described(value):
 
 def round_trip(state, folder: Path):
     """Save ``state`` as a hook's checkpointed state into ``folder`` and load it into a fresh hook."""
-    names = Hooks([Holds(state)]).save_states(folder)
+    names = save_states(folder, Hooks([Holds(state)]).stateful)
     fresh = Holds(None)
-    Hooks([fresh]).load_states(folder, names)
+    load_states(folder, Hooks([fresh]).stateful, names)
     return fresh.loaded
 
 
@@ -122,15 +123,15 @@ def test_a_checkpoint_written_by_the_previous_format_still_loads(tmp_path):
     )
     save_file({"avg.w": torch.ones(2)}, str(tmp_path / "hooks" / "holder.safetensors"))
     fresh = Holds(None)
-    Hooks([fresh]).load_states(tmp_path, ["holder"])
+    load_states(tmp_path, Hooks([fresh]).stateful, ["holder"])
     assert described(fresh.loaded) == described({"avg": {"w": torch.ones(2)}, "n": 3, "h": [1, 2]})
 
 
 def test_a_tampered_state_file_is_a_one_line_error(tmp_path):
-    names = Hooks([Holds({"w": torch.ones(1)})]).save_states(tmp_path)
+    names = save_states(tmp_path, Hooks([Holds({"w": torch.ones(1)})]).stateful)
     (tmp_path / "hooks" / "holder.json").write_text(json.dumps({"w": {"__tensor__": "nope"}, "x": {"__items__": 5}}))
     with pytest.raises(ConfigError, match=r"the state of hook 'holder' is unreadable") as error:
-        Hooks([Holds(None)]).load_states(tmp_path, names)
+        load_states(tmp_path, Hooks([Holds(None)]).stateful, names)
     assert "\n" not in str(error.value)
 
 
@@ -161,10 +162,10 @@ REFUSED = {
 
 @pytest.mark.parametrize(("state", "says"), REFUSED.values(), ids=REFUSED.keys())
 def test_state_that_cannot_round_trip_is_refused_in_one_line_naming_hook_and_key(state, says):
-    """Before: check_states() accepted everything and the first save raised a raw TypeError (or a
+    """Before: the start-up check accepted everything and the first save raised a raw TypeError (or a
     RuntimeError/ValueError from safetensors blamed on free space), or the value came back as another type."""
     with pytest.raises(ConfigError, match=rf"^hook 'holder': its state at {says}") as error:
-        Hooks([Holds(state)]).check_states()
+        check_states(Hooks([Holds(state)]).stateful)
     assert "\n" not in str(error.value)
 
 
@@ -172,23 +173,23 @@ def test_a_state_that_holds_itself_is_refused_in_one_line():
     looped = {}
     looped["me"] = looped
     with pytest.raises(ConfigError, match=r"^hook 'holder': its state is nested too deeply \(or holds itself\)"):
-        Hooks([Holds(looped)]).check_states()
+        check_states(Hooks([Holds(looped)]).stateful)
 
 
 @pytest.mark.parametrize(("state", "kind"), [([1, 2], "list"), (torch.ones(1), "torch.Tensor"), ("x", "str")])
 def test_state_dict_must_return_a_dict_or_none(state, kind):
     with pytest.raises(ConfigError, match=rf"^hook 'holder': state_dict\(\) returned a {kind}: return a dict"):
-        Hooks([Holds(state)]).check_states()
-    Hooks([Holds(None)]).check_states()
+        check_states(Hooks([Holds(state)]).stateful)
+    check_states(Hooks([Holds(None)]).stateful)
 
 
 def test_a_state_that_turns_bad_during_training_is_refused_at_the_save(tmp_path):
     hook = Holds({"ok": 1})
     hooks = Hooks([hook])
-    hooks.check_states()
+    check_states(hooks.stateful)
     hook.state = {"later": {1, 2}}
     with pytest.raises(ConfigError, match=r"^hook 'holder': its state at \['later'\] is a set"):
-        hooks.save_states(tmp_path)
+        save_states(tmp_path, hooks.stateful)
     assert not (tmp_path / "hooks").exists()
 
 

@@ -10,7 +10,7 @@ from conftest import REPO
 
 PACKAGE = REPO / "acceltrain"
 # today's figures (issue 44): growth past them is a decision, made here with its reason, not a drift
-LIMITS = {"module": 406, "Run": 150, "loop.py": 359, "fit": 45}
+LIMITS = {"module": 406, "Run": 129, "loop.py": 326, "fit": 45}
 
 
 def module_name(path: Path) -> str:
@@ -78,14 +78,17 @@ def test_modules_and_the_core_loop_stay_short():
 
 def test_only_the_engines_and_the_compat_module_know_accelerates_engine_types():
     """Issue 44: a new engine is its own module under acceltrain/engines/; nothing else branches on Accelerate's
-    DistributedType or loads a checkpoint through Accelerate."""
+    DistributedType. And nothing loads a checkpoint through Accelerate's load_state: each engine reads back the parts
+    it writes, the compat module Accelerate's own files."""
     allowed = {PACKAGE / "accelerate_compat.py", *(PACKAGE / "engines").glob("*.py")}
     knowing = sorted(
         str(path.relative_to(REPO))
         for path in PACKAGE.rglob("*.py")
-        if path not in allowed and ("DistributedType" in (text := path.read_text()) or ".load_state(" in text)
+        if path not in allowed and "DistributedType" in path.read_text()
     )
     assert not knowing, knowing
+    loading = sorted(str(path.relative_to(REPO)) for path in PACKAGE.rglob("*.py") if ".load_state(" in path.read_text())
+    assert not loading, loading
 
 
 def test_at_most_four_modules_stay_at_the_top_level():

@@ -321,7 +321,7 @@ def test_a_run_that_raises_gives_the_signal_handlers_back(tmp_path, capsys):
 
 
 def test_a_nan_metric_is_never_the_best():
-    from acceltrain.train.progress import _improves
+    from acceltrain.train.state import _improves
 
     assert not _improves(float("nan"), None, higher_is_better=True)
     assert not _improves(float("nan"), 0.5, higher_is_better=False)

@@ -23,16 +23,15 @@ LAST_STEP, FINAL_EVAL_ENDS = 48, 58.0
 
 
 class FakeClock(Hook):
-    """The run's clock (``Run.elapsed`` reads acceltrain.train.progress's ``time.perf_counter``, ``Run.evaluate``
-    acceltrain.train.run's), moved by this hook
+    """The run's clock (``Run.elapsed`` and ``Run.evaluate`` read acceltrain.train.state's ``time.perf_counter``),
+    moved by this hook
     alone: a step takes ``step`` seconds (``stalls``: {step: seconds} for some), an evaluation ``evaluation``."""
 
     def __init__(
         self, monkeypatch, *, step: float = STEP, evaluation: float = EVAL, stalls: dict[int, float] | None = None
     ):
         self.now, self.step, self.evaluation, self.stalls = 0.0, step, evaluation, stalls or {}
-        for module in ("acceltrain.train.run", "acceltrain.train.progress"):
-            monkeypatch.setattr(f"{module}.time", SimpleNamespace(perf_counter=lambda: self.now))
+        monkeypatch.setattr("acceltrain.train.state.time", SimpleNamespace(perf_counter=lambda: self.now))
 
     def on_step_start(self, run):
         self.now += self.stalls.get(run.step + 1, self.step)

@@ -17,7 +17,7 @@ import torch
 from accelerate.logging import get_logger
 
 from acceltrain.accelerate_compat import load_loop_state, save_loop_state, set_micro_step
-from acceltrain.checkpoint import adapters
+from acceltrain.checkpoint import adapters, hook_states
 from acceltrain.checkpoint.files import (
     checkpoint_engine,
     failed_save_refused,
@@ -34,8 +34,7 @@ from acceltrain.checkpoint.safe_load import (
 from acceltrain.checkpoint.state import STATE_FILE, CheckpointError, RunState, check_scheduler_state
 from acceltrain.checkpoint.writers import AsyncWriter, SyncWriter
 from acceltrain.config.options import ConfigError, first_line
-from acceltrain.config.train_config import TrainConfig, run_changes
-from acceltrain.engines import engine_of
+from acceltrain.config.train_config import run_changes
 from acceltrain.runtime.preemption import TrainingDiverged
 from acceltrain.runtime.run_folder import CHECKPOINTS_DIR, finished_steps
 
@@ -56,41 +55,32 @@ class TrainerState(Protocol):
 
 
 class Checkpointer:
-    def __init__(
-        self,
-        accelerator,
-        cfg: TrainConfig,
-        *,
-        model,
-        optimizer,
-        scheduler,
-        hooks,
-        trainer: TrainerState,
-        output_dir: Path,
-        announce: Callable[[Path], None],
-    ):
-        self.engine = engine_of(accelerator)  # what the checkpoint holds of the model and optimizer, and how
-        if cfg.async_checkpoint:
+    """``prepared``: the run's prepared pieces (its engine, model, optimizer, scheduler, config); ``trainer``: the
+    loop's state; ``hooks``: the stateful hooks by name; ``announce``: called with each published checkpoint."""
+
+    def __init__(self, prepared, trainer: TrainerState, hooks: dict, *, announce: Callable[[Path], None]):
+        self.engine, self.accelerator, self.cfg = prepared.engine, prepared.accelerator, prepared.cfg
+        if self.cfg.async_checkpoint:
             self.engine.check_async_supported()
-        self.accelerator, self.cfg, self.model, self.optimizer, self.scheduler = (
-            accelerator,
-            cfg,
-            model,
-            optimizer,
-            scheduler,
-        )
-        self.hooks, self.trainer, self.output_dir, self._announce = hooks, trainer, output_dir, announce
-        self.frozen = adapters.frozen_names(accelerator, model)
-        self.writer = AsyncWriter(accelerator) if cfg.async_checkpoint else SyncWriter(accelerator)
+        self.model, self.optimizer, self.scheduler = prepared.model, prepared.optimizer, prepared.scheduler
+        self.trainer, self.hooks, self._announce = trainer, hooks, announce
+        self.output_dir = Path(self.cfg.output_dir)
+        self.frozen = adapters.frozen_names(self.accelerator, self.model)
+        self.writer = AsyncWriter(self.accelerator) if self.cfg.async_checkpoint else SyncWriter(self.accelerator)
         self.last_saved_step: int | None = None
         self.resumed_from_step: int | None = None
         self.seconds_blocked = 0.0  # this launch's time blocked by saves (the waits below included)
         self.seconds_waited = 0.0  # of which optimizer steps waited for an async save's copy
         self._step_hook = (  # the copy of the weights and optimizer state overlaps the next forward and backward
-            getattr(optimizer, "optimizer", optimizer).register_step_pre_hook(lambda *_: self._before_step())
-            if cfg.async_checkpoint
+            getattr(self.optimizer, "optimizer", self.optimizer).register_step_pre_hook(lambda *_: self._before_step())
+            if self.cfg.async_checkpoint
             else None
         )
+
+    def check_states(self) -> None:
+        """Right after ``on_fit_start``: a hook state that could not be saved (or not read back as it was) is one
+        line now, not at the first checkpoint."""
+        hook_states.check_states(self.hooks)
 
     @property
     def note(self) -> str | None:
@@ -108,7 +98,7 @@ class Checkpointer:
         state = dataclasses.replace(
             self.trainer.snapshot(),
             scheduler=self.scheduler.state_dict(),
-            hooks=list(self.hooks.stateful),
+            hooks=list(self.hooks),
             engine=self.engine.checkpoint_format,
         )
         final, staging = staging_folder(self.accelerator, self.output_dir, state.step)
@@ -118,7 +108,7 @@ class Checkpointer:
             parts = self.engine.checkpoint_parts(self.model, self.optimizer, self.frozen)
             save_loop_state(self.accelerator, staging)
             if self.accelerator.is_main_process:
-                self.hooks.save_states(staging)
+                hook_states.save_states(staging, self.hooks)
                 (staging / STATE_FILE).write_text(_as_json(state))
             self.writer.start(parts, staging, final)
         self.last_saved_step = state.step
@@ -176,9 +166,9 @@ class Checkpointer:
 
     def restore(self) -> bool:
         """``--resume``: find and verify the checkpoint on the main process, agree on it everywhere, check that it
-        continues this run, and load it: the model and optimizer (the engine's reader of its parts), the grad scaler, RNG and
-        loaders (Accelerate's reader of its files), the scheduler, the loop's state and the hooks' states. False when the run in the folder finished at that
-        checkpoint: nothing to do."""
+        continues this run, and load it: the model and optimizer (the engine's reader of its parts), the grad scaler,
+        RNG and loaders (Accelerate's reader of its files), the scheduler, the loop's state and the hooks' states. False
+        when the run in the folder finished at that checkpoint: nothing to do."""
         path, saved = self._agreed_checkpoint(
             lambda: find_resume_checkpoint(self.cfg.resume, self.output_dir, warn=logger.warning)
         )
@@ -221,10 +211,8 @@ class Checkpointer:
         check_scheduler_state(saved.scheduler, self.scheduler.state_dict(), saved.step, path)
         check_loadable_without_code(path, digests_required=True)
         self._check_shards_fit(path)
-        self.hooks.load_states(path, saved.hooks)
-        fresh = [
-            {key: value for key, value in group.items() if key != "params"} for group in self.optimizer.param_groups
-        ]
+        hook_states.load_states(path, self.hooks, saved.hooks)
+        fresh = self.scheduler.hyperparameters()  # this launch's, which the load replaces with the checkpoint's
         self._load(path)
         if relayout:
             saved = self._continue_in_layout(saved, current)
@@ -232,7 +220,7 @@ class Checkpointer:
             self.scheduler.load_state_dict(saved.scheduler)
         if changes:
             saved.config_changes.update(changes)
-            self._apply_changes(fresh)
+            self.scheduler.apply(fresh)
             logger.info(f"--allow-config-change: applying {described}")
         self.trainer.restore(saved)
         self.last_saved_step = self.resumed_from_step = saved.step
@@ -362,21 +350,6 @@ class Checkpointer:
         moved = saved.in_layout(current)
         set_micro_step(self.accelerator, moved.batch_in_epoch)
         return moved
-
-    def _apply_changes(self, fresh_groups: list[dict]) -> None:
-        """After the load put the checkpoint's optimizer hyperparameters back: the new settings' (lr,
-        momentum, weight decay) replace them, and the schedule continues from the new peak at the same step."""
-        scheduler = self.scheduler
-        for group, fresh in zip(self.optimizer.param_groups, fresh_groups, strict=True):
-            group.update(fresh)
-        scheduler.base_lrs = [group["initial_lr"] for group in self.optimizer.param_groups]
-        values = [
-            base * multiplier(scheduler.last_epoch)
-            for base, multiplier in zip(scheduler.base_lrs, scheduler.lr_lambdas, strict=True)
-        ]
-        for group, value in zip(self.optimizer.param_groups, values, strict=True):
-            group["lr"] = value
-        scheduler._last_lr = values
 
 
 def _present(path: Path) -> Path:

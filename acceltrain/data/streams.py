@@ -30,11 +30,16 @@ from __future__ import annotations
 import itertools
 
 import torch
+from accelerate.logging import get_logger
 from torch.utils.data import DataLoader, IterableDataset
 
+from acceltrain.accelerate_compat import mark_loader_finished
+from acceltrain.config.options import ConfigError
 from acceltrain.config.train_config import TrainConfig
 from acceltrain.data.loaders import loader_options
-from acceltrain.config.options import ConfigError
+from acceltrain.runtime.distributed import any_process
+
+logger = get_logger(__name__)
 
 
 def is_stream(dataset) -> bool:
@@ -90,4 +95,33 @@ def stream_loader(dataset: IterableDataset, *, batch_size: int, **options) -> Da
         drop_last=True,
         generator=torch.Generator(),  # see train_loader
         **loader_options(**options),
+    )
+
+
+def agree_on_pass_end(loader, ended: bool, processes: int, group=None) -> tuple[bool, bool]:
+    """(whether the pass ended before this micro-batch, whether it ends with it), the same on every process: once per
+    micro-batch on several, so that a stream sharded unevenly (more samples on one process than on another) ends its
+    pass everywhere with the first process's end, and no process waits for good in a collective the others never
+    reach. ``ended``: this process's loader has no batch left."""
+    pass_end = ended or loader.end_of_dataloader
+    if processes == 1:
+        return ended, pass_end
+    missing, pass_end = any_process(ended, pass_end, group=group)
+    if pass_end and not loader.end_of_dataloader:  # ended by another process's stream
+        mark_loader_finished(loader)  # a checkpoint taken from now on records a finished pass
+    return missing, pass_end
+
+
+def leave_pass(loader, iterator, process: int, epoch: int, batches: int) -> None:
+    """End this process's pass ``epoch`` of the stream: as the loader ends it, or, when another process's stream ended
+    first (after ``batches``), by leaving the rest untrained (a resume starts the next pass)."""
+    if loader.end_of_dataloader:
+        next(iterator, None)  # the loader has no batch left: let it finish its pass
+        return
+    iterator.close()
+    loader.end()  # what the closed generator would have done at its end
+    logger.warning(
+        f"process {process}: pass {epoch} of the training stream ended on another process after {batches} batches; the "
+        "rest of this process's pass is left out (the stream holds more samples here than there)",
+        main_process_only=False,
     )

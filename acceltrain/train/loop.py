@@ -1,7 +1,7 @@
 """The training loop: a short core, the same on a CPU, one GPU, N GPUs or nodes. Everything optional (logging,
 evaluation, checkpoints, preemption, profiling, trackers, your own) is a hook that the core calls at fixed points
 (:mod:`acceltrain.hooks`); the prepare step is :mod:`acceltrain.train.prepare`, where training stands is
-:class:`~acceltrain.train.progress.Progress`, and checkpoints are the :class:`~acceltrain.checkpoint.Checkpointer`'s.
+:class:`~acceltrain.train.state.TrainState`, and checkpoints are the :class:`~acceltrain.checkpoint.Checkpointer`'s.
 
 Gradient accumulation. ``Accelerator.accumulate`` syncs gradients every ``grad_accum`` micro-batches
 and at the end of the epoch. When an epoch's batch count is not a multiple of ``grad_accum``, its last
@@ -46,8 +46,8 @@ from acceltrain.runtime.run_folder import (
 from acceltrain.runtime.tracking import active_trackers
 from acceltrain.train.export import export_weights
 from acceltrain.train.prepare import Prepared, prepare
-from acceltrain.train.progress import Progress
 from acceltrain.train.run import Run
+from acceltrain.train.state import TrainState
 from acceltrain.train.tasks import ClassificationTask, check_task
 
 logger = get_logger(__name__)
@@ -55,11 +55,11 @@ logger = get_logger(__name__)
 
 @dataclasses.dataclass
 class _Loop:
-    """What the core loop drives: the hooks' view, the hooks, where training stands, and the checkpoints."""
+    """What the core loop drives: the hooks' view, the hooks, the training state, and the checkpoints."""
 
     run: Run
     hooks: Hooks
-    progress: Progress
+    state: TrainState
     checkpointer: Checkpointer
 
 
@@ -97,8 +97,8 @@ def fit(
                 return _already_finished(loop.run)
             loop.hooks.call("on_fit_start", loop.run)
             try:
-                loop.hooks.check_states()
-                loop.progress.start_clock()
+                loop.checkpointer.check_states()
+                loop.state.start_clock()
                 folder.trained = True  # from here on a failure keeps the run folder as it is
                 _train(loop)
                 return _finish(loop)
@@ -111,51 +111,22 @@ def fit(
 
 
 def _assemble(prepared: Prepared, task, user_hooks, trackers: list[str]) -> _Loop:
-    """The run's pieces around the prepared ones: where it stands, the hooks, the hooks' view, the checkpointer;
+    """The run's pieces around the prepared ones: the training state, the hooks, the hooks' view, the checkpointer;
     then the start-up log."""
-    cfg, accelerator = prepared.cfg, prepared.accelerator
-    progress = Progress(
-        cfg,
-        accelerator,
-        prepared.train_batches,
-        total_steps=prepared.total_steps,
-        batches_per_epoch=prepared.batches_per_epoch,
-        train_samples=prepared.train_samples,
-        data_fingerprint=prepared.data_fingerprint,
-    )
-    evaluates = prepared.eval_batches is not None
+    cfg = prepared.cfg
+    state = TrainState(prepared)
     hooks = Hooks(
         user_hooks,
         builtin_hooks(
-            cfg, evaluates=evaluates, trackers=trackers, run_config={**cfg.to_dict(), "runtime": prepared.runtime}
+            cfg,
+            evaluates=prepared.eval_batches is not None,
+            trackers=trackers,
+            run_config={**cfg.to_dict(), "runtime": prepared.runtime},
         ),
     )
-    run = Run(
-        cfg=cfg,
-        accelerator=accelerator,
-        model=prepared.model,
-        optimizer=prepared.optimizer,
-        scheduler=prepared.scheduler,
-        schedule_progress=prepared.schedule_progress,
-        task=task,
-        eval_batches=prepared.eval_batches,
-        output_dir=Path(cfg.output_dir),
-        runtime=prepared.runtime,
-        flops_per_sample=prepared.flops_per_sample,
-        peak_flops=prepared.peak_flops,
-        progress=progress,
-        hooks=hooks,
-    )
+    run = Run(prepared, task, state, hooks)
     checkpointer = Checkpointer(
-        accelerator,
-        cfg,
-        model=prepared.model,
-        optimizer=prepared.optimizer,
-        scheduler=prepared.scheduler,
-        hooks=hooks,
-        trainer=progress,
-        output_dir=run.output_dir,
-        announce=lambda folder: hooks.call("on_save", run, folder),
+        prepared, state, hooks.stateful, announce=lambda folder: hooks.call("on_save", run, folder)
     )
     logger.debug(yaml.safe_dump({"config": cfg.to_dict(), "runtime": prepared.runtime}, sort_keys=False).rstrip())
     checkpoints = checkpoint_plan(cfg)
@@ -163,50 +134,48 @@ def _assemble(prepared: Prepared, task, user_hooks, trackers: list[str]) -> _Loo
         checkpoints += f"; {checkpointer.note}"
     for line in [*start_block(prepared.runtime, cfg, checkpoints), *filter(None, prepared.notes)]:
         logger.info(line)
-    return _Loop(run, hooks, progress, checkpointer)
+    return _Loop(run, hooks, state, checkpointer)
 
 
 def _train(loop: _Loop) -> None:
     """The hot path: micro-batches, accumulation and the optimizer step; after each optimizer step the hooks,
     then one agreement on whether to save or stop."""
-    run, hooks, progress = loop.run, loop.hooks, loop.progress
+    run, hooks, state = loop.run, loop.hooks, loop.state
     accelerator, model = run.accelerator, run.model
-    while progress.step < progress.total_steps:
+    while state.step < state.total_steps:
         hooks.call("on_epoch_start", run)
         model.train()
-        for batch in progress.epoch_batches():
-            opens, window = progress.window()
+        for batch in state.epoch_batches():
+            opens, window = state.window()
             if opens:
                 hooks.call("on_step_start", run)
             with accelerator.accumulate(model):
-                loss, count = _backward(loop, batch, window)
+                state.add_loss(*_backward(loop, batch, window))
                 if accelerator.sync_gradients:
                     _optimizer_step(loop)
-            progress.loss_sum += loss.detach().float()
-            progress.loss_count += count
             if not accelerator.sync_gradients:
                 continue
-            progress.step_done(window)
+            state.step_done(window)
             hooks.call("on_step_end", run)
-            if progress.epoch_ended():
+            if state.epoch_ended():
                 hooks.call("on_epoch_end", run)
             loop.checkpointer.poll()
-            save, stop = progress.agree()
-            if progress.step == progress.total_steps:
+            save, stop = state.agree()
+            if state.step == state.total_steps:
                 return  # a stop asked for on the last step simply finishes the run
             if save or (stop and not stop.finish):
                 _save(loop)
             if stop:
-                progress.stop = stop
+                state.end_early(stop)
                 return
-        if progress.stream:
+        if state.stream:
             _end_stream_pass(loop)
 
 
 def _backward(loop: _Loop, batch, window: int):
     """The micro-batch's loss and its weight in the logged mean, backpropagated: a mean loss scaled by
-    ``grad_accum / window`` (see the module docstring); a ``(loss sum, target count)`` summed, its count kept
-    for :func:`_optimizer_step` to normalise by."""
+    ``grad_accum / window`` (see the module docstring); a ``(loss sum, target count)`` summed, its count kept by
+    the state for :func:`_optimizer_step` to normalise by."""
     run = loop.run
     loss = run.task.train_loss(run.model, batch)
     if not isinstance(loss, tuple):
@@ -214,7 +183,6 @@ def _backward(loop: _Loop, batch, window: int):
         return loss, 1.0
     loop.checkpointer.engine.refuse_setting("summed_losses")  # a task that did not say sums_losses
     loss, count = loss
-    loop.progress.window_targets += count
     run.accelerator.backward(loss)
     return loss, count
 
@@ -223,22 +191,21 @@ def _optimizer_step(loop: _Loop) -> None:
     """The end of a window: normalise summed losses' gradients by the window's target count on all
     processes, unscale and clip, ``on_before_optimizer_step``, then step (a grad-scaler skip leaves the
     schedule where it is)."""
-    run, progress = loop.run, loop.progress
+    run, state = loop.run, loop.state
     accelerator = run.accelerator
-    if isinstance(progress.window_targets, torch.Tensor):
-        targets = accelerator.reduce(progress.window_targets, "sum")
+    targets = state.take_window_targets()
+    if targets is not None:
+        targets = accelerator.reduce(targets, "sum")
         _divide_gradients(run.model, targets / (run.cfg.grad_accum * accelerator.num_processes))
-        progress.window_targets = 0
+    grad_norm = None
     if run.cfg.max_grad_norm is None:  # the true gradients for on_before_optimizer_step: unscaled under fp16, clipped
         accelerator.unscale_gradients()  # a no-op but under fp16
     else:
-        progress.grad_norm = accelerator.clip_grad_norm_(run.model.parameters(), run.cfg.max_grad_norm)
-    progress.lr = run.scheduler.get_last_lr()[0]
+        grad_norm = accelerator.clip_grad_norm_(run.model.parameters(), run.cfg.max_grad_norm)
+    state.optimizer_stepping(run.scheduler.get_last_lr()[0], grad_norm)
     loop.hooks.call("on_before_optimizer_step", run)
     run.optimizer.step()
-    if accelerator.optimizer_step_was_skipped:
-        progress.skipped_steps += 1
-    else:
+    if not accelerator.optimizer_step_was_skipped:
         run.scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
 
@@ -251,34 +218,34 @@ def _divide_gradients(model: nn.Module, divisor: torch.Tensor) -> None:
 
 def _end_stream_pass(loop: _Loop) -> None:
     """A stream's pass ends where the stream does, maybe inside a window (else ``on_epoch_end`` has fired)."""
-    run, progress = loop.run, loop.progress
-    if not progress.state.batch_in_epoch:
+    run, state = loop.run, loop.state
+    if not state.run_state.batch_in_epoch:
         raise ConfigError(
             f"the training stream yielded no batch of {run.cfg.batch_size} per process in pass "
-            f"{progress.state.epoch}: it holds fewer samples than one batch on each of "
+            f"{state.run_state.epoch}: it holds fewer samples than one batch on each of "
             f"{run.accelerator.num_processes} processes"
         )
     if not run.accelerator.sync_gradients:
         loop.hooks.call("on_epoch_end", run)
-    progress.next_pass()
+    state.next_pass()
 
 
 def _save(loop: _Loop) -> None:
     """Checkpoint now, outside the throughput figures; while training, a row of the log says how long it blocked
     (the saves at the end are in summary.json's total)."""
-    run, progress = loop.run, loop.progress
-    with progress.paused():
+    run, state = loop.run, loop.state
+    with state.paused():
         blocked = loop.checkpointer.save()
-    progress.last_saved_step = loop.checkpointer.last_saved_step
-    if progress.training:
+    state.checkpointed(loop.checkpointer.last_saved_step)
+    if state.training:
         run.log({"step": run.step, "checkpoint_seconds": round(blocked, 4), "wall_seconds": round(run.elapsed(), 3)})
 
 
 def _finish(loop: _Loop) -> dict:
     """A stop to be resumed exits 75 (checkpointed in the loop); a finished run writes its outputs."""
-    run, progress, checkpointer = loop.run, loop.progress, loop.checkpointer
+    run, state, checkpointer = loop.run, loop.state, loop.checkpointer
     accelerator = run.accelerator
-    progress.throughput.pause()
+    state.throughput.pause()
     wall_seconds = run.elapsed()
     checkpointer.wait()  # a save in flight is published (its copy taken) before the hooks change any weight
     loop.hooks.call("on_train_end", run)
@@ -287,11 +254,11 @@ def _finish(loop: _Loop) -> dict:
         accelerator.wait_for_everyone()
         accelerator.end_training()
         raise StoppedToResume(run.stop.exit_code, run.step, run.stop.reason)
-    save, _ = progress.agree()
+    save, _ = state.agree()
     if save and checkpointer.last_saved_step != run.step:
         _save(loop)
     checkpointer.close()
-    export = progress.export
+    export = state.export
     if isinstance(export, Path):  # a checkpoint's model: loaded into the model, then written as its own
         checkpointer.load_model_of(export)
         export = None
@@ -318,19 +285,19 @@ def _rounded(value) -> str:
 
 def _summary(loop: _Loop, weights: Path, wall_seconds: float) -> dict:
     """The run's record; hooks add their own entries (speed figures, time to target) in ``on_fit_end``."""
-    run, progress = loop.run, loop.progress
+    run, state = loop.run, loop.state
     eval_metrics = run.last_eval
     epochs = (
         run.epoch_progress
-        if progress.stream
-        else round(run.samples_seen / (run.batches_per_epoch * progress.global_batch_size), 4)
+        if state.stream
+        else round(run.samples_seen / (run.batches_per_epoch * state.global_batch_size), 4)
     )
     return {
         "steps": run.step,
         "stop_reason": run.stop.reason if run.stop is not None else None,  # None: it ran to its last step
         "samples_seen": run.samples_seen,
         "epochs": epochs,
-        "train_loss": progress.final_train_loss(),
+        "train_loss": state.final_train_loss(),
         "eval_accuracy": eval_metrics.get("eval_accuracy"),
         "eval_loss": eval_metrics.get("eval_loss"),
         **eval_metrics,  # a task's own metrics too (eval_perplexity)
@@ -345,7 +312,7 @@ def _summary(loop: _Loop, weights: Path, wall_seconds: float) -> dict:
         "final_lr": run.scheduler.get_last_lr()[0],
         **peak_memory_mb(run.accelerator.device),
         "weights": str(weights),
-        **({"config_changes": progress.state.config_changes} if progress.state.config_changes else {}),
+        **({"config_changes": state.run_state.config_changes} if state.run_state.config_changes else {}),
         "runtime": run.runtime,
         "config": run.cfg.to_dict(),
     }

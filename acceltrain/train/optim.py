@@ -185,6 +185,28 @@ def build_scheduler(
         floor=cfg.min_lr_rate,
     )
     progress = progress or ScheduleProgress()
-    return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: multiplier(step, time_fraction=progress.time_fraction)
-    )
+    return Schedule(optimizer, lambda step: multiplier(step, time_fraction=progress.time_fraction))
+
+
+class Schedule(torch.optim.lr_scheduler.LambdaLR):
+    """The run's LR schedule, which can also take new optimizer settings after a resume (``--allow-config-change``):
+    the checkpoint's load puts its own hyperparameters back, then :meth:`apply` gives the optimizer this launch's
+    (:meth:`hyperparameters`, taken before the load), and the schedule continues from the new peak at the same step."""
+
+    def hyperparameters(self) -> list[dict]:
+        """The optimizer's settings per parameter group (lr, momentum, weight decay, ...), its parameters left out."""
+        return [
+            {key: value for key, value in group.items() if key != "params"} for group in self.optimizer.param_groups
+        ]
+
+    def apply(self, hyperparameters: list[dict]) -> None:
+        groups = self.optimizer.param_groups
+        for group, fresh in zip(groups, hyperparameters, strict=True):
+            group.update(fresh)
+        self.base_lrs = [group["initial_lr"] for group in groups]
+        values = [
+            base * multiplier(self.last_epoch) for base, multiplier in zip(self.base_lrs, self.lr_lambdas, strict=True)
+        ]
+        for group, value in zip(groups, values, strict=True):
+            group["lr"] = value
+        self._last_lr = values  # what get_last_lr() returns until the next step

@@ -1,10 +1,13 @@
-"""Where training stands and how it advances: the loop's own state machine, which no hook touches.
+"""The training state: where training stands and how it advances, with one owner, the loop.
 
-It owns the :class:`~acceltrain.checkpoint.RunState` (what a checkpoint's ``trainer_state.json`` records), walks
-each epoch's batches (a resume's rest of one included, a stream's passes agreed by every process), knows each
-accumulation window, counts and times each optimizer step, keeps the training-loss window, and makes the one
-agreement per optimizer step on whether to save, stop or give up on a diverged run. Hooks see it through
-:class:`~acceltrain.train.run.Run`, and ask it for things (a save, a stop, an export) there.
+:class:`TrainState` holds the :class:`~acceltrain.checkpoint.RunState` (what a checkpoint's ``trainer_state.json``
+records) and this launch's measures. It changes only through its named methods: a micro-batch's loss added, an
+optimizer step taken, an evaluation recorded, a save or stop asked for. It walks each epoch's batches (a resume's rest
+of one included, a stream's passes agreed by every process), knows each accumulation window, times each optimizer
+step, keeps the training-loss window, and makes the one agreement per optimizer step on whether to save, stop or give
+up on a diverged run. Hooks read it through :class:`~acceltrain.train.run.Run` and ask it for things there; the
+checkpointer takes what a checkpoint records from it (:meth:`TrainState.snapshot`) and gives it back
+(:meth:`TrainState.restore`).
 """
 
 from __future__ import annotations
@@ -16,10 +19,10 @@ import time
 import torch
 from accelerate.logging import get_logger
 
-from acceltrain.accelerate_compat import mark_loader_finished
 from acceltrain.checkpoint.state import RunState
 from acceltrain.config.options import ConfigError
-from acceltrain.runtime.distributed import any_process, control_group
+from acceltrain.data.streams import agree_on_pass_end, leave_pass
+from acceltrain.runtime.distributed import control_group
 from acceltrain.runtime.metrics import Throughput, synchronize
 from acceltrain.runtime.preemption import EXIT_PREEMPTED, TrainingDiverged
 from acceltrain.train.speed import to_channels_last
@@ -37,30 +40,19 @@ class Stop:
     exit_code: int = EXIT_PREEMPTED
 
 
-class Progress:
-    """The loop's state (see the module docstring). ``train_batches`` is the prepared training loader;
-    ``batches_per_epoch`` 0 means a stream, whose passes end when the stream does."""
+class TrainState:
+    """The run's training state over its prepared pieces (see the module docstring): read by the loop and, through
+    :class:`~acceltrain.train.run.Run`, by hooks; changed only by its methods."""
 
-    def __init__(
-        self,
-        cfg,
-        accelerator,
-        train_batches,
-        *,
-        total_steps: int,
-        batches_per_epoch: int,
-        train_samples: int,
-        data_fingerprint: str | None,
-    ):
-        self.cfg, self.accelerator, self.train_batches = cfg, accelerator, train_batches
-        self.total_steps, self.batches_per_epoch, self.train_samples = total_steps, batches_per_epoch, train_samples
-        self.data_fingerprint = data_fingerprint
-        self.stream = batches_per_epoch == 0
+    def __init__(self, prepared):
+        self.cfg, self.accelerator, self.train_batches = prepared.cfg, prepared.accelerator, prepared.train_batches
+        self.total_steps, self.batches_per_epoch = prepared.total_steps, prepared.batches_per_epoch
+        self.train_samples, self.data_fingerprint = prepared.train_samples, prepared.data_fingerprint
+        cfg, accelerator = self.cfg, self.accelerator
+        self.stream = self.batches_per_epoch == 0  # a stream's passes end when the stream does
         self.global_batch_size = cfg.batch_size * accelerator.num_processes  # of one micro-step
-        self.control_group = (
-            control_group() if self.stream and accelerator.num_processes > 1 else None
-        )  # None: gloo's default
-        self.state = RunState()
+        self.control_group = control_group() if self.stream and accelerator.num_processes > 1 else None
+        self.run_state = RunState()
         self.pass_end = False  # a stream's current batch ends its pass (on every process)
         # the training-log window: micro-batches, or loss targets (tokens) for a task that returns (sum, count)
         self.loss_sum = torch.zeros((), device=accelerator.device)
@@ -87,7 +79,7 @@ class Progress:
 
     @property
     def step(self) -> int:
-        return self.state.step
+        return self.run_state.step
 
     @property
     def training(self) -> bool:
@@ -104,14 +96,14 @@ class Progress:
         )
         synchronize(self.accelerator.device)
         self.launch_started = time.perf_counter()
-        self.started = self.launch_started - self.state.train_seconds
+        self.started = self.launch_started - self.run_state.train_seconds
         self.throughput.resume(0)
 
     def elapsed(self) -> float:
         """Wall-clock seconds since the run's first step, earlier launches included (before this launch's
         first step: those of the earlier launches)."""
         if self.throughput is None:
-            return self.state.train_seconds
+            return self.run_state.train_seconds
         return time.perf_counter() - self.started
 
     @contextlib.contextmanager
@@ -132,7 +124,7 @@ class Progress:
     def epoch_batches(self):
         """This epoch's batches (the rest of it after a resume), timed; keeps ``batch_in_epoch`` current and
         moves to the next epoch when the epoch runs to its end."""
-        state, batches = self.state, self.train_batches
+        state, batches = self.run_state, self.train_batches
         batches.set_epoch(state.epoch)
         if state.batch_in_epoch and not self.stream:  # exact mid-epoch resume (a stream's loader restored its
             # position, the on-device loader skips by itself)
@@ -150,9 +142,7 @@ class Progress:
                 break
             if batch is _END:
                 break
-            if (
-                batch is None
-            ):  # the loop's own end of an epoch was once None: a None from the user ended every epoch at once
+            if batch is None:  # the loop's own end of an epoch was once None: a user's None ended every epoch at once
                 raise ConfigError(
                     "a training batch is None: the collate function returned nothing (a missing return?); it "
                     "must return a batch the task takes"
@@ -178,55 +168,39 @@ class Progress:
                 raise
             raise ConfigError(
                 f"the training stream ended before the checkpoint's place in it (batch {resumed_at} of pass "
-                f"{self.state.epoch} on each process): it holds less data than when the checkpoint was written; "
+                f"{self.run_state.epoch} on each process): it holds less data than when the checkpoint was written; "
                 "restore it, or start a new --output-dir"
             ) from None
 
     def _agree_on_pass_ends(self, iterator, batch) -> bool:
-        """Whether the stream's pass has ended before ``batch``; sets ``pass_end`` when it ends with it. On several
-        processes all agree, once per micro-batch: a stream sharded unevenly (more samples on one process than
-        on another) ends its pass everywhere with the first process's end, so that no process waits for good in
-        a collective the others never reach."""
-        self.pass_end = batch is _END or self.train_batches.end_of_dataloader
-        if self.accelerator.num_processes == 1:
-            return batch is _END
-        missing, self.pass_end = any_process(batch is _END, self.pass_end, group=self.control_group)
-        if self.pass_end and not self.train_batches.end_of_dataloader:  # ended by another process's stream
-            mark_loader_finished(self.train_batches)  # a checkpoint taken from now on records a finished pass
+        """Whether the stream's pass has ended before ``batch`` (:func:`.streams.agree_on_pass_end`); sets
+        ``pass_end`` when it ends with it."""
+        missing, self.pass_end = agree_on_pass_end(
+            self.train_batches, batch is _END, self.accelerator.num_processes, self.control_group
+        )
         if missing and batch is not _END:  # another process has no batch left: this one drops its own
             self._leave_pass(iterator)
         return missing
 
     def _leave_pass(self, iterator) -> None:
-        """End this process's pass of the stream: as the loader ends it, or, when another process's stream ended
-        first, by leaving the rest untrained (a resume starts the next pass)."""
-        if self.train_batches.end_of_dataloader:
-            next(iterator, None)  # the loader has no batch left: let it finish its pass
-            return
-        iterator.close()
-        self.train_batches.end()  # what the closed generator would have done at its end
-        logger.warning(
-            f"process {self.accelerator.process_index}: pass {self.state.epoch} of the training stream ended on "
-            f"another process after {self.state.batch_in_epoch} batches; the rest of this process's pass is left "
-            "out (the stream holds more samples here than there)",
-            main_process_only=False,
-        )
+        state = self.run_state
+        leave_pass(self.train_batches, iterator, self.accelerator.process_index, state.epoch, state.batch_in_epoch)
 
     def epoch_ended(self) -> bool:
         """Whether the batch just trained was its epoch's last (a stream's: as all processes agreed)."""
         if self.stream:
             return self.pass_end
-        return self.state.batch_in_epoch == self.batches_per_epoch
+        return self.run_state.batch_in_epoch == self.batches_per_epoch
 
     def next_pass(self) -> None:
-        self.state.epoch, self.state.batch_in_epoch = self.state.epoch + 1, 0
+        self.run_state.epoch, self.run_state.batch_in_epoch = self.run_state.epoch + 1, 0
 
     @property
     def epoch_progress(self) -> float:
         """Epochs done, fractional: 1.5 is the middle of the second epoch."""
         if self.stream:  # complete passes: a pass's length is not known before its end
-            return float(self.state.epoch + bool(self.state.batch_in_epoch and self.epoch_ended()))
-        return round(self.state.epoch + self.state.batch_in_epoch / self.batches_per_epoch, 4)
+            return float(self.run_state.epoch + bool(self.run_state.batch_in_epoch and self.epoch_ended()))
+        return round(self.run_state.epoch + self.run_state.batch_in_epoch / self.batches_per_epoch, 4)
 
     # ---- the steps
 
@@ -236,16 +210,35 @@ class Progress:
         accum = self.cfg.grad_accum
         if self.stream:  # Accelerate's count of micro-batches, never reset by a pass's end
             return self.accelerator.step % accum == 0, accum
-        position = self.state.batch_in_epoch
+        position = self.run_state.batch_in_epoch
         start = (position - 1) // accum * accum
         return start == position - 1, min(accum, self.batches_per_epoch - start)
 
+    def add_loss(self, loss: torch.Tensor, count) -> None:
+        """A micro-batch's loss joins the training-log window: a mean loss counts 1, a summed one its target count
+        (a tensor), which also joins the open accumulation window's count that its gradients are divided by."""
+        self.loss_sum += loss.detach().float()
+        self.loss_count += count
+        if isinstance(count, torch.Tensor):
+            self.window_targets += count
+
+    def take_window_targets(self) -> torch.Tensor | None:
+        """The open accumulation window's loss targets (None for mean losses), and a new window."""
+        targets, self.window_targets = self.window_targets, 0
+        return targets if isinstance(targets, torch.Tensor) else None
+
+    def optimizer_stepping(self, lr: float, grad_norm) -> None:
+        """The coming optimizer step's learning rate, and its gradients' norm before clipping (or None)."""
+        self.lr, self.grad_norm = lr, grad_norm
+
     def step_done(self, micro_batches: int) -> None:
-        """Count and time the optimizer step just taken, and note on the device (no sync) whether its loss or
-        gradient norm is non-finite; a grad-scaler skip (fp16 overflow) is not divergence."""
-        self.state.step += 1
+        """Count and time the optimizer step just taken (or skipped by the fp16 grad scaler), and note on the
+        device (no sync) whether its loss or gradient norm is non-finite; a grad-scaler skip is not divergence."""
+        if self.accelerator.optimizer_step_was_skipped:
+            self.skipped_steps += 1
+        self.run_state.step += 1
         samples = micro_batches * self.global_batch_size
-        self.state.samples_seen += samples
+        self.run_state.samples_seen += samples
         self.throughput.step_done(self.step - self.launch_start_step, samples)
         diverged = ~torch.isfinite(self.loss_sum)
         if self.grad_norm is not None and not self.accelerator.optimizer_step_was_skipped:
@@ -285,9 +278,26 @@ class Progress:
             )
         return save, stop
 
+    def request_save(self) -> None:
+        self.save_requested = True
+
     def request_stop(self, stop: Stop) -> None:
         if self.stop_requested is None or (stop.finish and not self.stop_requested.finish):
             self.stop_requested = stop
+
+    def request_export(self, weights) -> None:
+        self.export = weights
+
+    def attach(self, path) -> None:
+        self.attached.append(path)
+
+    def end_early(self, stop: Stop) -> None:
+        """Training ends after this step, for ``stop``'s reason (the processes agreed on it)."""
+        self.stop = stop
+
+    def checkpointed(self, step: int | None) -> None:
+        """The newest checkpoint is of ``step`` (for the divergence message)."""
+        self.last_saved_step = step
 
     # ---- the training loss
 
@@ -312,8 +322,12 @@ class Progress:
 
     # ---- evaluation
 
+    def eval_started(self) -> None:
+        self.last_eval_started = time.perf_counter()
+
     def record_eval(self, metrics: dict, primary: str, higher_is_better: bool) -> None:
-        """Keep an evaluation's metrics, and whether its primary metric beat every earlier one."""
+        """Keep an evaluation's metrics and duration, and whether its primary metric beat every earlier one."""
+        self.last_eval_seconds = time.perf_counter() - self.last_eval_started
         key = f"eval_{primary}"
         if key not in metrics:
             raise ConfigError(
@@ -321,10 +335,10 @@ class Progress:
                 f"({', '.join(m.removeprefix('eval_') for m in metrics)}): set primary_metric to one of them"
             )
         self.last_eval_step = self.step
-        self.state.last_eval = metrics
-        self.eval_improved = _improves(metrics[key], self.state.best_metric, higher_is_better)
+        self.run_state.last_eval = metrics
+        self.eval_improved = _improves(metrics[key], self.run_state.best_metric, higher_is_better)
         if self.eval_improved:
-            self.state.best_metric = metrics[key]
+            self.run_state.best_metric = metrics[key]
 
     # ---- what a checkpoint records (the checkpointer's TrainerState)
 
@@ -346,12 +360,12 @@ class Progress:
         """The state as a checkpoint records it now (a collective: the open training-loss window, summed over
         processes). After an epoch's last batch it points at the next epoch's start."""
         window = self.loss_window()
-        epoch, position = self.state.epoch, self.state.batch_in_epoch
+        epoch, position = self.run_state.epoch, self.run_state.batch_in_epoch
         if self.epoch_ended():
             epoch, position = epoch + 1, 0
         layout = {field: getattr(self.layout(), field) for field in LAYOUT_FIELDS}
         return dataclasses.replace(
-            self.state,
+            self.run_state,
             epoch=epoch,
             batch_in_epoch=position,
             train_seconds=self.elapsed(),
@@ -363,7 +377,7 @@ class Progress:
 
     def restore(self, state: RunState) -> None:
         """Continue from a checkpoint's state (the checkpointer has loaded everything else)."""
-        self.state = state
+        self.run_state = state
         self.train_loss_step = self.last_saved_step = state.step
         if self.accelerator.is_main_process:  # the window's sum over all processes, counted once
             self.loss_sum.fill_(state.loss_sum)
