@@ -94,3 +94,37 @@ def test_checkpoint_formats_and_what_each_engine_can_continue_on():
     assert DeepSpeed(None).relayout_refusal(2, 1).startswith("holds DeepSpeed ZeRO state partitioned over 2")
     assert all(engine(None).relayout_refusal(2, 1) is None for engine in (OneProcess, DDP, FSDP2))
     assert DeepSpeed(None).relayout_refusal(2, 2) is None
+
+
+def test_one_process_reads_back_exactly_the_parts_it_writes(tmp_path):
+    """Issue 44 item 1, without a launch: the parts the one-process engine gives (a model whose weights are tied, an
+    optimizer with state) are written by the writers and read back by the engine into fresh objects, equal."""
+    import torch
+    from accelerate import Accelerator
+    from torch import nn
+
+    from acceltrain.checkpoint.writers import write_part
+
+    def tied_model_and_optimizer(seed: int):
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Embedding(8, 4), nn.Linear(4, 8, bias=False), nn.BatchNorm1d(8))
+        model[1].weight = model[0].weight  # tied: saved once
+        return model, torch.optim.AdamW(model.parameters(), lr=0.1)
+
+    accelerator = Accelerator(cpu=True)
+    model, optimizer = accelerator.prepare(*tied_model_and_optimizer(0))
+    model(torch.tensor([1, 2, 3])).sum().backward()
+    optimizer.step()
+    engine = engine_of(accelerator)
+    for part in engine.checkpoint_parts(model, optimizer, frozenset()):
+        write_part(part, tmp_path)
+    fresh, fresh_optimizer = accelerator.prepare(*tied_model_and_optimizer(1))
+    engine.load_parts(tmp_path, fresh, fresh_optimizer)
+    assert fresh[1].weight is fresh[0].weight, "the tie is kept"
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(fresh.state_dict()[name], tensor), name
+    saved, loaded = optimizer.state_dict(), fresh_optimizer.state_dict()
+    assert saved["param_groups"] == loaded["param_groups"]
+    for key, state in saved["state"].items():
+        for name, value in state.items():
+            assert torch.equal(torch.as_tensor(loaded["state"][key][name]), torch.as_tensor(value)), (key, name)
