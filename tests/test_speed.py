@@ -106,8 +106,12 @@ def test_speed_figures_are_logged_and_summarised(plain):
     out, summary = plain
     assert summary["timed_steps"] == 4 and summary["ms_per_step"] > 0
     assert 0 <= summary["data_wait_fraction"] <= 1 and summary["peak_rss_mb"] > 0
-    assert summary["model_tflops_per_second"] > 0 and summary["mfu"] is None  # no known peak for a CPU
-    assert summary["runtime"]["model_flops_per_sample"] > 0
+    runtime = summary["runtime"]
+    assert runtime["model_flops_per_sample"] > 0 and runtime["peak_flops_datasheet"] is None  # a CPU: no datasheet
+    # issue 46: MFU on a CPU too, against the peak measured for the run's dtype and model
+    assert runtime["peak_flops_measured"] > 0 and runtime["peak_flops_per_device"] == runtime["peak_flops_measured"]
+    assert summary["mfu"] == pytest.approx(summary["model_tflops_per_second"] * 1e12 / runtime["peak_flops_measured"])
+    assert "mfu_datasheet" not in summary
     logged = [e for e in read_events(out) if "loss" in e]
     assert logged[0]["samples_per_second"] is None  # inside the timing warm-up
     assert all(e["ms_per_step"] > 0 and "peak_rss_mb" in e for e in logged[1:])

@@ -138,14 +138,26 @@ def _device_description(device) -> str:
 
 
 def _peak_flops_description(device) -> str:
-    """The table entry behind MFU, per precision, or how to supply one."""
-    from acceltrain.train.speed import peak_flops_per_device
+    """The peaks behind MFU, per precision: the datasheet's where the table knows the device, and the measured one
+    (a 2048 x 1024 x 1024 matmul; a run calibrates on its own model's largest layer)."""
+    from acceltrain.runtime.peak import DEFAULT_SIDE, ROWS, measured_peak_flops
+    from acceltrain.train.speed import datasheet_peak_flops
 
-    peaks = {precision: peak_flops_per_device(device, precision, None) for precision in ("bf16", "fp16", "no")}
-    known = {("fp32/tf32" if precision == "no" else precision): flops for precision, flops in peaks.items() if flops}
-    if not known:
-        return f"unknown for {device.type}: MFU is not reported unless --peak-tflops gives one device's peak"
-    return "known: " + ", ".join(f"{precision} {flops / 1e12:g} TFLOP/s" for precision, flops in known.items())
+    figures = []
+    for precision, shown in (("no", "fp32"), ("bf16", "bf16")):
+        if precision == "bf16" and device.type == "cuda" and not torch_bf16_supported():
+            continue
+        measured = measured_peak_flops(device, precision, (ROWS, DEFAULT_SIDE, DEFAULT_SIDE))
+        datasheet = datasheet_peak_flops(device, precision)
+        sheet = f", datasheet {datasheet / 1e12:g}" if datasheet else ""
+        figures.append(f"{shown} measured {measured / 1e12:.3g}{sheet} TFLOP/s")
+    return "; ".join(figures) + " (--peak-tflops sets the one MFU uses)"
+
+
+def torch_bf16_supported() -> bool:
+    import torch
+
+    return torch.cuda.is_bf16_supported()
 
 
 def _bf16_verdict(device) -> str:

@@ -135,7 +135,10 @@ class LoopOptions(Options):
         None, "pin host memory for faster copies (default: on when training on CUDA)", free_on_resume=True
     )
     peak_tflops: float | None = option(
-        None, "peak TFLOP/s of one device, for MFU on devices missing from the built-in table", free_on_resume=True
+        None,
+        "peak TFLOP/s of one device that MFU is a fraction of (default: measured at start on the model's largest "
+        "layer, cached per machine)",
+        free_on_resume=True,
     )
     # -- resuming
     resume: str | None = option(

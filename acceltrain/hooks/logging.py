@@ -69,17 +69,21 @@ class TrainingLog(Hook):
 
 def speed_figures(run, figures: dict) -> dict:
     """samples/s, ms/step and data-wait fraction, plus tokens/s for tasks that count tokens, and model
-    FLOP/s and MFU (against the peak of all devices) where the FLOPs and the device's peak are known."""
+    FLOP/s and MFU where the FLOPs are known: against the devices' measured peak (or ``--peak-tflops``), and against
+    their datasheet peak where one is known."""
     rate = figures["samples_per_second"]
     out = {key: value for key, value in figures.items() if key != "timed_steps"}
     tokens_per_sample = getattr(run.task, "tokens_per_sample", None)
     if tokens_per_sample:
         out["tokens_per_second"] = rate * tokens_per_sample if rate else None
     if run.flops_per_sample and rate:
-        out["model_tflops_per_second"] = rate * run.flops_per_sample / 1e12
-        out["mfu"] = (
-            rate * run.flops_per_sample / (run.peak_flops * run.accelerator.num_processes) if run.peak_flops else None
-        )
+        flops = rate * run.flops_per_sample
+        out["model_tflops_per_second"] = flops / 1e12
+        devices = run.accelerator.num_processes
+        out["mfu"] = flops / (run.peak_flops * devices) if run.peak_flops else None
+        datasheet = run.runtime.get("peak_flops_datasheet")
+        if datasheet:  # a GPU's: an upper bound no run reaches, beside the measured one
+            out["mfu_datasheet"] = flops / (datasheet * devices)
     return out
 
 

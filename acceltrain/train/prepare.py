@@ -27,9 +27,9 @@ from acceltrain.runtime.distributed import convert_sync_batchnorm
 from acceltrain.train.optim import ScheduleProgress, build_scheduler
 from acceltrain.train.speed import (
     apply_batch_size,
+    device_peaks,
     enable_activation_checkpointing,
     find_batch_size,
-    peak_flops_per_device,
     training_flops_per_sample,
 )
 from acceltrain.train.tasks import check_first_batch
@@ -119,7 +119,7 @@ def prepare(
     # of checkpoints; the checkpointer keeps its state. It drives the torch optimizer's param groups.
     schedule_progress = ScheduleProgress()
     scheduler = build_scheduler(optimizer, cfg, total_steps, schedule_progress)
-    peak_flops = peak_flops_per_device(accelerator.device, accelerator.mixed_precision, cfg.peak_tflops)
+    peaks = device_peaks(accelerator, model, cfg.peak_tflops)
     runtime = _runtime(
         cfg,
         engine,
@@ -130,7 +130,9 @@ def prepare(
         steps_per_epoch=steps_per_epoch,
         total_steps=total_steps,
         model_flops_per_sample=flops_per_sample,
-        peak_flops_per_device=peak_flops,
+        peak_flops_per_device=peaks["used"],
+        peak_flops_measured=peaks["measured"],
+        peak_flops_datasheet=peaks["datasheet"],
         **parameters_held(model),
     )
     return Prepared(
@@ -148,7 +150,7 @@ def prepare(
         0 if stream else len(train_set),
         _data_fingerprint(train_set),
         flops_per_sample,
-        peak_flops,
+        peaks["used"],
         runtime,
         notes,
     )

@@ -1,5 +1,5 @@
 """The speed toolkit behind flags: channels_last, activation checkpointing, torch.compile, the automatic
-batch size, and the FLOP count and peak-FLOP/s table behind MFU."""
+batch size, and the FLOP count and peak FLOP/s behind MFU (the datasheet table, and the measured peak)."""
 
 from __future__ import annotations
 
@@ -33,10 +33,27 @@ PEAK_TFLOPS = {
 }
 
 
-def peak_flops_per_device(device: torch.device, mixed_precision: str, override_tflops: float | None) -> float | None:
-    """Peak FLOP/s of one training device for this precision: ``--peak-tflops``, else the table, else None."""
-    if override_tflops is not None:
-        return override_tflops * 1e12
+def device_peaks(accelerator, model: nn.Module, override_tflops: float | None) -> dict[str, float | None]:
+    """The peak FLOP/s of one training device for the run's precision: ``datasheet`` (the table, or None),
+    ``measured`` (:mod:`acceltrain.runtime.peak`: calibrated on the main process while the others wait, or cached) and
+    ``used`` for MFU: ``--peak-tflops`` when given, else the measured one."""
+    from accelerate.utils import broadcast_object_list
+
+    from acceltrain.runtime.peak import matmul_shape, measured_peak_flops
+
+    measured = [None]
+    if accelerator.is_main_process:
+        shape = matmul_shape(accelerator.unwrap_model(model))
+        measured[0] = measured_peak_flops(accelerator.device, accelerator.mixed_precision, shape)
+    if accelerator.num_processes > 1:
+        broadcast_object_list(measured, from_process=0)
+    used = override_tflops * 1e12 if override_tflops is not None else measured[0]
+    datasheet = datasheet_peak_flops(accelerator.device, accelerator.mixed_precision)
+    return {"datasheet": datasheet, "measured": measured[0], "used": used}
+
+
+def datasheet_peak_flops(device: torch.device, mixed_precision: str) -> float | None:
+    """Peak FLOP/s of one device for this precision from the vendors' table, or None (a CPU, an unlisted GPU)."""
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
