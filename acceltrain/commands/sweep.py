@@ -316,30 +316,11 @@ class Sweep:
                     return trial.number, trial._trial_id, dict(trial.params), claim
         if len(trials) >= self.args.trials:
             return None
-        self._reseed()
+        self.study.sampler = studies.sampler(self.args.sampler, self.params, self.args.seed, len(self.study.trials))
         trial = self.study.ask({p.name: p.distribution() for p in self.params})
         claim = studies.Claim(self.study_dir, trial.number)
         claim.take()
         return trial.number, trial._trial_id, dict(trial.params), claim
-
-    def _reseed(self) -> None:
-        """A sampler seeded from --seed and the trials so far: a sweep resumed after a preemption asks what the one
-        never stopped would have asked, and never the first trial's parameters again."""
-        import optuna
-
-        seed = self.args.seed + len(self.study.trials)
-        if self.args.sampler == "random":
-            self.study.sampler = optuna.samplers.RandomSampler(seed=seed)
-        elif self.args.sampler == "grid":
-            space = {p.name: p.distribution() for p in self.params}
-            grid = {
-                name: list(d.choices) if hasattr(d, "choices") else list(range(d.low, d.high + 1))
-                for name, d in space.items()
-            }
-            # its grid order is shuffled by the seed, and trial N takes point N of it: the seed alone, never moved
-            self.study.sampler = optuna.samplers.GridSampler(grid, seed=self.args.seed)
-        else:
-            self.study.sampler = optuna.samplers.TPESampler(seed=seed)
 
     def _run_trial(self, number: int, trial_id: int, values: dict, claim) -> int | None:
         """Launch one trial and tell the study how it ended. Returns the sweep's exit code when it must stop."""
@@ -387,7 +368,7 @@ class Sweep:
 
                     optuna.delete_study(study_name=self.name, storage=self.study._storage)
                 else:
-                    self._tell(number, trial_id, state, value, line, common)
+                    studies.tell(self.study, number, trial_id, (state, value, line), common)
                     studies.write_results(self.study, self.study_dir, self.identity, self.args.trials, self.spec)
             if common:
                 if alone:
@@ -397,22 +378,3 @@ class Sweep:
             return None
         finally:
             claim.release()
-
-    def _tell(self, number: int, trial_id: int, state: str, value, line, common: bool) -> None:
-        import optuna
-        from optuna.trial import TrialState
-
-        # the grid sampler stops an optimize() loop once its grid is done: outside one, that is an error
-        self.study.sampler = optuna.samplers.RandomSampler()
-
-        if state == "complete":
-            self.study.tell(number, value)
-            return
-        if state == "pruned":
-            self.study.tell(number, state=TrialState.PRUNED)
-            return
-        trial = optuna.trial.Trial(self.study, trial_id)
-        trial.set_user_attr("error", line)
-        if common:
-            trial.set_user_attr("config_error", True)
-        self.study.tell(number, state=TrialState.FAIL)

@@ -132,6 +132,42 @@ def _another_study(study_dir: Path, what: str, saved, now) -> ConfigError:
     )
 
 
+def sampler(kind: str, params: list, seed: int, trials_so_far: int):
+    """The sampler for the next ask, seeded from --seed and the trials so far: a sweep resumed after a preemption asks
+    what the one never stopped would have asked, and never the first trial's parameters again."""
+    import optuna
+
+    if kind == "random":
+        return optuna.samplers.RandomSampler(seed=seed + trials_so_far)
+    if kind == "grid":
+        grid = {
+            p.name: list(p.choices) if p.kind == "choice" else list(range(int(p.low), int(p.high) + 1)) for p in params
+        }
+        # its grid order is shuffled by the seed, and trial N takes point N of it: the seed alone, never moved
+        return optuna.samplers.GridSampler(grid, seed=seed)
+    return optuna.samplers.TPESampler(seed=seed + trials_so_far)
+
+
+def tell(study, number: int, trial_id: int, ended: tuple, common: bool) -> None:
+    """The study told how trial ``number`` ended: ``ended`` is (state, value, the failed trial's line)."""
+    import optuna
+    from optuna.trial import TrialState
+
+    state, value, line = ended
+    # the grid sampler stops an optimize() loop once its grid is done: outside one, that is an error
+    study.sampler = optuna.samplers.RandomSampler()
+    if state == "complete":
+        study.tell(number, value)
+    elif state == "pruned":
+        study.tell(number, state=TrialState.PRUNED)
+    else:
+        trial = optuna.trial.Trial(study, trial_id)
+        trial.set_user_attr(FAILED_LINE, line)
+        if common:
+            trial.set_user_attr(CONFIG_ERROR, True)
+        study.tell(number, state=TrialState.FAIL)
+
+
 def counted(trials) -> list:
     """The study's trials that count towards --trials: all but those stopped by bad input common to every trial."""
     return [trial for trial in trials if not trial.user_attrs.get(CONFIG_ERROR)]
