@@ -3,4 +3,4 @@
 from acceltrain.commands.cli import main
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())  # the command's exit code (a sweep's 75 or 2), not always 0

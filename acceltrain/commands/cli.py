@@ -1,6 +1,7 @@
 """acceltrain: commands around the training loop. Training itself runs from a recipe script
 (python recipes/resnet_cifar.py --help lists its flags); these commands report on the machine, measure
-speed, run a recipe on Ray, merge a checkpoint into a loadable folder and predict with a fine-tuned one."""
+speed, run a recipe on Ray, merge a checkpoint into a loadable folder, predict with a fine-tuned one and search
+hyperparameters (sweep)."""
 
 from __future__ import annotations
 
@@ -251,7 +252,17 @@ def main(argv: list[str] | None = None) -> int:
         "probabilities, or generated responses (see predict --help)",
         add_help=False,
     )
+    commands.add_parser(
+        "sweep",
+        help="a hyperparameter search on Optuna: each trial a run folder, pruned early, resumed after a "
+        "preemption (see sweep --help)",
+        add_help=False,
+    )
     args, rest = parser.parse_known_args(argv)
+    if args.command == "sweep":
+        from acceltrain.commands.sweep import main as sweep_main
+
+        return sweep_main(rest)
     if args.command == "predict":
         from acceltrain.commands.predict import main as predict_main
 

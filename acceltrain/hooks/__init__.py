@@ -13,6 +13,7 @@ from acceltrain.hooks.logging import Console, MetricsFile, Trackers, TrainingLog
 from acceltrain.hooks.lookahead import Lookahead
 from acceltrain.hooks.plots import Curves
 from acceltrain.hooks.profiling import MemoryReport, Profiler
+from acceltrain.hooks.pruning import SweepTrial
 from acceltrain.hooks.time_budget import TimeBudget
 
 __all__ = [
@@ -31,6 +32,7 @@ __all__ = [
     "MetricsFile",
     "Preemption",
     "Profiler",
+    "SweepTrial",
     "TargetMetric",
     "TimeBudget",
     "Trackers",
@@ -41,10 +43,10 @@ __all__ = [
 
 def builtin_hooks(cfg, *, evaluates: bool, trackers: list[str], run_config: dict) -> list[Hook]:
     """The hooks the flags ask for, in the order they run at each event (after the user's): looking inside,
-    the training log, evaluation and what reacts to it, checkpoints, preemption, then the writers of
-    every logged row. Each is built by its own ``from_config`` from its option group (:mod:`acceltrain.config.options`).
-    ``CheckpointSchedule`` and ``Trackers`` are always there, so that their state (the best checkpoint, the
-    W&B run id) goes on through a launch that does not use it."""
+    the training log, evaluation and what reacts to it (a sweep's trial reporting to its study), checkpoints,
+    preemption, then the writers of every logged row. Each is built by its own ``from_config`` from its option
+    group (:mod:`acceltrain.config.options`). ``CheckpointSchedule`` and ``Trackers`` are always there, so that
+    their state (the best checkpoint, the W&B run id) goes on through a launch that does not use it."""
     from acceltrain.hooks.ray_report import RayReport
 
     evaluation = Evaluation.from_config(cfg, evaluates=evaluates)  # asked by the time budget and the console
@@ -56,6 +58,7 @@ def builtin_hooks(cfg, *, evaluates: bool, trackers: list[str], run_config: dict
         TargetMetric.from_config(cfg, evaluation),
         EarlyStopping.from_config(cfg, evaluation),
         TimeBudget.from_config(cfg, evaluation),
+        SweepTrial.from_environment(),  # under `acceltrain sweep`: evaluations to the study, a pruned trial stopped
         CheckpointSchedule.from_config(cfg, evaluates=evaluates),
         Preemption.from_config(cfg),
         MetricsFile(),
