@@ -8,9 +8,11 @@ pretrained one fine-tuned on prompts and responses (SFT).
 
 Without --tokenizer a byte-level BPE is trained on the text and kept as <output-dir>/tokenizer.json
 (reused on --resume). With --train-file, the rows are prompt and response columns or a messages column
-(rendered by the tokenizer's chat template), and the loss counts response tokens only. The output folder
-(weights, config, tokenizer) loads with AutoModelForCausalLM.from_pretrained and AutoTokenizer.from_pretrained;
-with --lora-r it is a PEFT adapter folder (AutoPeftModelForCausalLM), with --merge-lora the merged model.
+(rendered by the tokenizer's chat template), and the loss counts response tokens only. --packing puts several
+examples (or, with --text-files, documents) in each row of --block-size tokens, checked exact before training.
+The output folder (weights, config, tokenizer) loads with AutoModelForCausalLM.from_pretrained and
+AutoTokenizer.from_pretrained; with --lora-r it is a PEFT adapter folder (AutoPeftModelForCausalLM), with
+--merge-lora the merged model.
 Every flag: acceltrain-causal-lm --help (or python recipes/causal_lm.py --help in a checkout)
 """
 
