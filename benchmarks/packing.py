@@ -178,7 +178,9 @@ def main() -> None:
         f"{summary['eval_loss']['unpacked']:.4f} ({summary['eval_loss_ratio']:.3f}x); "
         f"{verdict(summary['eval_loss_ratio'], 1.03, False)}"
     )
-    path = write_result("packing", info, {"args": vars(args), "lengths": lengths, "runs": results, "summary": summary})
+    name = "packing" + (f"_width{args.hidden_size}" if args.hidden_size != 32 else "")
+    name += f"_batch{args.packed_batch_size}" if args.packed_batch_size else ""
+    path = write_result(name, info, {"args": vars(args), "lengths": lengths, "runs": results, "summary": summary})
     print(f"wrote {path}")
 
 
