@@ -87,7 +87,9 @@ def test_only_the_engines_and_the_compat_module_know_accelerates_engine_types():
         if path not in allowed and "DistributedType" in path.read_text()
     )
     assert not knowing, knowing
-    loading = sorted(str(path.relative_to(REPO)) for path in PACKAGE.rglob("*.py") if ".load_state(" in path.read_text())
+    loading = sorted(
+        str(path.relative_to(REPO)) for path in PACKAGE.rglob("*.py") if ".load_state(" in path.read_text()
+    )
     assert not loading, loading
 
 
