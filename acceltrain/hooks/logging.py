@@ -44,7 +44,7 @@ class TrainingLog(Hook):
             "loss": run.take_train_loss(),
             "lr": run.lr,
             "wall_seconds": round(run.elapsed(), 3),
-            **speed_figures(run, run.throughput.window()),
+            **speed_figures(run, run.throughput.window(), _token_counts(run, window=True)),
             **peak_memory_mb(run.accelerator.device),
         }
         if run.grad_norm is not None:
@@ -60,22 +60,27 @@ class TrainingLog(Hook):
         if run.cfg.compile and self.first_step_seconds is not None:  # the first step less a steady one
             compile_seconds = max(0.0, self.first_step_seconds - (ms_per_step or 0.0) / 1000)
         summary.update(
-            speed_figures(run, totals),
+            speed_figures(run, totals, _token_counts(run, window=False)),
             timed_steps=totals["timed_steps"],
             first_step_seconds=self.first_step_seconds,
             compile_seconds=compile_seconds,
         )
 
 
-def speed_figures(run, figures: dict) -> dict:
+def speed_figures(run, figures: dict, tokens: dict | None = None) -> dict:
     """samples/s, ms/step and data-wait fraction, plus tokens/s for tasks that count tokens, and model
     FLOP/s and MFU where the FLOPs are known: against the devices' measured peak (or ``--peak-tflops``), and against
-    their datasheet peak where one is known."""
+    their datasheet peak where one is known. With the task's ``tokens`` counts (real, slots and rows of its batches:
+    :class:`~acceltrain.text.lm.TokenTally`), real tokens/s (samples/s times the real tokens of a sample in those
+    batches: padding left out, as packing changes it) and the share of real tokens in the batches' rows."""
     rate = figures["samples_per_second"]
     out = {key: value for key, value in figures.items() if key != "timed_steps"}
     tokens_per_sample = getattr(run.task, "tokens_per_sample", None)
     if tokens_per_sample:
         out["tokens_per_second"] = rate * tokens_per_sample if rate else None
+    if tokens is not None and tokens["rows"]:
+        out["real_tokens_per_second"] = rate * tokens["real"] / tokens["rows"] if rate else None
+        out["real_token_share"] = tokens["real"] / tokens["slots"]
     if run.flops_per_sample and rate:
         flops = rate * run.flops_per_sample
         out["model_tflops_per_second"] = flops / 1e12
@@ -85,6 +90,15 @@ def speed_figures(run, figures: dict) -> dict:
         if datasheet:  # a GPU's: an upper bound no run reaches, beside the measured one
             out["mfu_datasheet"] = flops / (datasheet * devices)
     return out
+
+
+def _token_counts(run, *, window: bool) -> dict | None:
+    """The task's token counts since the previous log row (``window``) or of the whole launch; None for a task
+    that does not count them."""
+    tally = getattr(run.task, "token_tally", None)
+    if tally is None:
+        return None
+    return tally.take_window() if window else tally.total
 
 
 class MetricsFile(Hook):

@@ -8,9 +8,11 @@ pretrained one fine-tuned on prompts and responses (SFT).
 
 Without --tokenizer a byte-level BPE is trained on the text and kept as <output-dir>/tokenizer.json
 (reused on --resume). With --train-file, the rows are prompt and response columns or a messages column
-(rendered by the tokenizer's chat template), and the loss counts response tokens only. The output folder
-(weights, config, tokenizer) loads with AutoModelForCausalLM.from_pretrained and AutoTokenizer.from_pretrained;
-with --lora-r it is a PEFT adapter folder (AutoPeftModelForCausalLM), with --merge-lora the merged model.
+(rendered by the tokenizer's chat template), and the loss counts response tokens only. --packing puts several
+examples (or, with --text-files, documents) in each row of --block-size tokens, checked exact before training.
+The output folder (weights, config, tokenizer) loads with AutoModelForCausalLM.from_pretrained and
+AutoTokenizer.from_pretrained; with --lora-r it is a PEFT adapter folder (AutoPeftModelForCausalLM), with
+--merge-lora the merged model.
 Every flag: acceltrain-causal-lm --help (or python recipes/causal_lm.py --help in a checkout)
 """
 
@@ -66,6 +68,12 @@ class CausalLMConfig(LoraOptions, TrainConfig):
     group_by_length: bool = option(
         False, "with --train-file: batches of examples of similar lengths (less padding; still exactly resumable)"
     )
+    packing: bool = option(
+        False,
+        "several examples (SFT rows; with --text-files, documents cut at --block-size) in each row of --block-size "
+        "tokens, best-fit-decreasing, position ids restarting at each, no padding between them: exact for models "
+        "whose attention takes packed rows (checked before training)",
+    )
     dataset_config: str | None = option(None, "configuration of --dataset-name (e.g. wikitext-103-raw-v1)")
     tokenizer: str | None = option(
         None,
@@ -116,6 +124,10 @@ class CausalLMConfig(LoraOptions, TrainConfig):
             raise ConfigError(
                 "--streaming reads --text-files or --dataset-name as a stream; --train-file rows are read into memory"
             )
+        if self.packing and self.streaming:
+            raise ConfigError("--packing packs rows held in memory: not with --streaming")
+        if self.packing and self.group_by_length:
+            raise ConfigError("--packing and --group-by-length both cut padding: choose one (--packing leaves less)")
         if self.dataset_config is not None and self.dataset_name is None:
             raise ConfigError("--dataset-config needs --dataset-name")
         if self.block_size is not None:
@@ -200,20 +212,43 @@ def _continued(cfg: CausalLMConfig, folder, task_class) -> dict:
             if cfg.eval_lines
             else None
         )
+    elif cfg.packing:
+        from acceltrain.text.packing import packed_documents
+
+        train_set, eval_set = packed_documents(
+            texts,
+            tokenizer,
+            block_size=cfg.block_size,
+            eval_fraction=cfg.eval_fraction,
+            seed=cfg.seed,
+            num_proc=cfg.num_proc,
+        )
     else:
         blocks = token_blocks(texts, tokenizer, block_size=cfg.block_size, num_proc=cfg.num_proc)
         train_set, eval_set = split_blocks(blocks, eval_fraction=cfg.eval_fraction, seed=cfg.seed)
     if cfg.text_files:  # a resume refuses text that changed since (a Hub dataset has no fingerprint here)
         train_set.fingerprint = text_fingerprint(expand_text_files(cfg.text_files))
-    task = task_class(cfg.block_size, flops_per_block(model, cfg.block_size))
+    tokens = train_set.mean_tokens if cfg.packing else cfg.block_size
+    task = task_class(tokens, flops_per_block(model, tokens))
     if folder.is_main_process:  # before training: the run folder loads with from_pretrained, tokenizer included
         save_tokenizer(tokenizer, output_dir)
-    return fit(cfg, model, build_optimizer(model, cfg), train_set, eval_set, task=task, name=NAME)
+    hooks, collate_fn = _packing(cfg, model, tokenizer, task)
+    return fit(
+        cfg,
+        model,
+        build_optimizer(model, cfg),
+        train_set,
+        eval_set,
+        task=task,
+        name=NAME,
+        hooks=hooks,
+        collate_fn=collate_fn,
+    )
 
 
 def _supervised(cfg: CausalLMConfig, folder, task_class) -> dict:
     """SFT: prompt/response (or conversation) rows, the loss on response tokens only, one example per sequence,
-    padded per batch."""
+    padded per batch; with --packing, several examples per row (:mod:`acceltrain.text.packing`)."""
     from acceltrain import build_optimizer, fit
     from acceltrain.text import (
         DataReport,
@@ -257,12 +292,18 @@ def _supervised(cfg: CausalLMConfig, folder, task_class) -> dict:
     else:
         eval_set = sft_examples(eval_rows, tokenizer, where=eval_where, **encoding)
     train_set, lengths, train_counts = sft_kept(train_set, block_size=cfg.block_size, where=train_where)
-    eval_set, _, eval_counts = (
+    eval_set, eval_lengths, eval_counts = (
         sft_kept(eval_set, block_size=cfg.block_size, where=eval_where)
         if eval_set is not None
         else (None, None, {"truncated": 0, "dropped": 0})
     )
     train_set.fingerprint = file_fingerprint(cfg.train_file, cfg.eval_file)  # a resume refuses rows that changed since
+    if cfg.packing:
+        from acceltrain.text.packing import PackedRows
+
+        train_set = PackedRows(train_set, lengths, cfg.block_size)
+        eval_set = PackedRows(eval_set, eval_lengths, cfg.block_size) if eval_set is not None else None
+        lengths = train_set.lengths  # a row's real tokens
     if cfg.group_by_length:
         train_set = LengthGrouped(train_set, lengths, batch_size=cfg.batch_size, seed=cfg.seed)
     tokens = sum(lengths) / len(lengths)  # an example's mean, padding left out
@@ -276,6 +317,7 @@ def _supervised(cfg: CausalLMConfig, folder, task_class) -> dict:
     )
     if folder.is_main_process:  # before training: the run folder loads with from_pretrained, tokenizer included
         save_tokenizer(tokenizer, folder.output_dir)
+    hooks, collate_fn = _packing(cfg, model, tokenizer, task) if cfg.packing else ([], sft_batches(tokenizer))
     return fit(
         cfg,
         model,
@@ -284,9 +326,21 @@ def _supervised(cfg: CausalLMConfig, folder, task_class) -> dict:
         eval_set,
         task=task,
         name=NAME,
-        hooks=[report],
-        collate_fn=sft_batches(tokenizer),
+        hooks=[report, *hooks],
+        collate_fn=collate_fn,
     )
+
+
+def _packing(cfg: CausalLMConfig, model, tokenizer, task) -> tuple[list, object]:
+    """With --packing: (the check that the model takes packed rows exactly, the packed rows' collate function);
+    without: no hook, the loop's own collation."""
+    if not cfg.packing:
+        return [], None
+    from acceltrain.text.packing import PackedBatches, PackingCheck, flash_attention
+
+    pad = next(token for token in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0) if token is not None)
+    collate_fn = PackedBatches(pad, flash_attention=flash_attention(model))
+    return [PackingCheck(task, collate_fn, len(tokenizer))], collate_fn
 
 
 def _pretrained(cfg: CausalLMConfig, *, vocab_size: int) -> tuple:

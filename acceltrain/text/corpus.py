@@ -231,9 +231,7 @@ def token_blocks(texts, tokenizer, *, block_size: int, num_proc: int | None = No
     tokenize, pack = _tokenize_and_pack(tokenizer, block_size)
 
     def build():
-        tokens = texts.map(
-            tokenize, batched=True, num_proc=num_proc, remove_columns=texts.column_names, desc="tokenize"
-        )
+        tokens = _tokenized(texts, tokenize, num_proc)
         # packing runs in one process: batches then start at the same rows whatever num_proc is
         packed = tokens.with_format("numpy").map(
             pack, batched=True, batch_size=PACK_ROWS, desc=f"pack into blocks of {block_size}"
@@ -248,6 +246,17 @@ def token_blocks(texts, tokenizer, *, block_size: int, num_proc: int | None = No
             "a time"
         )
     return blocks
+
+
+def token_rows(texts, tokenizer, *, num_proc: int | None = None):
+    """``texts`` tokenised row by row, as :func:`token_blocks` does before it packs them (an end-of-text token
+    after each document)."""
+    tokenize, _ = _tokenize_and_pack(tokenizer, 2)
+    return on_main_process_first(lambda: _tokenized(texts, tokenize, num_proc or default_num_proc(len(texts))))
+
+
+def _tokenized(texts, tokenize: Callable, num_proc: int):
+    return texts.map(tokenize, batched=True, num_proc=num_proc, remove_columns=texts.column_names, desc="tokenize")
 
 
 def _tokenize_and_pack(tokenizer, block_size: int) -> tuple[Callable, Callable]:

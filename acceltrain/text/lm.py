@@ -14,6 +14,7 @@ from acceltrain.text.names import ARCHITECTURES, MODEL_PRESETS, MODEL_SIZES
 from acceltrain.train.tasks import Task
 
 IGNORE_INDEX = -100  # a target position that is not predicted (padding, masked tokens)
+FLASH_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")  # a flattened batch's boundaries
 
 
 def build_causal_lm(
@@ -114,19 +115,27 @@ class CausalLMTask(Task):
     def __init__(self, block_size: int, flops_per_sample: int):
         self.tokens_per_sample = block_size
         self.flops_per_sample = flops_per_sample
+        self.token_tally = TokenTally()
 
     def targets(self, batch) -> torch.Tensor:
         """The token each position predicts (the next one); override to leave some out with -100."""
         return batch.get("labels", batch["input_ids"])[:, 1:]
 
+    def logits(self, model: nn.Module, batch) -> torch.Tensor:
+        """The model's logits for ``batch``, the cache off: packed rows (with ``position_ids``, see
+        :mod:`acceltrain.text.packing`) go without an attention mask, as the block-diagonal mask needs; a batch padded
+        per batch (SFT) brings its ``attention_mask``."""
+        if "position_ids" in batch:
+            extra = {key: batch[key] for key in FLASH_KEYS if key in batch}
+            return model(
+                input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False, **extra
+            ).logits
+        return model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"), use_cache=False).logits
+
     def token_losses(self, model: nn.Module, batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-position cross-entropy [B, T-1] in float32 (0 where not predicted) and the mask of predicted positions.
-        A batch padded per batch (SFT) brings its ``attention_mask``."""
-        logits = (
-            model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"), use_cache=False)
-            .logits[:, :-1]
-            .float()
-        )
+        """Per-position cross-entropy [B, T-1] in float32 (0 where not predicted) and the mask of predicted
+        positions."""
+        logits = self.logits(model, batch)[:, :-1].float()
         targets = self.targets(batch)
         losses = F.cross_entropy(
             logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="none"
@@ -134,6 +143,7 @@ class CausalLMTask(Task):
         return losses.view_as(targets), targets != IGNORE_INDEX
 
     def train_loss(self, model: nn.Module, batch) -> tuple[torch.Tensor, torch.Tensor]:
+        self.token_tally.add(batch)
         losses, predicted = self.token_losses(model, batch)
         return losses.sum(), predicted.sum()
 
@@ -144,3 +154,29 @@ class CausalLMTask(Task):
     def eval_metrics(self, sums: dict[str, float], samples: int) -> dict[str, float]:
         loss = sums["loss_sum"] / sums["tokens"]
         return {"loss": loss, "perplexity": math.exp(loss) if loss < 700 else math.inf}
+
+
+class TokenTally:
+    """Real tokens (not padding), row slots and rows of the training batches, since the last log row and in all:
+    real tokens/s and the share of real tokens per row come from these, since a padded or packed sample holds an
+    unequal number of tokens. Counted on the host from what the collators say (``real_tokens``: no device sync);
+    a batch without it is all real tokens (blocks of text)."""
+
+    def __init__(self):
+        self.window = {"real": 0, "slots": 0, "rows": 0}
+        self.total = dict(self.window)
+
+    def add(self, batch) -> None:
+        ids = batch["input_ids"]
+        counts = {
+            "real": batch.get("real_tokens", ids.numel()),
+            "slots": ids.numel(),
+            "rows": batch.get("rows", len(ids)),
+        }
+        for tally in (self.window, self.total):
+            for key, count in counts.items():
+                tally[key] += int(count)
+
+    def take_window(self) -> dict:
+        window, self.window = self.window, {"real": 0, "slots": 0, "rows": 0}
+        return window

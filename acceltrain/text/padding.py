@@ -19,6 +19,14 @@ class PlainBatches:
         return dict(self.collator(samples))
 
 
+class CountedBatches(PlainBatches):
+    """``collator``'s batches and ``real_tokens``, the examples' own tokens (padding left out), counted here on the
+    host for the real-tokens figures (:class:`~acceltrain.text.lm.TokenTally`)."""
+
+    def __call__(self, samples: list) -> dict:
+        return {**super().__call__(samples), "real_tokens": sum(len(sample["input_ids"]) for sample in samples)}
+
+
 def classification_batches(tokenizer) -> PlainBatches:
     """``input_ids``, ``attention_mask`` (and ``token_type_ids``) padded with the tokenizer's pad token; ``labels``."""
     from transformers import DataCollatorWithPadding
@@ -26,7 +34,7 @@ def classification_batches(tokenizer) -> PlainBatches:
     return PlainBatches(DataCollatorWithPadding(tokenizer))
 
 
-def sft_batches(tokenizer) -> PlainBatches:
+def sft_batches(tokenizer) -> CountedBatches:
     """``input_ids`` padded on the right with the pad token, ``labels`` with -100 (not predicted), and the
     ``attention_mask``. On the right whatever side the tokenizer pads for generation: a causal LM without
     position ids counts positions from the first column."""
@@ -34,7 +42,7 @@ def sft_batches(tokenizer) -> PlainBatches:
 
     right = copy.deepcopy(tokenizer)
     right.padding_side = "right"
-    return PlainBatches(DataCollatorForSeq2Seq(right, label_pad_token_id=IGNORE_INDEX))
+    return CountedBatches(DataCollatorForSeq2Seq(right, label_pad_token_id=IGNORE_INDEX))
 
 
 def generation_batches(tokenizer) -> PlainBatches:
