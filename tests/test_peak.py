@@ -33,36 +33,45 @@ def test_the_calibration_takes_the_models_largest_dense_layer(model, shape):
     assert peak.matmul_shape(model) == shape
 
 
-class FakeClock:
-    """Each reading moves time on by ``tick`` seconds: every round of the calibration takes the same time."""
+class FakeDevice:
+    """A matmul that takes ``seconds`` of a fake clock: time moves with the work done, as on a real device, and
+    nothing depends on this machine's speed."""
 
-    def __init__(self, tick: float):
-        self.now, self.tick = 0.0, tick
+    def __init__(self, seconds: float):
+        self.now, self.seconds, self.products = 0.0, seconds, 0
 
-    def __call__(self) -> float:
-        self.now += self.tick
+    def clock(self) -> float:
         return self.now
+
+    def mm(self, a, b):
+        self.now += self.seconds
+        self.products += 1
+
+
+def calibrate(monkeypatch, device: FakeDevice, shape=(8, 4, 2)) -> float:
+    monkeypatch.setattr(peak.torch, "mm", device.mm)
+    return peak._calibrate(torch.device("cpu"), torch.float32, shape, device.clock)
 
 
 def test_the_calibration_stops_once_rounds_bring_no_gain(monkeypatch):
-    products = []
-    monkeypatch.setattr(peak.torch, "mm", lambda a, b: products.append(a.shape) or a @ b)
-    tick = 2 * peak.ROUND_SECONDS  # every round long enough to be timed
-    best = peak._calibrate(torch.device("cpu"), torch.float32, (8, 4, 2), FakeClock(tick))
-    rounds = peak.PATIENCE + 1  # the first sets the best, then PATIENCE rounds without a gain of 1%
-    assert len(products) == rounds and best == pytest.approx(2 * 8 * 4 * 2 / tick)
+    device = FakeDevice(2 * peak.ROUND_SECONDS)  # every round long enough to be timed
+    best = calibrate(monkeypatch, device)
+    assert device.products == peak.PATIENCE + 1  # the first round sets the best, then PATIENCE bring no gain of 1%
+    assert best == pytest.approx(2 * 8 * 4 * 2 / device.seconds)
 
 
-def test_short_rounds_are_lengthened_and_the_budget_bounds_the_calibration(monkeypatch):
-    monkeypatch.setattr(peak.torch, "mm", lambda a, b: None)
-    clock = FakeClock(peak.ROUND_SECONDS / 4)  # every round too short: repeats grow until a round is long enough
-    peak._calibrate(torch.device("cpu"), torch.float32, (2, 2, 2), clock)
-    assert clock.now <= peak.BUDGET_SECONDS + 4 * peak.ROUND_SECONDS
+def test_short_rounds_are_lengthened_to_be_timed(monkeypatch):
+    device = FakeDevice(peak.ROUND_SECONDS / 10)
+    best = calibrate(monkeypatch, device)
+    assert device.products > 10 * peak.PATIENCE, "rounds of several matmuls"
+    assert best == pytest.approx(2 * 8 * 4 * 2 / device.seconds)
 
-    monkeypatch.setattr(peak, "PATIENCE", 10**6)  # never stale: the time budget ends it
-    slow = FakeClock(1.0)  # a round of 1 s (a reading each side): the calibration ends within its 5 s
-    peak._calibrate(torch.device("cpu"), torch.float32, (2, 2, 2), slow)
-    assert slow.now <= peak.BUDGET_SECONDS + 1
+
+def test_the_time_budget_bounds_the_calibration(monkeypatch):
+    monkeypatch.setattr(peak, "PATIENCE", 10**6)  # never stale: only the budget ends it
+    device = FakeDevice(1.0)
+    calibrate(monkeypatch, device)
+    assert device.now <= peak.BUDGET_SECONDS
 
 
 def test_a_machine_calibrates_each_dtype_and_shape_once(tmp_path, monkeypatch):

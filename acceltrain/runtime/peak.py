@@ -3,9 +3,10 @@ it where one is (a GPU, whose datasheet peak no training run reaches).
 
 A short matmul calibration in the run's dtype, on the shape of the model's largest dense layer (2048 rows, the layer's
 inputs and outputs, each at least 256), timed with the device synchronised: rounds of at least 25 ms each, until 5
-rounds bring no gain of 1%, 40 rounds, or another round would pass the time budget (5 s). The best round is the peak. It is cached per machine,
-device, torch version, thread count, dtype and shape in ``$ACCELTRAIN_CACHE/peak_flops.json`` (default
-``~/.cache/acceltrain``), so that a machine calibrates each shape once."""
+rounds bring no gain of 1%, 40 rounds, or another round would pass the time budget (5 s). The best round is the peak.
+It is cached per machine, device, torch version, thread count, dtype and shape in
+``$ACCELTRAIN_CACHE/peak_flops.json`` (default ``~/.cache/acceltrain``), so that a machine calibrates each shape
+once."""
 
 from __future__ import annotations
 
@@ -79,6 +80,8 @@ def _calibrate(device: torch.device, dtype: torch.dtype, shape: tuple[int, int, 
         seconds = clock() - begun
         if seconds < ROUND_SECONDS:  # too short to time: a longer round (the warm-up too)
             repeats = max(repeats * 2, int(repeats * ROUND_SECONDS / max(seconds, 1e-9)))
+            if clock() - started > BUDGET_SECONDS:
+                break
             continue
         rate = work * repeats / seconds
         stale = 0 if rate > best * 1.01 else stale + 1
