@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from acceltrain.runtime import peak
+from acceltrain.train.speed import matmul_shape
 
 
 class Conv1D(nn.Module):  # transformers' GPT-2 layer keeps a (inputs, outputs) weight
@@ -30,7 +31,7 @@ class Conv1D(nn.Module):  # transformers' GPT-2 layer keeps a (inputs, outputs) 
     ],
 )
 def test_the_calibration_takes_the_models_largest_dense_layer(model, shape):
-    assert peak.matmul_shape(model) == shape
+    assert matmul_shape(model) == shape
 
 
 class FakeDevice:

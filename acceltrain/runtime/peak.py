@@ -1,8 +1,8 @@
 """The device's peak FLOP/s, measured: what MFU is a fraction of where no datasheet figure is known (a CPU), and beside
 it where one is (a GPU, whose datasheet peak no training run reaches).
 
-A short matmul calibration in the run's dtype, on the shape of the model's largest dense layer (2048 rows, the layer's
-inputs and outputs, each at least 256), timed with the device synchronised: rounds of at least 25 ms each, until 5
+A short matmul calibration in the run's dtype, on a given shape (a run's: its model's largest dense layer,
+:func:`acceltrain.train.speed.matmul_shape`), timed with the device synchronised: rounds of at least 25 ms each, until 5
 rounds bring no gain of 1%, 40 rounds, or another round would pass the time budget (5 s). The best round is the peak.
 It is cached per machine, device, torch version, thread count, dtype and shape in
 ``$ACCELTRAIN_CACHE/peak_flops.json`` (default ``~/.cache/acceltrain``), so that a machine calibrates each shape
@@ -17,33 +17,11 @@ import time
 from pathlib import Path
 
 import torch
-from torch import nn
 
 ROWS, MIN_SIDE, DEFAULT_SIDE = 2048, 256, 1024
 ROUND_SECONDS, PATIENCE, MAX_ROUNDS, BUDGET_SECONDS = 0.025, 5, 40, 5.0
 CACHE_FILE = "peak_flops.json"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # any other precision: float32
-
-
-def matmul_shape(model: nn.Module | None) -> tuple[int, int, int]:
-    """(rows, inputs, outputs) of the calibration: the largest dense layer's (a linear layer, a convolution as the
-    matrix product it is, GPT-2's ``Conv1D``); a model without one, or none, gets a square of 1024."""
-    best = (0, DEFAULT_SIDE, DEFAULT_SIDE)
-    for module in model.modules() if model is not None else ():
-        weight = getattr(module, "weight", None)
-        if not isinstance(weight, torch.Tensor) or weight.dim() < 2:
-            continue
-        if isinstance(module, nn.Linear):
-            outputs, inputs = weight.shape
-        elif isinstance(module, nn.modules.conv._ConvNd):
-            outputs, inputs = weight.shape[0], weight[0].numel()
-        elif type(module).__name__ == "Conv1D":  # transformers' GPT-2 layer: a (inputs, outputs) weight
-            inputs, outputs = weight.shape
-        else:
-            continue
-        if inputs * outputs > best[0]:
-            best = (inputs * outputs, inputs, outputs)
-    return ROWS, max(MIN_SIDE, best[1]), max(MIN_SIDE, best[2])
 
 
 def measured_peak_flops(

@@ -14,6 +14,7 @@ from torch import nn
 
 from acceltrain.config.options import ConfigError
 from acceltrain.config.train_config import TrainConfig
+from acceltrain.runtime.peak import DEFAULT_SIDE, MIN_SIDE, ROWS
 
 # Dense peak TFLOP/s of one device from the vendors' datasheets (no sparsity). "tf32" applies to fp32
 # runs where cuDNN/cuBLAS may use TF32 tensor cores (PyTorch's default for convolutions).
@@ -39,7 +40,7 @@ def device_peaks(accelerator, model: nn.Module, override_tflops: float | None) -
     ``used`` for MFU: ``--peak-tflops`` when given, else the measured one."""
     from accelerate.utils import broadcast_object_list
 
-    from acceltrain.runtime.peak import matmul_shape, measured_peak_flops
+    from acceltrain.runtime.peak import measured_peak_flops
 
     measured = [None]
     if accelerator.is_main_process:
@@ -50,6 +51,28 @@ def device_peaks(accelerator, model: nn.Module, override_tflops: float | None) -
     used = override_tflops * 1e12 if override_tflops is not None else measured[0]
     datasheet = datasheet_peak_flops(accelerator.device, accelerator.mixed_precision)
     return {"datasheet": datasheet, "measured": measured[0], "used": used}
+
+
+def matmul_shape(model: nn.Module | None) -> tuple[int, int, int]:
+    """(rows, inputs, outputs) of the peak's calibration: 2048 rows by the largest dense layer's inputs and outputs,
+    each at least 256 (a linear layer, a convolution as the matrix product it is, GPT-2's ``Conv1D``); a model without
+    one, or none, gets a square of 1024."""
+    best = (0, DEFAULT_SIDE, DEFAULT_SIDE)
+    for module in model.modules() if model is not None else ():
+        weight = getattr(module, "weight", None)
+        if not isinstance(weight, torch.Tensor) or weight.dim() < 2:
+            continue
+        if isinstance(module, nn.Linear):
+            outputs, inputs = weight.shape
+        elif isinstance(module, nn.modules.conv._ConvNd):
+            outputs, inputs = weight.shape[0], weight[0].numel()
+        elif type(module).__name__ == "Conv1D":  # transformers' GPT-2 layer: a (inputs, outputs) weight
+            inputs, outputs = weight.shape
+        else:
+            continue
+        if inputs * outputs > best[0]:
+            best = (inputs * outputs, inputs, outputs)
+    return ROWS, max(MIN_SIDE, best[1]), max(MIN_SIDE, best[2])
 
 
 def datasheet_peak_flops(device: torch.device, mixed_precision: str) -> float | None:
