@@ -25,7 +25,7 @@ SHAPES = {
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--rounds", type=int, default=5)
     rounds = parser.parse_args().rounds
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -67,6 +67,7 @@ def test_every_parser_refuses_abbreviated_flags():
         ["acceltrain.commands.cli", ["bench", "--help"], None],
         ["acceltrain.commands.cli", ["ray", "--help"], None],
         ["acceltrain.commands.cli", ["merge", "--help"], None],
+        ["acceltrain.commands.cli", ["sweep", "--help"], None],
         ["acceltrain.recipes.resnet_cifar", ["--help"], None],
         *(
             [str(REPO / path), ["--help"], ["--round", "3"] if str(REPO / path) == peers else None]

@@ -25,6 +25,17 @@ from acceltrain.config.options import ConfigError, first_line
 from acceltrain.hooks.base import Hook
 from acceltrain.text.lm import IGNORE_INDEX
 
+__all__ = [
+    "PackedBatches",
+    "PackedRows",
+    "PackingCheck",
+    "best_fit_decreasing",
+    "check_packable",
+    "document_pieces",
+    "flash_attention",
+    "packed_documents",
+]
+
 PROBE_LENGTHS = (7, 9)  # the check's two examples, packed in one row and each run alone
 
 

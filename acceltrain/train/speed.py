@@ -64,8 +64,8 @@ def matmul_shape(model: nn.Module | None) -> tuple[int, int, int]:
             continue
         if isinstance(module, nn.Linear):
             outputs, inputs = weight.shape
-        elif isinstance(module, nn.modules.conv._ConvNd):
-            outputs, inputs = weight.shape[0], weight[0].numel()
+        elif isinstance(module, nn.modules.conv._ConvNd):  # shapes only: indexing a sharded weight (FSDP) communicates
+            outputs, inputs = weight.shape[0], math.prod(weight.shape[1:])
         elif type(module).__name__ == "Conv1D":  # transformers' GPT-2 layer: a (inputs, outputs) weight
             inputs, outputs = weight.shape
         else:
