@@ -154,6 +154,20 @@ def test_bad_input_is_one_line_before_any_trial_and_writes_nothing(tmp_path, cap
     assert not study.exists()
 
 
+def test_a_study_dir_that_holds_other_files_is_refused_and_left_as_it_was(tmp_path, capsys):
+    """A command writes only what it owns: a folder of the user's (a project, a run folder) is no study folder, and a
+    sweep there would have written its journal and trial folders among the user's files (and, on bad input later,
+    removed what it took for its own)."""
+    folder = tmp_path / "project"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("mine")
+    code = sweep(["--study-dir", str(folder), "--trials", "2", "--param", "lr=uniform:0.1:1", str(TINY_RECIPE), *TINY])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith(f"error: --study-dir {str(folder)!r} holds files that are not a study's (notes.txt)"), err
+    assert sorted(p.name for p in folder.iterdir()) == ["notes.txt"]
+
+
 @pytest.mark.parametrize(
     "extra,message",
     [

@@ -127,11 +127,28 @@ class Sweep:
             raise ConfigError(f"--launch-config {args.launch_config!r} is not a file (an accelerate config YAML)")
         if self.study_dir.exists() and not self.study_dir.is_dir():
             raise ConfigError(f"--study-dir {str(self.study_dir)!r} exists and is not a directory")
+        self._check_owned()
         self.config_class = recipe_config_class(args.recipe, "recipe")
         self.params = parse_params(args.param, self.config_class, args.recipe, args.recipe_args)
         if args.sampler == "grid":
             self._check_grid()
         check_with_recipe(self.params, self.config_class, args.recipe_args)
+
+    def _check_owned(self) -> None:
+        """The study folder is new, empty or a study's (its lock, journal or results): a folder of the user's is not
+        the sweep's to write trials into."""
+        from acceltrain.commands import sweep_study as studies
+
+        if not self.study_dir.is_dir():
+            return
+        names = sorted(os.listdir(self.study_dir))
+        markers = {studies.LOCK_FILE, studies.JOURNAL_FILE, studies.SWEEP_FILE, studies.CLAIMS_DIR}
+        if names and not markers & set(names):
+            shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+            raise ConfigError(
+                f"--study-dir {str(self.study_dir)!r} holds files that are not a study's ({shown}): give a new or "
+                "empty folder, or the folder of a study to continue"
+            )
 
     def _check_grid(self) -> None:
         import math
