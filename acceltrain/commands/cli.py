@@ -140,25 +140,21 @@ def _device_description(device) -> str:
 
 def _peak_flops_description(device) -> str:
     """The peaks behind MFU, per precision: the datasheet's where the table knows the device, and the measured one
-    (a 2048 x 1024 x 1024 matmul; a run calibrates on its own model's largest layer)."""
-    from acceltrain.runtime.peak import DEFAULT_SIDE, ROWS, measured_peak_flops
-    from acceltrain.train.speed import datasheet_peak_flops
+    (on the shape of a model without dense layers, 2048 x 1024 x 1024; a run calibrates on its own model's)."""
+    import torch
+
+    from acceltrain.runtime.peak import measured_peak_flops
+    from acceltrain.train.speed import datasheet_peak_flops, matmul_shape
 
     figures = []
     for precision, shown in (("no", "fp32"), ("bf16", "bf16")):
-        if precision == "bf16" and device.type == "cuda" and not torch_bf16_supported():
+        if precision == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
             continue
-        measured = measured_peak_flops(device, precision, (ROWS, DEFAULT_SIDE, DEFAULT_SIDE))
+        measured = measured_peak_flops(device, precision, matmul_shape(None))
         datasheet = datasheet_peak_flops(device, precision)
         sheet = f", datasheet {datasheet / 1e12:g}" if datasheet else ""
         figures.append(f"{shown} measured {measured / 1e12:.3g}{sheet} TFLOP/s")
     return "; ".join(figures) + " (--peak-tflops sets the one MFU uses)"
-
-
-def torch_bf16_supported() -> bool:
-    import torch
-
-    return torch.cuda.is_bf16_supported()
 
 
 def _bf16_verdict(device) -> str:
