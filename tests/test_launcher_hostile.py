@@ -68,6 +68,7 @@ def test_every_parser_refuses_abbreviated_flags():
         ["acceltrain.commands.cli", ["ray", "--help"], None],
         ["acceltrain.commands.cli", ["merge", "--help"], None],
         ["acceltrain.commands.cli", ["sweep", "--help"], None],
+        ["acceltrain.commands.cli", ["ft-launch", "--help"], None],
         ["acceltrain.recipes.resnet_cifar", ["--help"], None],
         *(
             [str(REPO / path), ["--help"], ["--round", "3"] if str(REPO / path) == peers else None]

@@ -53,6 +53,10 @@ class TrainerState(Protocol):
 
     def restore(self, state: RunState) -> None: ...
 
+    def step_boundary(self) -> RunState: ...  # the state at the last optimizer step, for a live peer
+
+    def heal(self, state: RunState) -> None: ...  # continue from a live peer's step_boundary()
+
 
 class Checkpointer:
     """``prepared``: the run's prepared pieces (its engine, model, optimizer, scheduler, config); ``trainer``: the
@@ -76,6 +80,7 @@ class Checkpointer:
             if self.cfg.async_checkpoint
             else None
         )
+        self.engine.share_state(self.live_state, self.heal)
 
     def check_states(self) -> None:
         """Right after ``on_fit_start``: a hook state that could not be saved (or not read back as it was) is one
@@ -87,11 +92,38 @@ class Checkpointer:
         """What the start-up log says of the checkpoints' contents, if anything."""
         return adapters.describe(self.frozen)
 
+    # ---- a live peer's state (an engine that heals a process without a restart: torchft)
+
+    def live_state(self) -> dict:
+        """What a checkpoint holds, in memory, at the last optimizer step: the model's weights copied (a forward
+        changes its buffers while a peer reads them), the optimizer's and the hooks' states as they are."""
+        model = self.accelerator.unwrap_model(self.model)
+        return {
+            "model": {name: tensor.detach().clone() for name, tensor in model.state_dict().items()},
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "trainer": dataclasses.asdict(self.trainer.step_boundary()),
+            "hooks": {name: hook.state_dict() for name, hook in self.hooks.items()},
+        }
+
+    def heal(self, state: dict) -> int:
+        """Continue from a live peer's :meth:`live_state`; returns the step it stands at."""
+        self.accelerator.unwrap_model(self.model).load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        for name, hook in self.hooks.items():
+            hook.load_state_dict(state["hooks"][name])
+        self.trainer.heal(RunState(**state["trainer"]))
+        return self.trainer.step
+
     # ---- saving
 
     def save(self) -> float:
         """Checkpoint now (every process): published at once, or with ``--async-checkpoint`` once written (announced
         by a later :meth:`poll`); at most one save in flight. Returns the seconds this call blocked training."""
+        if not self.engine.writes_checkpoints():
+            self.last_saved_step = self.trainer.step
+            return 0.0
         started = time.perf_counter()
         self._published(self.writer.wait())
         self._refuse_non_finite_weights()
@@ -136,7 +168,9 @@ class Checkpointer:
 
     def release(self) -> None:
         """Let go of the user's optimizer, however the run ended: its step pre-hook would keep this checkpointer, and
-        with it the async writer's process groups, alive after ``fit()`` returns."""
+        with it the async writer's process groups, alive after ``fit()`` returns; and of the state shared with the
+        engine."""
+        self.engine.release()
         if self._step_hook is not None:
             self._step_hook.remove()
             self._step_hook = None
@@ -258,7 +292,8 @@ class Checkpointer:
         from accelerate.utils import broadcast_object_list
 
         found = [None, None, None]  # path, state fields, error
-        if self.accelerator.is_main_process:
+        # one process finds it itself: a torchft replica group other than replica 0 is not the main process
+        if self.accelerator.is_main_process or self.accelerator.num_processes == 1:
             try:
                 hit = find()
                 if hit is not None:

@@ -1,7 +1,7 @@
 """acceltrain: commands around the training loop. Training itself runs from a recipe script
 (python recipes/resnet_cifar.py --help lists its flags); these commands report on the machine, measure
-speed, run a recipe on Ray, merge a checkpoint into a loadable folder, predict with a fine-tuned one and search
-hyperparameters (sweep)."""
+speed, run a recipe on Ray or as replica groups that heal without a restart (ft-launch), merge a checkpoint into a
+loadable folder, predict with a fine-tuned one and search hyperparameters (sweep)."""
 
 from __future__ import annotations
 
@@ -254,7 +254,17 @@ def main(argv: list[str] | None = None) -> int:
         "preemption (see sweep --help)",
         add_help=False,
     )
+    commands.add_parser(
+        "ft-launch",
+        help="a recipe as N replica groups on torchft: a dead group is restarted and heals from a live peer while "
+        "the others go on (see ft-launch --help)",
+        add_help=False,
+    )
     args, rest = parser.parse_known_args(argv)
+    if args.command == "ft-launch":
+        from acceltrain.commands.ft_launch import main as ft_launch_main
+
+        return ft_launch_main(rest)
     if args.command == "sweep":
         from acceltrain.commands.sweep import main as sweep_main
 

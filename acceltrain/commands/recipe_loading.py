@@ -4,9 +4,11 @@ imported in this process to read its config class, so that its flags are checked
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import importlib.util
 import os
+import signal
 import sys
 
 DEFAULT_RECIPE = "acceltrain.recipes.resnet_cifar"  # installed with the package: bench needs no checkout
@@ -22,6 +24,24 @@ def module_exists(name: str) -> bool:
         return importlib.util.find_spec(name) is not None
     except ModuleNotFoundError:  # a parent package is missing
         return False
+
+
+def command(recipe: str, args: list[str], launch_config: str | None = None) -> list[str]:
+    """A recipe's command line in a child process: ``python RECIPE ARGS`` (or ``-m MODULE``), or under ``accelerate
+    launch --config_file``."""
+    target = [recipe] if is_script(recipe) else ["-m", recipe]
+    if launch_config is None:
+        return [sys.executable, *target, *args]
+    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", launch_config, *target, *args]
+
+
+def die_with_parent() -> None:
+    """In a child, before the recipe: SIGTERM when the command that started it dies (a SIGKILL, an OOM kill), so
+    that no orphaned run keeps training and holding its folder (Linux; elsewhere nothing)."""
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 RECIPE_MODULE = "acceltrain_bench_recipe"  # a --recipe script imported to read its config class, not run

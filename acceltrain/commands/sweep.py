@@ -235,8 +235,9 @@ class Sweep:
         import json
         import tempfile
 
+        from acceltrain.commands.recipe_loading import command
         from acceltrain.commands.sweep_space import trial_flags
-        from acceltrain.commands.sweep_trial import child_env, command, last_error, launch
+        from acceltrain.commands.sweep_trial import child_env, last_error, launch
 
         with tempfile.TemporaryDirectory() as scratch:
             answer = Path(scratch) / "probe.json"
@@ -342,8 +343,9 @@ class Sweep:
     def _run_trial(self, number: int, trial_id: int, values: dict, claim) -> int | None:
         """Launch one trial and tell the study how it ended. Returns the sweep's exit code when it must stop."""
         from acceltrain.commands import sweep_study as studies
+        from acceltrain.commands.recipe_loading import command
         from acceltrain.commands.sweep_space import trial_flags
-        from acceltrain.commands.sweep_trial import child_env, command, has_checkpoint, launch, names_a_swept_flag
+        from acceltrain.commands.sweep_trial import child_env, has_checkpoint, launch, names_a_swept_flag
         from acceltrain.commands.sweep_trial import outcome as trial_outcome
 
         folder = studies.trial_folder(self.study_dir, number)

@@ -12,16 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from acceltrain.commands.recipe_loading import is_script
+from acceltrain.commands.recipe_loading import die_with_parent
 from acceltrain.runtime.preemption import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_PREEMPTED
-
-
-def command(recipe: str, args: list[str], launch_config: str | None) -> list[str]:
-    """The trial's command line: as ``python RECIPE ARGS`` (or ``-m MODULE``), or under ``accelerate launch``."""
-    target = [recipe] if is_script(recipe) else ["-m", recipe]
-    if launch_config is None:
-        return [sys.executable, *target, *args]
-    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", launch_config, *target, *args]
 
 
 class Stopper:
@@ -78,15 +70,6 @@ class Ended:
         return self.returncode == EXIT_BAD_INPUT or (self.returncode != 0 and self.error_line is not None)
 
 
-def _die_with_parent() -> None:
-    """In the child, before the recipe: SIGTERM when the sweep dies (a SIGKILL, an OOM kill), so that no orphaned
-    trial keeps training and holding its folder (Linux; elsewhere nothing)."""
-    with contextlib.suppress(Exception):
-        import ctypes
-
-        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
 def launch(argv: list[str], env: dict[str, str], stopper: Stopper, echo: bool = True) -> tuple[Ended, str]:
     """Run ``argv`` to its end: stdout passes through, stderr too (``echo``) while its ``error:`` lines are kept.
     Returns how it ended and the whole stderr."""
@@ -98,7 +81,7 @@ def launch(argv: list[str], env: dict[str, str], stopper: Stopper, echo: bool = 
         text=True,
         errors="replace",
         start_new_session=True,
-        preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,  # noqa: PLW1509 - no threads here
+        preexec_fn=die_with_parent if sys.platform.startswith("linux") else None,  # noqa: PLW1509 - no threads here
     )
     stopper.process = process
     stopper.forward()  # a signal that came while it started

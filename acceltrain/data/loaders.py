@@ -37,13 +37,16 @@ class EpochSampler(Sampler):
 
     The order is the same on every process; Accelerate's ``BatchSamplerShard`` gives each process its
     batches of it. ``set_epoch`` is called by Accelerate's ``DataLoaderShard.set_epoch``; it runs in
-    the main process, so it works with persistent workers too.
+    the main process, so it works with persistent workers too. ``shard`` ``(index, count)``: every
+    ``count``-th sample of the epoch's order from ``index`` on, as many in each shard (replica groups that run
+    the same steps: torchft).
     """
 
-    def __init__(self, num_samples: int, seed: int, shuffle: bool = True):
+    def __init__(self, num_samples: int, seed: int, shuffle: bool = True, shard: tuple[int, int] = (0, 1)):
         self.num_samples = num_samples
         self.seed = seed
         self.shuffle = shuffle
+        self.shard = shard
         self.epoch = 0
 
     def set_epoch(self, epoch: int) -> None:
@@ -56,11 +59,11 @@ class EpochSampler(Sampler):
         return torch.randperm(self.num_samples, generator=generator).tolist()
 
     def __iter__(self) -> Iterator[tuple[int, int]]:
-        epoch = self.epoch
-        return ((epoch, index) for index in self.order(epoch))
+        epoch, (first, count) = self.epoch, self.shard
+        return ((epoch, index) for index in self.order(epoch)[first : len(self) * count : count])
 
     def __len__(self) -> int:
-        return self.num_samples
+        return self.num_samples // self.shard[1]
 
 
 class EpochKeyed(Dataset):
@@ -117,14 +120,17 @@ def stop_workers(*loaders) -> None:
             base._iterator = None
 
 
-def train_loader(dataset: Dataset, *, batch_size: int, seed: int, **options) -> DataLoader:
-    """Shuffled per epoch, last incomplete batch dropped; prepare it with Accelerate to shard it.
+def train_loader(
+    dataset: Dataset, *, batch_size: int, seed: int, shard: tuple[int, int] = (0, 1), **options
+) -> DataLoader:
+    """Shuffled per epoch, last incomplete batch dropped; prepare it with Accelerate to shard it between processes
+    (``shard``: this replica group's share, see :class:`EpochSampler`).
     ``options``: see :func:`loader_options`. Its own generator: each ``iter()`` draws a base seed (for the workers),
     which from the global generator would move every later draw (dropout) after a resume re-creates the iterator."""
     return DataLoader(
         EpochKeyed(dataset),
         batch_size=batch_size,
-        sampler=EpochSampler(len(dataset), seed=seed, shuffle=True),
+        sampler=EpochSampler(len(dataset), seed=seed, shuffle=True, shard=shard),
         drop_last=True,
         generator=torch.Generator().manual_seed(mix_seed(seed, 1)),
         **loader_options(**options),

@@ -98,6 +98,24 @@ def stream_loader(dataset: IterableDataset, *, batch_size: int, **options) -> Da
     )
 
 
+def next_batch(iterator, end, resumed_stream_at: int, epoch: int):
+    """The next batch, or ``end`` at the epoch's end. A resumed stream that ends before the checkpoint's place in it
+    (``resumed_stream_at`` batches: the loader's fast-forward runs dry) held more data when the checkpoint was
+    written."""
+    try:
+        return next(iterator)
+    except StopIteration:
+        return end
+    except RuntimeError as err:  # "generator raised StopIteration": Accelerate's loader around the fast-forward
+        if not (resumed_stream_at and isinstance(err.__cause__, StopIteration)):
+            raise
+        raise ConfigError(
+            f"the training stream ended before the checkpoint's place in it (batch {resumed_stream_at} of pass "
+            f"{epoch} on each process): it holds less data than when the checkpoint was written; restore it, or "
+            "start a new --output-dir"
+        ) from None
+
+
 def agree_on_pass_end(loader, ended: bool, processes: int, group=None) -> tuple[bool, bool]:
     """(whether the pass ended before this micro-batch, whether it ends with it), the same on every process: once per
     micro-batch on several, so that a stream sharded unevenly (more samples on one process than on another) ends its

@@ -12,8 +12,9 @@ from acceltrain.engines.ddp import DDP
 from acceltrain.engines.deepspeed import DeepSpeed
 from acceltrain.engines.fsdp2 import FSDP2
 from acceltrain.engines.one_process import OneProcess
+from acceltrain.engines.torchft import TorchFT
 
-ENGINES: tuple[type[Engine], ...] = (OneProcess, DDP, FSDP2, DeepSpeed)
+ENGINES: tuple[type[Engine], ...] = (OneProcess, DDP, FSDP2, DeepSpeed, TorchFT)
 CHECKPOINT_FORMATS = tuple(dict.fromkeys(engine.checkpoint_format for engine in ENGINES))
 
 
@@ -43,8 +44,10 @@ def writer_of(checkpoint_format: str) -> type[Engine]:
 def engine_of(accelerator) -> Engine:
     """The engine of a built accelerator; one line when it is not the one the launch asked for (Accelerate drops
     FSDP on CPU for plain DDP, or runs N independent copies, without a word)."""
-    engine = next((cls for cls in ENGINES if accelerator.distributed_type in cls.distributed_types), None)
     wanted = requested()
+    if wanted is not None and accelerator.distributed_type in wanted.distributed_types:
+        return wanted(accelerator)  # torchft's groups are each one process
+    engine = next((cls for cls in ENGINES if accelerator.distributed_type in cls.distributed_types), None)
     if wanted is not None and engine is not wanted:
         shown = accelerator.distributed_type.value
         raise ConfigError(
@@ -77,6 +80,7 @@ __all__ = [
     "DeepSpeed",
     "Engine",
     "OneProcess",
+    "TorchFT",
     "engine_of",
     "launch_engine",
     "requested",

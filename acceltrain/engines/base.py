@@ -13,6 +13,7 @@ import dataclasses
 import gc
 import sys
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 from torch import nn
@@ -75,6 +76,10 @@ class Engine:
             raise ConfigError(cls.refusals[setting])
 
     @classmethod
+    def process_state_ready(cls, state) -> None:
+        """What the engine sets on Accelerate's shared ``PartialState`` once the process has joined it."""
+
+    @classmethod
     def start(cls, cfg, **kwargs) -> Engine:
         """The run's accelerator, built as this engine needs it from ``cfg`` and Accelerate's other arguments, and the
         engine bound to it (one line when Accelerate set up another engine than the launch asked for)."""
@@ -104,7 +109,48 @@ class Engine:
         """Whether every process holds every weight whole (EMA and Lookahead average them)."""
         return True
 
+    def data_shard(self) -> tuple[int, int]:
+        """Which share of each epoch's samples this process's copy of the run reads, and of how many, before
+        Accelerate splits it between the processes: all of it, but for replica groups (torchft)."""
+        return 0, 1
+
+    # ---- the steps (an engine that steps by consensus between live peers, torchft, acts here; the others need not)
+
+    def share_state(self, state_dict: Callable[[], dict], load_state_dict: Callable[[dict], int]) -> None:
+        """How the run's state is read and set in memory (the checkpointer's), for an engine that heals a process
+        from a live peer."""
+
+    def join(self, step: int) -> None:
+        """Once before training, at ``step`` (0, or a resume's): where a restarted process catches up with live
+        peers."""
+
+    def start_step(self, step: int) -> None:
+        """At each optimizer step's first micro-batch (``step``: the steps done)."""
+
+    def average_gradients(self, model: nn.Module) -> None:
+        """The gradients averaged between the copies of the model, where backward has not done it (DDP, FSDP and
+        DeepSpeed average in backward)."""
+
+    def step_optimizer(self, optimizer) -> bool:
+        """The optimizer step; whether it was taken (not skipped by the fp16 grad scaler)."""
+        optimizer.step()
+        return not self.accelerator.optimizer_step_was_skipped
+
+    def figures(self) -> dict:
+        """What the training log shows of the engine at each row."""
+        return {}
+
+    def training_ended(self, model: nn.Module, step: int) -> None:
+        """The run trained to its end (not stopped to resume)."""
+
+    def release(self) -> None:
+        """Let go of what the engine holds outside the accelerator, however the run ended."""
+
     # ---- checkpoints
+
+    def writes_checkpoints(self) -> bool:
+        """Whether this process takes part in writing checkpoints (replica groups: only replica 0 writes)."""
+        return True
 
     def checkpoint_parts(self, model, optimizer, frozen: frozenset[str]) -> list[Part]:
         """This process's parts of the model and optimizer state, as live tensors (a writer copies what it keeps);

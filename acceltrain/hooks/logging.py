@@ -46,6 +46,7 @@ class TrainingLog(Hook):
             "wall_seconds": round(run.elapsed(), 3),
             **speed_figures(run, run.throughput.window(), _token_counts(run, window=True)),
             **peak_memory_mb(run.accelerator.device),
+            **run.engine.figures(),
         }
         if run.grad_norm is not None:
             row["grad_norm"] = float(run.grad_norm)

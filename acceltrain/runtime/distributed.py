@@ -86,6 +86,7 @@ def init_process_state(cfg: TrainConfig, task=None):
             "--mixed-precision fp16 needs a CUDA GPU and this run is on CPU: use --mixed-precision bf16 or no"
         )
     state = process_state(cpu=on_cpu)
+    launch_engine().process_state_ready(state)
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     if launched > 1 and state.num_processes != launched:
         raise ConfigError(

@@ -5,6 +5,7 @@ launcher can act on (75: relaunch with ``--resume auto``), and a diverged run's 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import signal
 import sys
@@ -15,6 +16,16 @@ EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped on a signal after saving; relaunch w
 EXIT_INTERRUPTED = 130  # Ctrl-C, as shells report death by SIGINT: saved on the first, at once on the second
 EXIT_BAD_INPUT = 2  # one line on stderr: nothing trained, nothing written
 EXIT_DIVERGED = 3  # a non-finite loss or gradient norm: nothing saved from that step on
+
+
+@dataclasses.dataclass
+class Stop:
+    """Why the run ends early. ``finish``: as a finished run (weights, summary, exit 0), e.g. a target
+    reached; otherwise checkpointed to be resumed, exiting with ``exit_code`` (75, or 130 after Ctrl-C)."""
+
+    reason: str
+    finish: bool = False
+    exit_code: int = EXIT_PREEMPTED
 
 
 class StoppedToResume(SystemExit):

@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-import torch
 import yaml
 from accelerate.logging import get_logger
 from torch import nn
@@ -98,7 +97,6 @@ def fit(
             loop.hooks.call("on_fit_start", loop.run)
             try:
                 loop.checkpointer.check_states()
-                loop.state.start_clock()
                 folder.trained = True  # from here on a failure keeps the run folder as it is
                 _train(loop)
                 return _finish(loop)
@@ -142,12 +140,15 @@ def _train(loop: _Loop) -> None:
     then one agreement on whether to save or stop."""
     run, hooks, state = loop.run, loop.hooks, loop.state
     accelerator, model = run.accelerator, run.model
+    run.engine.join(state.step)  # a group that heals from a live peer (torchft) does so here, as a resume would
+    state.start_clock()
     while state.step < state.total_steps:
         hooks.call("on_epoch_start", run)
         model.train()
         for batch in state.epoch_batches():
             opens, window = state.window()
             if opens:
+                run.engine.start_step(state.step)
                 hooks.call("on_step_start", run)
             with accelerator.accumulate(model):
                 state.add_loss(*_backward(loop, batch, window))
@@ -181,7 +182,7 @@ def _backward(loop: _Loop, batch, window: int):
     if not isinstance(loss, tuple):
         run.accelerator.backward(loss * (run.cfg.grad_accum / window))
         return loss, 1.0
-    loop.checkpointer.engine.refuse_setting("summed_losses")  # a task that did not say sums_losses
+    run.engine.refuse_setting("summed_losses")  # a task that did not say sums_losses
     loss, count = loss
     run.accelerator.backward(loss)
     return loss, count
@@ -196,7 +197,11 @@ def _optimizer_step(loop: _Loop) -> None:
     targets = state.take_window_targets()
     if targets is not None:
         targets = accelerator.reduce(targets, "sum")
-        _divide_gradients(run.model, targets / (run.cfg.grad_accum * accelerator.num_processes))
+        divisor = targets / (run.cfg.grad_accum * accelerator.num_processes)
+        for param in run.model.parameters():
+            if param.grad is not None:
+                param.grad.div_(divisor.to(param.grad.dtype))
+    run.engine.average_gradients(run.model)
     grad_norm = None
     if run.cfg.max_grad_norm is None:  # the true gradients for on_before_optimizer_step: unscaled under fp16, clipped
         accelerator.unscale_gradients()  # a no-op but under fp16
@@ -204,16 +209,9 @@ def _optimizer_step(loop: _Loop) -> None:
         grad_norm = accelerator.clip_grad_norm_(run.model.parameters(), run.cfg.max_grad_norm)
     state.optimizer_stepping(run.scheduler.get_last_lr()[0], grad_norm)
     loop.hooks.call("on_before_optimizer_step", run)
-    run.optimizer.step()
-    if not accelerator.optimizer_step_was_skipped:
+    if state.optimizer_stepped(run.engine.step_optimizer(run.optimizer)):
         run.scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
-
-
-def _divide_gradients(model: nn.Module, divisor: torch.Tensor) -> None:
-    for param in model.parameters():
-        if param.grad is not None:
-            param.grad.div_(divisor.to(param.grad.dtype))
 
 
 def _end_stream_pass(loop: _Loop) -> None:
@@ -258,6 +256,7 @@ def _finish(loop: _Loop) -> dict:
     if save and checkpointer.last_saved_step != run.step:
         _save(loop)
     checkpointer.close()
+    run.engine.training_ended(run.model, run.step)
     export = state.export
     if isinstance(export, Path):  # a checkpoint's model: loaded into the model, then written as its own
         checkpointer.load_model_of(export)

@@ -91,7 +91,9 @@ def prepare(
         cfg, accelerator, model, optimizer, train_set, task, collate_fn
     )
     cfg = _resolved(cfg, accelerator, output_dir, task, found)
-    train_loaders, eval_set = _loaders(cfg, accelerator, train_set, eval_set, collate_fn)
+    if stream:
+        engine.refuse_setting("streams")
+    train_loaders, eval_set = _loaders(cfg, engine, train_set, eval_set, collate_fn)
     notes += engine.before_prepare(model, optimizer)
     model, optimizer, *loaders = accelerator.prepare(model, optimizer, *train_loaders)
     notes += engine.after_prepare(model)
@@ -217,7 +219,7 @@ def _apply_speed_flags(cfg: TrainConfig, accelerator, model: nn.Module, optimize
     return model, flops_per_sample, found, notes
 
 
-def _loaders(cfg: TrainConfig, accelerator, train_set, eval_set, collate_fn):
+def _loaders(cfg: TrainConfig, engine: Engine, train_set, eval_set, collate_fn):
     """The loaders for ``Accelerator.prepare`` (none for training with ``--data-on-device``: the dataset's own
     loader comes after), and the eval set as evaluated."""
     options = {
@@ -237,7 +239,11 @@ def _loaders(cfg: TrainConfig, accelerator, train_set, eval_set, collate_fn):
         loaders = [stream_loader(train_set, batch_size=cfg.batch_size, **options)]
     else:
         loaders = (
-            [] if cfg.data_on_device else [train_loader(train_set, batch_size=cfg.batch_size, seed=cfg.seed, **options)]
+            []
+            if cfg.data_on_device
+            else [
+                train_loader(train_set, batch_size=cfg.batch_size, seed=cfg.seed, shard=engine.data_shard(), **options)
+            ]
         )
     if cfg.eval_samples is not None:
         if eval_set is None:

@@ -13,8 +13,7 @@ from pathlib import Path
 import torch
 
 from acceltrain.runtime.logs import show_progress
-from acceltrain.runtime.preemption import EXIT_PREEMPTED
-from acceltrain.train.state import Stop
+from acceltrain.runtime.preemption import EXIT_PREEMPTED, Stop
 
 
 def _view(path: str, doc: str) -> property:
@@ -28,15 +27,13 @@ class Run:
     # what the run is made of, fixed before the first step
     cfg = _view("_cfg", "the resolved TrainConfig")
     accelerator = _view("_prepared.accelerator", "Accelerate's Accelerator")
+    engine = _view("_prepared.engine", "the engine the run runs on (acceltrain.engines)")
     model = _view(
         "_prepared.model",
         "the prepared model as Accelerate wrapped it (DDP, FSDP, DeepSpeed, compiled); its own "
         "modules and parameter names: ``run.accelerator.unwrap_model(run.model)``",
     )
-    optimizer = _view(
-        "_prepared.optimizer",
-        "the prepared optimizer (Accelerate's wrapper; the torch optimizer is its ``.optimizer``)",
-    )
+    optimizer = _view("_prepared.optimizer", "the prepared optimizer (its ``.optimizer``: the torch optimizer)")
     scheduler = _view("_prepared.scheduler", "the LR scheduler, stepped once per optimizer step on every process")
     schedule_progress = _view(
         "_prepared.schedule_progress", "the LR schedule's progress by another measure than steps (a time budget)"
@@ -71,7 +68,7 @@ class Run:
     grad_norm = _view(
         "_state.grad_norm", "with --max-grad-norm: that step's gradient norm before clipping (a tensor); else None"
     )
-    skipped_steps = _view("_state.skipped_steps", "optimizer steps the fp16 grad scaler skipped (an overflow)")
+    skipped_steps = _view("_state.skipped_steps", "optimizer steps skipped: an fp16 overflow, a quorum not committed")
     train_loss = _view(
         "_state.train_loss", "the mean training loss of the latest closed window (see take_train_loss), or None"
     )
@@ -158,6 +155,7 @@ RUN_PUBLIC = (
     # what the run is made of
     "cfg",
     "accelerator",
+    "engine",
     "model",
     "optimizer",
     "scheduler",

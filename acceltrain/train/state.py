@@ -5,9 +5,8 @@ records) and this launch's measures. It changes only through its named methods: 
 optimizer step taken, an evaluation recorded, a save or stop asked for. It walks each epoch's batches (a resume's rest
 of one included, a stream's passes agreed by every process), knows each accumulation window, times each optimizer
 step, keeps the training-loss window, and makes the one agreement per optimizer step on whether to save, stop or give
-up on a diverged run. Hooks read it through :class:`~acceltrain.train.run.Run` and ask it for things there; the
-checkpointer takes what a checkpoint records from it (:meth:`TrainState.snapshot`) and gives it back
-(:meth:`TrainState.restore`).
+up on a diverged run. Hooks read it through :class:`~acceltrain.train.run.Run`; the checkpointer takes what a
+checkpoint records (:meth:`~TrainState.snapshot`) and gives it back (:meth:`~TrainState.restore`, or a live peer's).
 """
 
 from __future__ import annotations
@@ -21,23 +20,13 @@ from accelerate.logging import get_logger
 
 from acceltrain.checkpoint.state import RunState
 from acceltrain.config.options import ConfigError
-from acceltrain.data.streams import agree_on_pass_end, leave_pass
+from acceltrain.data.streams import agree_on_pass_end, leave_pass, next_batch
 from acceltrain.runtime.distributed import control_group
 from acceltrain.runtime.metrics import Throughput, synchronize
-from acceltrain.runtime.preemption import EXIT_PREEMPTED, TrainingDiverged
+from acceltrain.runtime.preemption import Stop, TrainingDiverged
 from acceltrain.train.speed import to_channels_last
 
 logger = get_logger(__name__)
-
-
-@dataclasses.dataclass
-class Stop:
-    """Why the run ends early. ``finish``: as a finished run (weights, summary, exit 0), e.g. a target
-    reached; otherwise checkpointed to be resumed, exiting with ``exit_code`` (75, or 130 after Ctrl-C)."""
-
-    reason: str
-    finish: bool = False
-    exit_code: int = EXIT_PREEMPTED
 
 
 class TrainState:
@@ -58,6 +47,8 @@ class TrainState:
         self.loss_sum = torch.zeros((), device=accelerator.device)
         self.loss_count = 0
         self.window_targets = 0  # the open accumulation window's loss targets, for a task that returns (sum, count)
+        self.window_drawn = 0  # micro-batches drawn since the last optimizer step
+        self.stepped = True  # whether the last optimizer step was taken
         self.train_loss: float | None = None
         self.train_loss_step = 0  # the step at which the loss window was last closed
         # this launch's measures, read by hooks through Run
@@ -137,7 +128,7 @@ class TrainState:
         iterator, resumed_at, self.pass_end = iter(batches), state.batch_in_epoch, False
         while True:
             waited = time.perf_counter()
-            batch = self._next_batch(iterator, resumed_at)
+            batch = next_batch(iterator, _END, resumed_at if self.stream else 0, state.epoch)
             if self.stream and self._agree_on_pass_ends(iterator, batch):
                 break
             if batch is _END:
@@ -149,28 +140,13 @@ class TrainState:
                 )
             self.throughput.add_data_wait(time.perf_counter() - waited)
             state.batch_in_epoch += 1
+            self.window_drawn += 1
             yield to_channels_last(batch) if self.cfg.channels_last else batch
             if self.pass_end:  # a stream's pass ends with this batch on every process
                 self._leave_pass(iterator)
                 break
         if not self.stream:  # a stream's pass ends in the loop, after on_epoch_end
             self.next_pass()
-
-    def _next_batch(self, iterator, resumed_at: int):
-        """The next batch, or :data:`_END` at the epoch's end. A resumed stream that ends before the checkpoint's place
-        in it (the loader's fast-forward runs dry) held more data when the checkpoint was written."""
-        try:
-            return next(iterator)
-        except StopIteration:
-            return _END
-        except RuntimeError as err:  # "generator raised StopIteration": Accelerate's loader around the fast-forward
-            if not (self.stream and resumed_at and isinstance(err.__cause__, StopIteration)):
-                raise
-            raise ConfigError(
-                f"the training stream ended before the checkpoint's place in it (batch {resumed_at} of pass "
-                f"{self.run_state.epoch} on each process): it holds less data than when the checkpoint was written; "
-                "restore it, or start a new --output-dir"
-            ) from None
 
     def _agree_on_pass_ends(self, iterator, batch) -> bool:
         """Whether the stream's pass has ended before ``batch`` (:func:`.streams.agree_on_pass_end`); sets
@@ -231,17 +207,23 @@ class TrainState:
         """The coming optimizer step's learning rate, and its gradients' norm before clipping (or None)."""
         self.lr, self.grad_norm = lr, grad_norm
 
+    def optimizer_stepped(self, taken: bool) -> bool:
+        """The optimizer step was ``taken`` (returned) or skipped (fp16 grad scaler; a quorum that did not commit)."""
+        self.stepped = taken
+        return taken
+
     def step_done(self, micro_batches: int) -> None:
-        """Count and time the optimizer step just taken (or skipped by the fp16 grad scaler), and note on the
-        device (no sync) whether its loss or gradient norm is non-finite; a grad-scaler skip is not divergence."""
-        if self.accelerator.optimizer_step_was_skipped:
+        """Count and time the optimizer step just taken (or skipped), and note on the device (no sync) whether its
+        loss or gradient norm is non-finite; a skipped step is not divergence."""
+        self.window_drawn = 0
+        if not self.stepped:
             self.skipped_steps += 1
         self.run_state.step += 1
         samples = micro_batches * self.global_batch_size
         self.run_state.samples_seen += samples
         self.throughput.step_done(self.step - self.launch_start_step, samples)
         diverged = ~torch.isfinite(self.loss_sum)
-        if self.grad_norm is not None and not self.accelerator.optimizer_step_was_skipped:
+        if self.grad_norm is not None and self.stepped:
             diverged |= ~torch.isfinite(torch.as_tensor(self.grad_norm, device=diverged.device))
         self.diverged = diverged
 
@@ -382,6 +364,26 @@ class TrainState:
         if self.accelerator.is_main_process:  # the window's sum over all processes, counted once
             self.loss_sum.fill_(state.loss_sum)
             self.loss_count = state.loss_count
+
+    def step_boundary(self) -> RunState:
+        """:meth:`snapshot` as of the last optimizer step (the open window's drawn micro-batches left out): what a
+        live peer heals from (torchft)."""
+        self.run_state.batch_in_epoch -= self.window_drawn
+        try:
+            return self.snapshot()
+        finally:
+            self.run_state.batch_in_epoch += self.window_drawn
+
+    def heal(self, state: RunState) -> None:
+        """Continue from a live peer's :meth:`step_boundary`: before training, as a resume; inside a window only
+        from a peer at this place (a group whose last step did not commit)."""
+        here = (self.run_state.epoch, self.run_state.batch_in_epoch - self.window_drawn)
+        if self.window_drawn and (state.epoch, state.batch_in_epoch) != here:
+            raise RuntimeError(f"cannot heal inside a step from a peer at {state.epoch, state.batch_in_epoch}: {here}")
+        state.batch_in_epoch += self.window_drawn
+        self.run_state, self.train_loss_step = state, state.step
+        self.loss_sum.fill_(state.loss_sum)
+        self.loss_count = state.loss_count
 
 
 LAYOUT_FIELDS = (
