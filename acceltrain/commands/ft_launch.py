@@ -251,4 +251,6 @@ def _restart_args(args: list[str]) -> list[str]:
 def _status(codes: list[int]) -> int:
     """The launch's exit status when replica 0 did not finish: the first group's failure (a stop: 75)."""
     failed = [code for code in codes if code]
-    return failed[0] if failed else 0
+    if not failed:
+        return 0
+    return 128 - failed[0] if failed[0] < 0 else failed[0]  # killed by a signal: as a shell reports it

@@ -1,0 +1,228 @@
+"""The torchft engine and `acceltrain ft-launch` (issue 45): replica groups that heal from a live peer instead of
+restarting the job. The logic without a launch first; then two launches of the tiny recipe as 2 groups of one
+process: one group SIGKILLed mid-run and healed, and every group killed, then `--resume auto`."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import REPO, TINY_RECIPE, read_summary, subprocess_env
+
+from acceltrain import TrainConfig
+from acceltrain.commands import ft_launch
+from acceltrain.config.options import ConfigError
+from acceltrain.data.loaders import EpochSampler
+
+pytest.importorskip("torchft", reason="the ft extra: pip install -e '.[ft]'")
+
+from acceltrain.engines.torchft import TorchFT  # noqa: E402  (imports torchft lazily, but only matters with it)
+
+FT_LAUNCH = [sys.executable, "-m", "acceltrain", "ft-launch"]
+# 192 optimizer steps (each group reads half of the samples) of 0.1 s or more: long enough that a killed group is back
+# (a new Python process) before the end
+TINY = [
+    "--num-train",
+    "6144",
+    "--batch-size",
+    "16",
+    "--epochs",
+    "1",
+    "--lr",
+    "0.05",
+    "--batchnorm",
+    "--no-progress",
+    "--log-every",
+    "16",
+    "--report-to",
+    "none",
+    "--num-workers",
+    "0",
+    "--sleep-per-step",
+    "0.1",
+]
+STEPS = 192
+
+
+# ---- without a launch
+
+
+def test_each_replica_group_reads_its_own_equal_shard_of_every_epoch():
+    shards = [EpochSampler(103, seed=5, shard=(index, 3)) for index in range(3)]
+    for epoch in (0, 1):
+        for sampler in shards:
+            sampler.set_epoch(epoch)
+        seen = [[index for _, index in sampler] for sampler in shards]
+        assert [len(indices) for indices in seen] == [34, 34, 34] == [len(sampler) for sampler in shards]
+        flat = [index for indices in seen for index in indices]
+        assert len(set(flat)) == len(flat)  # disjoint
+        if epoch == 0:
+            first = seen
+    assert seen != first  # reshuffled across the groups every epoch
+    assert [index for _, index in EpochSampler(10, seed=5)] == EpochSampler(10, seed=5).order(0)  # one group: all
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--replica-groups", "0", "r.py"], "--replica-groups is 0"),
+        (["r.py"], "--replica-groups is required"),
+        (["--replica-groups", "2", "--nproc-per-group", "2", "r.py"], "--nproc-per-group 2"),
+        (["--replica-groups", "2", "--min-replicas", "3", "r.py"], "--min-replicas 3 is more than the 2"),
+        (["--replica-groups", "2", "--max-restarts", "-1", "r.py"], "--max-restarts -1"),
+        (["--replica-groups", "2"], "no recipe given"),
+        (["--replica-groups", "2", "--max-restart", "1", "r.py"], "unrecognized"),
+    ],
+)
+def test_ft_launch_refuses_bad_input_in_one_line_before_anything_starts(argv, says, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    try:
+        code = ft_launch.main(argv)
+    except SystemExit as stop:  # argparse's own refusal
+        code = stop.code
+    assert code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) >= 1 and says in err[-1], err
+    assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+def test_ft_launch_refuses_another_engine_asked_in_the_environment_and_a_port_in_use(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    assert ft_launch.main(["--replica-groups", "2", "r.py"]) == 2
+    assert "asks for DEEPSPEED" in capsys.readouterr().err
+    monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED")
+    import socket
+
+    with socket.socket(socket.AF_INET6) as taken:
+        taken.bind(("::", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        argv = ["--replica-groups", "2", "--lighthouse-port", str(port), "r.py", "--output-dir", "out"]
+        assert ft_launch.main(argv) == 2
+    assert f"--lighthouse-port {port}: the Lighthouse cannot listen there" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_missing_torchft_is_one_line_naming_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torchft", None)
+    with pytest.raises(ConfigError, match=r"pip install 'acceltrain\[ft\]'"):
+        TorchFT.refuse(TrainConfig())
+
+
+@pytest.mark.parametrize(
+    ("settings", "says"), [({"async_checkpoint": True}, "--async-checkpoint"), ({"data_on_device": True}, "device")]
+)
+def test_the_engine_refuses_what_replica_groups_cannot_run(settings, says):
+    with pytest.raises(ConfigError, match=says):
+        TorchFT.refuse(TrainConfig(**settings))
+
+
+def test_a_restarted_group_never_overwrites_and_resumes_unless_told_where(tmp_path):
+    assert ft_launch._restart_args(["--overwrite", "--lr", "1"]) == ["--lr", "1", "--resume", "auto"]
+    assert ft_launch._restart_args(["--resume", "auto"]) == ["--resume", "auto"]
+    args, folder = ft_launch._with_output_dir("recipes/x.py", ["--lr", "1"])
+    assert args[:2] == ["--lr", "1"] and args[2] == "--output-dir" and folder == Path(args[3])
+    assert folder.parent == Path("runs") and folder.name.startswith("x-")  # one name for every group
+    assert ft_launch._with_output_dir("m.recipe", ["--output-dir=o"]) == (["--output-dir=o"], Path("o"))
+
+
+# ---- launched
+
+
+def _events(folder: Path) -> list[dict]:
+    path = folder / "ft_events.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _start(out: Path, launcher: list[str], *recipe_args: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [*FT_LAUNCH, *launcher, str(TINY_RECIPE), *TINY, *recipe_args, "--output-dir", str(out)],
+        cwd=REPO,
+        env=subprocess_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def _wait_for(launch: subprocess.Popen, folder: Path, ready, what: str, timeout: float = 120) -> list[dict]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        events = _events(folder)
+        if ready(folder, events):
+            return events
+        if launch.poll() is not None:
+            break
+        time.sleep(0.1)
+    launch.kill()
+    pytest.fail(f"no {what}: {_events(folder)}\n{launch.communicate()[0][-3000:]}")
+
+
+def _pid(events: list[dict], replica: int) -> int:
+    return [e for e in events if e["event"] == "started" and e["replica"] == replica][-1]["pid"]
+
+
+def _training_together(folder: Path, events: list[dict]) -> bool:
+    """Both groups in the quorum, and a training-log row past step 16 (written by replica 0)."""
+    metrics = folder / "metrics.jsonl"
+    logged = metrics.read_text().splitlines() if metrics.exists() else []
+    steps = [json.loads(line)["step"] for line in logged if line.endswith("}")]
+    together = any(e["event"] == "quorum" and e["participants"] == 2 for e in events)
+    return together and any(step >= 16 for step in steps)
+
+
+def test_a_killed_group_comes_back_and_heals_from_its_peer_while_the_survivor_goes_on(tmp_path):
+    """The issue's bar `ft-heals-without-restart`, on the tiny recipe."""
+    out = tmp_path / "run"
+    launch = _start(out, ["--replica-groups", "2", "--heartbeat-timeout", "2"])
+    events = _wait_for(launch, out, _training_together, "step 16 with 2 groups")
+    victim = _pid(events, 1)
+    os.kill(victim, signal.SIGKILL)
+    killed = time.time()
+    output, _ = launch.communicate(timeout=240)
+    assert launch.returncode == 0, output[-3000:]
+    events = _events(out)
+    after = [e for e in events if e["time"] >= killed]
+    assert [e["replica"] for e in events if e["event"] == "started"].count(0) == 1  # the survivor never restarted
+    assert any(e["event"] == "quorum" and e["replica"] == 0 and e["participants"] == 1 for e in after)
+    healed = [e for e in after if e["event"] == "healed"]
+    assert [(e["replica"], e["from_replica"]) for e in healed] == [(1, 0)], events
+    assert healed[0]["seconds"] < 10
+    finished = {e["replica"]: e for e in events if e["event"] == "finished"}
+    assert finished[0]["step"] == finished[1]["step"] == STEPS
+    assert finished[0]["weights_sha256"] == finished[1]["weights_sha256"]
+    summary = read_summary(out)
+    assert summary["steps"] == STEPS and summary["distributed_type"] == "NO"
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert {row.get("replica_groups") for row in rows if "loss" in row} <= {1, 2}
+    assert sorted(p.name for p in (out / "ft_logs").iterdir()) == ["replica_1.log"]  # replica 0's output is ours
+
+
+def test_every_group_killed_then_resume_auto_continues_from_the_last_checkpoint(tmp_path):
+    out = tmp_path / "run"
+    args = ["--replica-groups", "2", "--max-restarts", "0", "--heartbeat-timeout", "2"]
+    launch = _start(out, args, "--save-every-steps", "32")
+    saved = out / "checkpoints" / "step_00000064"
+
+    def checkpointed(folder: Path, events: list[dict]) -> bool:
+        return _training_together(folder, events) and saved.is_dir()
+
+    events = _wait_for(launch, out, checkpointed, "checkpoint of step 64")
+    for replica in (0, 1):
+        os.kill(_pid(events, replica), signal.SIGKILL)
+    output, _ = launch.communicate(timeout=120)
+    assert launch.returncode != 0, output[-2000:]
+    assert not (out / "summary.json").exists()
+    newest = max(int(path.name.split("_")[1]) for path in (out / "checkpoints").glob("step_*"))
+    again = _start(out, args, "--save-every-steps", "32", "--resume", "auto")
+    output, _ = again.communicate(timeout=240)
+    assert again.returncode == 0, output[-3000:]
+    summary = read_summary(out)
+    assert summary["resumed_from_step"] == newest and summary["steps"] == STEPS
+    finished = [e for e in _events(out) if e["event"] == "finished"]
+    assert len(finished) == 2 and finished[0]["weights_sha256"] == finished[1]["weights_sha256"]
