@@ -25,26 +25,10 @@ from acceltrain.engines.torchft import TorchFT  # noqa: E402  (imports torchft l
 FT_LAUNCH = [sys.executable, "-m", "acceltrain", "ft-launch"]
 # 192 optimizer steps (each group reads half of the samples) of 0.1 s or more: long enough that a killed group is back
 # (a new Python process) before the end
-TINY = [
-    "--num-train",
-    "6144",
-    "--batch-size",
-    "16",
-    "--epochs",
-    "1",
-    "--lr",
-    "0.05",
-    "--batchnorm",
-    "--no-progress",
-    "--log-every",
-    "16",
-    "--report-to",
-    "none",
-    "--num-workers",
-    "0",
-    "--sleep-per-step",
-    "0.1",
-]
+TINY = (
+    "--num-train 6144 --batch-size 16 --epochs 1 --lr 0.05 --batchnorm --no-progress --log-every 16 --report-to none "
+    "--num-workers 0 --sleep-per-step 0.1"
+).split()
 STEPS = 192
 
 

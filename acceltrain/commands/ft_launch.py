@@ -33,14 +33,9 @@ NOT_RESTARTED = (0, EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_PREEMPTED, EXIT_INTERRUP
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from acceltrain.config.parser import OneLineParser
+    from acceltrain.config.parser import command_parser
 
-    parser = OneLineParser(
-        prog="acceltrain ft-launch",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        allow_abbrev=False,
-    )
+    parser = command_parser("acceltrain ft-launch", __doc__)
     add = parser.add_argument
     add("--replica-groups", type=int, help="replica groups, each one process; required")
     add("--nproc-per-group", type=int, default=1, help="processes per group (1: only one process a group for now)")

@@ -33,15 +33,10 @@ SAMPLERS = ("tpe", "random", "grid")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from acceltrain.config.parser import OneLineParser
+    from acceltrain.config.parser import command_parser
     from acceltrain.hooks.pruning import PRUNERS
 
-    parser = OneLineParser(
-        prog="acceltrain sweep",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        allow_abbrev=False,
-    )
+    parser = command_parser("acceltrain sweep", __doc__)
     add = parser.add_argument
     add("--study-dir", help="the study's folder: trial_NNNN run folders, results, the journal storage; required")
     add("--trials", type=int, help="trials in the whole study, over every run of the command and every worker")

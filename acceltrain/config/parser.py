@@ -110,6 +110,14 @@ class OneLineParser(argparse.ArgumentParser):
         raise ConfigError(message)
 
 
+def command_parser(prog: str, description: str) -> OneLineParser:
+    """An ``acceltrain`` command's parser: its module docstring as the help, bad flags as one line, no abbreviated
+    flags (``--trial`` is a typo, not ``--trials``)."""
+    return OneLineParser(
+        prog=prog, description=description, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
+
+
 def _help_with_default(field: dataclasses.Field) -> str:
     """The field's help, ending with its default unless the help states it already (a help saying what
     an unset value means beats "None"); an unset default reads "unset", a boolean "on" or "off"."""
