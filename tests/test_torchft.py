@@ -95,7 +95,7 @@ def test_ft_launch_refuses_another_engine_asked_in_the_environment_and_a_port_in
 def test_a_missing_torchft_is_one_line_naming_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "torchft", None)
     with pytest.raises(ConfigError, match=r"pip install 'acceltrain\[ft\]'"):
-        TorchFT.refuse(TrainConfig())
+        TorchFT.process_state_ready(None)
 
 
 @pytest.mark.parametrize(

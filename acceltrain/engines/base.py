@@ -64,8 +64,9 @@ class Engine:
                 f"--optimizer muon needs every weight matrix whole on each process, and {cls.name} flattens or "
                 "shards them: use DDP (multi_gpu.yaml, multi_cpu.yaml) or one process, or --optimizer sgd / adamw"
             )
-        if cfg.async_checkpoint:
-            cls.refuse_setting("async_checkpoint")
+        for setting in ("async_checkpoint", "data_on_device"):
+            if getattr(cfg, setting):
+                cls.refuse_setting(setting)
         if getattr(task, "sums_losses", False):
             cls.refuse_setting("summed_losses")
 

@@ -78,23 +78,16 @@ class TorchFT(Engine):
     refusals = {
         "async_checkpoint": "--async-checkpoint is not supported under acceltrain ft-launch: drop it (replica 0 "
         "writes each checkpoint while the other groups go on)",
+        "data_on_device": "--data-on-device is not supported under acceltrain ft-launch: drop it (each replica group "
+        "reads its shard through the loader)",
         "streams": "a training stream cannot be sharded across replica groups under acceltrain ft-launch: give a "
         "dataset with a length, or launch without ft-launch",
     }
 
     @classmethod
-    def refuse(cls, cfg, task=None) -> None:
-        require_torchft()
-        if cfg.data_on_device:
-            raise ConfigError(
-                "--data-on-device is not supported under acceltrain ft-launch: drop it (each replica group reads its "
-                "shard through the loader)"
-            )
-        super().refuse(cfg, task)
-
-    @classmethod
     def process_state_ready(cls, state) -> None:
         """Only replica 0 is the main process: the other groups write nothing to the run folder."""
+        require_torchft()
         state.process_index = state.local_process_index = _replica()
 
     def __init__(self, accelerator):
