@@ -23,8 +23,7 @@ pytest.importorskip("torchft", reason="the ft extra: pip install -e '.[ft]'")
 from acceltrain.engines.torchft import TorchFT  # noqa: E402  (imports torchft lazily, but only matters with it)
 
 FT_LAUNCH = [sys.executable, "-m", "acceltrain", "ft-launch"]
-# 192 optimizer steps (each group reads half of the samples) of 0.1 s or more: long enough that a killed group is back
-# (a new Python process) before the end
+# 192 optimizer steps (each group reads half of the samples) of 0.1 s or more
 TINY = (
     "--num-train 6144 --batch-size 16 --epochs 1 --lr 0.05 --batchnorm --no-progress --log-every 16 --report-to none "
     "--num-workers 0 --sleep-per-step 0.1"
@@ -163,7 +162,7 @@ def _training_together(folder: Path, events: list[dict]) -> bool:
 def test_a_killed_group_comes_back_and_heals_from_its_peer_while_the_survivor_goes_on(tmp_path):
     """The issue's bar `ft-heals-without-restart`, on the tiny recipe."""
     out = tmp_path / "run"
-    launch = _start(out, ["--replica-groups", "2", "--heartbeat-timeout", "2"])
+    launch = _start(out, ["--replica-groups", "2", "--heartbeat-timeout", "2"], "--wait-for-restarted-peer")
     events = _wait_for(launch, out, _training_together, "step 16 with 2 groups")
     victim = _pid(events, 1)
     os.kill(victim, signal.SIGKILL)

@@ -139,6 +139,7 @@ class TorchFT(Engine):
             quorum_timeout=timedelta(seconds=120),
             connect_timeout=timeout,
         )
+        record_event(self.events, "ready", replica)  # from `started`: the group's start-up; to `healed`: the heal
 
     def join(self, step: int) -> None:
         """The first quorum, from ``step`` (0, or a resumed checkpoint's): the groups behind the most advanced one

@@ -32,6 +32,9 @@ class TinyConfig(TrainConfig):
     die_at_step: int | None = option(
         None, "every process kills itself (SIGKILL) at this step, on torchrun's first attempt only"
     )
+    wait_for_restarted_peer: bool = option(
+        False, "ft-launch: replica 0, once alone after training with a peer, waits for the peer's restart to be ready"
+    )
     sleep_per_step: float = option(
         0.0, "seconds to sleep after each optimizer step: a slow run to signal (the maths unchanged)"
     )
@@ -125,6 +128,28 @@ class DieAt(Hook):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+READY_1 = {"event": "ready", "replica": 1}
+
+
+class WaitForRestartedPeer(Hook):
+    """Replica 0 of an ft-launch run does not train on alone before its killed peer is back (a `ready` event of
+    replica 1 after its first): from then on the peer's quorum request holds the next quorum, whatever the speed of
+    the machine, and the peer heals before the end."""
+
+    def __init__(self):
+        self.peers_seen, self.waited = 0, os.environ.get("ACCELTRAIN_FT_REPLICA", "0") != "0"
+
+    def on_step_end(self, run):
+        groups = run.engine.figures().get("replica_groups")
+        self.peers_seen = max(self.peers_seen, groups or 0)
+        if self.waited or self.peers_seen < 2 or groups != 1:
+            return
+        events = Path(os.environ["ACCELTRAIN_FT_EVENTS"])
+        while len([e for e in map(json.loads, events.read_text().splitlines()) if e == {**e, **READY_1}]) < 2:
+            time.sleep(0.1)
+        self.waited = True
+
+
 class SleepPerStep(Hook):
     """Slow steps, for a signal to land mid-run; in a requeued SLURM job at full speed (the signals came before)."""
 
@@ -194,6 +219,8 @@ def main(cfg: TinyConfig, hooks=(), task=None) -> None:
         hooks = [*hooks, EMA(decay=cfg.ema_decay)]
     if cfg.die_at_step is not None:
         hooks = [*hooks, DieAt(cfg.die_at_step)]
+    if cfg.wait_for_restarted_peer:
+        hooks = [*hooks, WaitForRestartedPeer()]
     if cfg.sleep_per_step:
         hooks = [*hooks, SleepPerStep(cfg.sleep_per_step)]
     if cfg.stream == "torch":
