@@ -143,7 +143,12 @@ class TorchFT(Engine):
 
     def join(self, step: int) -> None:
         """The first quorum, from ``step`` (0, or a resumed checkpoint's): the groups behind the most advanced one
-        heal from it (torchft heals a group whose step is not the quorum's highest)."""
+        heal from it (torchft heals a group whose step is not the quorum's highest). At the launch's start every group
+        waits for the others to be ready (at most a minute), so that they start together: a group that came late
+        would heal into a later place of its shard, and the batches before it would go untrained."""
+        deadline = time.monotonic() + 60
+        while self.events and time.monotonic() < deadline and len(_ready(self.events)) < self.groups:
+            time.sleep(0.05)
         self.manager.load_state_dict({"step": step, "batches_committed": 0})
         self.start_step(step)
 
@@ -206,6 +211,12 @@ class TorchFT(Engine):
         if self.manager is not None:
             self.manager.shutdown(wait=False)
             self.manager = None
+
+
+def _ready(events: str) -> set[int]:
+    """The replicas that have been ready at least once."""
+    with open(events) as lines:
+        return {row["replica"] for row in map(json.loads, lines) if row["event"] == "ready"}
 
 
 def _replica() -> int:
