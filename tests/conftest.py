@@ -78,7 +78,8 @@ def launch(
     timeout: int = 300,
     **env: str,
 ) -> subprocess.CompletedProcess:
-    """Run ``script`` as a user would: plain python, torchrun, or accelerate launch with a shipped config."""
+    """Run ``script`` as a user would: plain python, torchrun, accelerate launch with a shipped config, or
+    ``acceltrain ft-launch`` with ``processes`` replica groups ("ft")."""
     if launcher == "python":
         command = [sys.executable, str(script)]
     elif launcher == "torchrun":
@@ -106,6 +107,8 @@ def launch(
             str(_free_port()),
             str(script),
         ]
+    elif launcher == "ft":
+        command = [sys.executable, "-m", "acceltrain", "ft-launch", "--replica-groups", str(processes), str(script)]
     else:
         raise ValueError(launcher)
     return subprocess.run(

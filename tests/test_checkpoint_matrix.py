@@ -22,7 +22,7 @@ import pytest
 from conftest import REPO, check, launch
 
 from acceltrain.checkpoint.files import COMPLETE_FILE, complete_checkpoints
-from acceltrain.engines import DDP, FSDP2, DeepSpeed, OneProcess
+from acceltrain.engines import DDP, FSDP2, DeepSpeed, OneProcess, TorchFT
 from acceltrain.engines import ENGINES as REGISTERED_ENGINES
 from acceltrain.runtime.preemption import EXIT_PREEMPTED
 
@@ -35,6 +35,7 @@ LAUNCHES = {  # how each registered engine is launched on CPU: a new engine with
     DDP: ("ddp", {"processes": 2, "launcher": "accelerate", "config": "multi_cpu.yaml"}),
     FSDP2: ("fsdp", {"processes": 2, "launcher": "accelerate", "config": "fsdp_cpu.yaml"}),
     DeepSpeed: ("deepspeed", {"processes": 1, "launcher": "accelerate", "config": "deepspeed_zero2.yaml"}),
+    TorchFT: ("torchft", {"processes": 2, "launcher": "ft"}),
 }
 ENGINES = {LAUNCHES[engine][0]: LAUNCHES[engine][1] for engine in REGISTERED_ENGINES}  # the registry's engine axis
 STEPS = 8
@@ -69,6 +70,7 @@ DEFAULT = [
     ("fsdp", "sync", "cnn", "stop_after_steps"),  # BatchNorm statistics rank 0's on every process
     ("fsdp", "async", "lm", "sigterm"),  # a save at every 2nd step and one off schedule (shared DCP plans failed)
     ("deepspeed", "sync", "cnn", "sigterm"),
+    ("torchft", "sync", "cnn", "stop_after_steps"),  # every replica group stops; replica 0's checkpoint resumes both
 ]
 REFUSED = {  # combinations that cannot work, and their one line (the engine's own)
     (LAUNCHES[engine][0], key): engine.refusals[setting]
@@ -80,7 +82,7 @@ REFUSED = {  # combinations that cannot work, and their one line (the engine's o
 
 def test_every_registered_engine_has_its_launch_in_the_matrix():
     assert set(LAUNCHES) == set(REGISTERED_ENGINES)
-    assert set(REFUSED) == {("deepspeed", "async"), ("deepspeed", "lora")}
+    assert set(REFUSED) == {("deepspeed", "async"), ("deepspeed", "lora"), ("torchft", "async")}
 
 
 def _cases():

@@ -4,6 +4,7 @@ process: one group SIGKILLed mid-run and healed, and every group killed, then `-
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -202,6 +203,21 @@ def test_every_group_killed_then_resume_auto_continues_from_the_last_checkpoint(
     assert launch.returncode != 0, output[-2000:]
     assert not (out / "summary.json").exists()
     newest = max(int(path.name.split("_")[1]) for path in (out / "checkpoints").glob("step_*"))
+    # under one process the checkpoint's 2 groups x 16 samples a step are another layout: refused in one line, not
+    # resumed on half the samples per step and twice the steps per epoch
+    alone = tmp_path / "alone"
+    shutil.copytree(out, alone)
+    one = subprocess.run(
+        [sys.executable, str(TINY_RECIPE), *TINY, "--save-every-steps", "32", "--resume", "auto"]
+        + ["--output-dir", str(alone)],
+        cwd=REPO,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert one.returncode == 2, one.stdout[-2000:]
+    assert "resume with 32 samples per optimizer step (here: --grad-accum 2)" in one.stderr.splitlines()[-1]
     again = _start(out, args, "--save-every-steps", "32", "--resume", "auto")
     output, _ = again.communicate(timeout=240)
     assert again.returncode == 0, output[-3000:]

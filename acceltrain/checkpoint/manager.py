@@ -114,7 +114,6 @@ class Checkpointer:
         for name, hook in self.hooks.items():
             hook.load_state_dict(state["hooks"][name])
         self.trainer.heal(RunState(**state["trainer"]))
-        self.resumed_from_step = self.trainer.step  # where this launch's training continued from
         logger.info(f"healed from a live peer at step {self.trainer.step}")
         return self.trainer.step
 

@@ -148,7 +148,7 @@ class TorchFT(Engine):
         would heal into a later place of its shard, and the batches before it would go untrained."""
         deadline = time.monotonic() + 60
         while self.events and time.monotonic() < deadline and len(_ready(self.events)) < self.groups:
-            time.sleep(0.05)
+            time.sleep(0.05)  # (a restarted group finds its peers ready: it does not wait)
         self.manager.load_state_dict({"step": step, "batches_committed": 0})
         self.start_step(step)
 
@@ -214,9 +214,13 @@ class TorchFT(Engine):
 
 
 def _ready(events: str) -> set[int]:
-    """The replicas that have been ready at least once."""
+    """The replicas whose latest start is ready (the file may hold an earlier launch's events)."""
+    ready = {}
     with open(events) as lines:
-        return {row["replica"] for row in map(json.loads, lines) if row["event"] == "ready"}
+        for row in map(json.loads, lines):
+            if row["event"] in ("started", "ready"):
+                ready[row["replica"]] = row["event"] == "ready"
+    return {replica for replica, is_ready in ready.items() if is_ready}
 
 
 def _replica() -> int:

@@ -39,7 +39,8 @@ class TrainState:
         self.train_samples, self.data_fingerprint = prepared.train_samples, prepared.data_fingerprint
         cfg, accelerator = self.cfg, self.accelerator
         self.stream = self.batches_per_epoch == 0  # a stream's passes end when the stream does
-        self.global_batch_size = cfg.batch_size * accelerator.num_processes  # of one micro-step
+        self.copies = prepared.engine.data_shard()[1]  # of the run, reading other data (torchft's replica groups)
+        self.global_batch_size = cfg.batch_size * accelerator.num_processes * self.copies  # of one micro-step
         self.control_group = control_group() if self.stream and accelerator.num_processes > 1 else None
         self.run_state = RunState()
         self.pass_end = False  # a stream's current batch ends its pass (on every process)
@@ -221,7 +222,7 @@ class TrainState:
         self.run_state.step += 1
         samples = micro_batches * self.global_batch_size
         self.run_state.samples_seen += samples
-        self.throughput.step_done(self.step - self.launch_start_step, samples)
+        self.throughput.step_done(self.step - self.launch_start_step, samples // self.copies)  # this copy's speed
         diverged = ~torch.isfinite(self.loss_sum)
         if self.grad_norm is not None and self.stepped:
             diverged |= ~torch.isfinite(torch.as_tensor(self.grad_norm, device=diverged.device))
@@ -327,14 +328,13 @@ class TrainState:
     def layout(self) -> RunState:
         """What a checkpoint records of the data and layout it trained on: what a resume must keep (seed, data),
         or map onto another process count."""
-        processes = self.accelerator.num_processes
         return RunState(
             seed=self.cfg.seed,
-            global_batch_size=self.cfg.batch_size * processes,
+            global_batch_size=self.global_batch_size,
             grad_accum=self.cfg.grad_accum,
             train_samples=self.train_samples,
             data_fingerprint=self.data_fingerprint,
-            num_processes=processes,
+            num_processes=self.accelerator.num_processes,
             batches_per_epoch=self.batches_per_epoch,
         )
 
@@ -366,8 +366,7 @@ class TrainState:
             self.loss_count = state.loss_count
 
     def step_boundary(self) -> RunState:
-        """:meth:`snapshot` as of the last optimizer step (the open window's drawn micro-batches left out): what a
-        live peer heals from (torchft)."""
+        """:meth:`snapshot` as of the last optimizer step (less the open window's micro-batches), for a live peer."""
         self.run_state.batch_in_epoch -= self.window_drawn
         try:
             return self.snapshot()
