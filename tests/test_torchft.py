@@ -24,12 +24,12 @@ pytest.importorskip("torchft", reason="the ft extra: pip install -e '.[ft]'")
 from acceltrain.engines.torchft import TorchFT  # noqa: E402  (imports torchft lazily, but only matters with it)
 
 FT_LAUNCH = [sys.executable, "-m", "acceltrain", "ft-launch"]
-# 192 optimizer steps (each group reads half of the samples) of 0.1 s or more
+# 96 optimizer steps (each group reads half of the samples) of 0.1 s or more
 TINY = (
-    "--num-train 6144 --batch-size 16 --epochs 1 --lr 0.05 --batchnorm --no-progress --log-every 16 --report-to none "
+    "--num-train 3072 --batch-size 16 --epochs 1 --lr 0.05 --batchnorm --no-progress --log-every 16 --report-to none "
     "--num-workers 0 --sleep-per-step 0.1"
 ).split()
-STEPS = 192
+STEPS = 96
 
 
 # ---- without a launch
@@ -190,13 +190,13 @@ def test_a_killed_group_comes_back_and_heals_from_its_peer_while_the_survivor_go
 def test_every_group_killed_then_resume_auto_continues_from_the_last_checkpoint(tmp_path):
     out = tmp_path / "run"
     args = ["--replica-groups", "2", "--max-restarts", "0", "--heartbeat-timeout", "2"]
-    launch = _start(out, args, "--save-every-steps", "32")
-    saved = out / "checkpoints" / "step_00000064"
+    launch = _start(out, args, "--save-every-steps", "16")
+    saved = out / "checkpoints" / "step_00000032"
 
     def checkpointed(folder: Path, events: list[dict]) -> bool:
         return _training_together(folder, events) and saved.is_dir()
 
-    events = _wait_for(launch, out, checkpointed, "checkpoint of step 64")
+    events = _wait_for(launch, out, checkpointed, "checkpoint of step 32")
     for replica in (0, 1):
         os.kill(_pid(events, replica), signal.SIGKILL)
     output, _ = launch.communicate(timeout=120)
@@ -208,7 +208,7 @@ def test_every_group_killed_then_resume_auto_continues_from_the_last_checkpoint(
     alone = tmp_path / "alone"
     shutil.copytree(out, alone)
     one = subprocess.run(
-        [sys.executable, str(TINY_RECIPE), *TINY, "--save-every-steps", "32", "--resume", "auto"]
+        [sys.executable, str(TINY_RECIPE), *TINY, "--save-every-steps", "16", "--resume", "auto"]
         + ["--output-dir", str(alone)],
         cwd=REPO,
         env=subprocess_env(),
@@ -218,7 +218,7 @@ def test_every_group_killed_then_resume_auto_continues_from_the_last_checkpoint(
     )
     assert one.returncode == 2, one.stdout[-2000:]
     assert "resume with 32 samples per optimizer step (here: --grad-accum 2)" in one.stderr.splitlines()[-1]
-    again = _start(out, args, "--save-every-steps", "32", "--resume", "auto")
+    again = _start(out, args, "--save-every-steps", "16", "--resume", "auto")
     output, _ = again.communicate(timeout=240)
     assert again.returncode == 0, output[-3000:]
     summary = read_summary(out)
