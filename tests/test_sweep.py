@@ -226,14 +226,16 @@ def test_two_workers_share_one_sqlite_study_without_running_a_trial_twice(tmp_pa
     )
 
 
-def pruning_study(tmp_path):
-    """A study whose five finished trials were at 0.9 at each evaluation: any tiny run is below their median."""
+def pruning_study(tmp_path, values=(0.9, 0.9, 0.9, 0.9)):
+    """A study whose five finished trials were at ``values`` at the evaluations of steps 2, 4, 6 and 8: at 0.9, any
+    tiny run is below their median."""
     import optuna
 
     spec = f"journal:{tmp_path / 'study.journal'}"
     study = optuna.create_study(storage=open_storage(spec), study_name="s", direction="maximize")
     for _ in range(5):
-        study.add_trial(optuna.trial.create_trial(value=0.9, intermediate_values={2: 0.9, 4: 0.9, 6: 0.9, 8: 0.9}))
+        steps = dict(zip((2, 4, 6, 8), values, strict=True))
+        study.add_trial(optuna.trial.create_trial(value=values[-1], intermediate_values=steps))
     trial = study.ask()
     env = {"storage": spec, "study": "s", "trial_id": trial._trial_id, "number": trial.number}
     return study, trial, json.dumps({**env, "metric": "eval_accuracy", "pruner": "median"})
@@ -247,6 +249,17 @@ def test_a_pruned_trial_finishes_at_that_step_as_a_normal_stop(tmp_path, monkeyp
     summary = read_summary(out)
     assert summary["stop_reason"] == "pruned" and summary["steps"] == 2
     assert study.trials[-1].intermediate_values == {2: summary["eval_accuracy"]}
+
+
+def test_a_trial_below_the_median_only_at_its_last_evaluation_completes_and_is_not_said_pruned(
+    tmp_path, monkeypatch, capfd
+):
+    _, _, env = pruning_study(tmp_path, values=(0.0, 0.0, 0.0, 1.0))
+    monkeypatch.setenv(SWEEP_ENV, env)
+    out = tmp_path / "run"
+    assert run_tiny_in_process(out, *TINY) == 0
+    assert read_summary(out)["stop_reason"] is None and read_summary(out)["steps"] == 8
+    assert "pruned" not in capfd.readouterr().out  # it said "pruned by the sweep at step 8" of a complete trial
 
 
 @pytest.mark.multiprocess

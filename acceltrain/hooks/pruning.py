@@ -157,6 +157,6 @@ class SweepTrial(Hook):
             from accelerate.utils import broadcast_object_list
 
             broadcast_object_list(prune, from_process=0)
-        if prune[0]:
+        if prune[0] and run.step < run.total_steps:  # at the last step the trial is complete
             logger.info(f"pruned by the sweep at step {run.step}: {self.metric} {metrics.get(self.metric)}")
             run.request_stop("pruned", finish=True)
