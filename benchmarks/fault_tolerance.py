@@ -29,8 +29,8 @@ Each round runs the legs in fresh processes, in an order rotated per round, each
 - kill -> healed: that event's `time` less the moment of the SIGKILL (the launcher noticing the death, the new
   process starting up, its heal);
 - the final weights_sha256 of both groups' `finished` events, which must be equal. Replica 0 finishing before the
-  restarted group has started up and healed ends the run (the launcher stops the late group): such a round is
-  complete and timed, its heal reported as not reached.
+  restarted group has started up and healed ends the run (the launch's outputs are replica 0's; the late group has no
+  peer left to heal from): such a round is complete and timed, its heal reported as not reached.
 Targets (the fault-tolerance issue): (b) <= 1.3x (a) and faster than (c); heal under 10 s; the survivor's longest gap
 under 10 s. The seconds from each run's summary.json to its launcher's exit are kept too (`tail_seconds`).
 
