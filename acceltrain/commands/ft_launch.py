@@ -10,8 +10,8 @@ take part. Replica 0 writes the run folder and its checkpoints. When every group
 a checkpoint (exit 75), as a run does.
 
 Events, one JSON object a line in RUN/ft_events.jsonl: started (pid), ready (up, about to join), quorum
-(participants, at each change), healed (from_replica, seconds), finished (weights_sha256). Replica 0's output is this command's; the other groups'
-is in RUN/ft_logs/replica_N.log."""
+(participants, at each change), healed (from_replica, seconds), finished (weights_sha256). Replica 0's output is this
+command's; the other groups' is in RUN/ft_logs/replica_N.log."""
 
 from __future__ import annotations
 
