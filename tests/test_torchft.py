@@ -106,13 +106,51 @@ def test_the_engine_refuses_what_replica_groups_cannot_run(settings, says):
         TorchFT.refuse(TrainConfig(**settings))
 
 
-def test_a_restarted_group_never_overwrites_and_resumes_unless_told_where(tmp_path):
-    assert ft_launch._restart_args(["--overwrite", "--lr", "1"]) == ["--lr", "1", "--resume", "auto"]
+def test_a_restarted_group_resumes_unless_told_where(tmp_path):
+    assert ft_launch._restart_args(["--lr", "1"]) == ["--lr", "1", "--resume", "auto"]
     assert ft_launch._restart_args(["--resume", "auto"]) == ["--resume", "auto"]
     args, folder = ft_launch._with_output_dir("recipes/x.py", ["--lr", "1"])
     assert args[:2] == ["--lr", "1"] and args[2] == "--output-dir" and folder == Path(args[3])
     assert folder.parent == Path("runs") and folder.name.startswith("x-")  # one name for every group
     assert ft_launch._with_output_dir("m.recipe", ["--output-dir=o"]) == (["--output-dir=o"], Path("o"))
+
+
+def test_ft_launch_writes_nothing_into_a_folder_its_groups_could_not_claim(tmp_path, capsys, monkeypatch):
+    """Its events and logs were written into another live run's folder (or one holding the user's files, or a
+    finished run) before the groups' claim refused it."""
+    monkeypatch.chdir(tmp_path)
+    live = tmp_path / "live"
+    live.mkdir()
+    (live / ".lock").write_text("")
+    holder = subprocess.Popen(
+        [sys.executable, "-c", LOCK_HOLDER, str(live / ".lock")], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        assert ft_launch.main(["--replica-groups", "2", "r.py", "--output-dir", str(live)]) == 2
+        assert "is in use by another run" in capsys.readouterr().err
+        assert sorted(p.name for p in live.iterdir()) == [".lock"]
+    finally:
+        holder.kill()
+    for name in ("model.safetensors", "summary.json"):  # the user's own file; a finished run
+        folder = tmp_path / name.split(".")[0]
+        folder.mkdir()
+        (folder / name).write_text("{}")
+        if name == "summary.json":
+            (folder / ".lock").write_text("")
+        before = sorted(p.name for p in folder.iterdir())
+        assert ft_launch.main(["--replica-groups", "2", "r.py", "--output-dir", str(folder)]) == 2
+        assert f"--output-dir {str(folder)!r}" in capsys.readouterr().err
+        assert sorted(p.name for p in folder.iterdir()) == before
+
+
+LOCK_HOLDER = """
+import fcntl, os, sys, time
+descriptor = os.open(sys.argv[1], os.O_RDWR)
+fcntl.flock(descriptor, fcntl.LOCK_EX)
+print("locked", flush=True)
+time.sleep(120)
+"""
 
 
 # ---- launched

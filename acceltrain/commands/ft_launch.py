@@ -103,8 +103,17 @@ class Group:
 
 class Launch:
     def __init__(self, args):
+        from acceltrain.runtime.run_folder import check_claimable
+
         self.args = args
-        self.recipe_args, self.output_dir = _with_output_dir(args.recipe, list(args.recipe_args))
+        recipe_args, self.output_dir = _with_output_dir(args.recipe, list(args.recipe_args))
+        resume = any(arg == "--resume" or arg.startswith("--resume=") for arg in recipe_args)
+        # before this launch writes its events and logs there: the groups' claim would refuse it, or (--overwrite)
+        # the previous run moves aside now, with nothing of this launch in it
+        aside = check_claimable(self.output_dir, "--overwrite" in recipe_args, resume)
+        if aside is not None:
+            print(f"ft-launch: --overwrite: moved the previous run in {self.output_dir} to {aside}", file=sys.stderr)
+        self.recipe_args = [arg for arg in recipe_args if arg != "--overwrite"]
         self.events = self.output_dir / "ft_events.jsonl"
         self.restarts_left = args.max_restarts
         self.stopping: int | None = None
@@ -235,12 +244,11 @@ def _with_output_dir(recipe: str, args: list[str]) -> tuple[list[str], Path]:
 
 
 def _restart_args(args: list[str]) -> list[str]:
-    """A restarted group's arguments: never ``--overwrite`` (it would move the live run aside), and ``--resume auto``
-    unless a resume is asked already (with no live peer left, it continues from the last checkpoint)."""
-    kept = [arg for arg in args if arg != "--overwrite"]
-    if not any(arg == "--resume" or arg.startswith("--resume=") for arg in kept):
-        kept += ["--resume", "auto"]
-    return kept
+    """A restarted group's arguments: ``--resume auto`` unless a resume is asked already (with no live peer left, it
+    continues from the last checkpoint; ``--overwrite`` was done, once, by the launch)."""
+    if any(arg == "--resume" or arg.startswith("--resume=") for arg in args):
+        return args
+    return [*args, "--resume", "auto"]
 
 
 def _status(codes: list[int]) -> int:

@@ -131,13 +131,7 @@ def _claim(output_dir: Path, overwrite: bool) -> frozenset[str] | None:
     them; with ``--overwrite``, move the previous run aside. Then lock the folder, making it if needed, and return
     what it held when locked (None: this launch made it), so that bad input found later removes only this launch's
     own files: the lock keeps every other launch out from that moment on."""
-    if output_dir.is_dir() and not (output_dir / LOCK_FILE).exists():
-        foreign = [name for name in RUN_FILES if (output_dir / name).exists()]
-        if foreign:
-            raise ConfigError(
-                f"--output-dir {str(output_dir)!r} holds {', '.join(foreign)}, not written by an acceltrain run, which "
-                "this run would replace: choose a new or empty --output-dir"
-            )
+    _refuse_foreign(output_dir)
     if overwrite:
         aside = move_previous_run_aside(output_dir)
         if aside is not None:
@@ -148,6 +142,36 @@ def _claim(output_dir: Path, overwrite: bool) -> frozenset[str] | None:
     if made_folder:
         return None
     return frozenset(os.listdir(output_dir)) - ({LOCK_FILE} if made_lock else set())
+
+
+def _refuse_foreign(output_dir: Path) -> None:
+    if output_dir.is_dir() and not (output_dir / LOCK_FILE).exists():
+        foreign = [name for name in RUN_FILES if (output_dir / name).exists()]
+        if foreign:
+            raise ConfigError(
+                f"--output-dir {str(output_dir)!r} holds {', '.join(foreign)}, not written by an acceltrain run, which "
+                "this run would replace: choose a new or empty --output-dir"
+            )
+
+
+def _refuse_finished(output_dir: Path, overwrite: bool, resume) -> None:
+    if (output_dir / SUMMARY_FILE).exists() and not (overwrite or resume):
+        raise ConfigError(
+            f"--output-dir {str(output_dir)!r} already holds a finished run ({SUMMARY_FILE}); "
+            "pass --resume auto to continue it, --overwrite to replace it, or choose another --output-dir"
+        )
+
+
+def check_claimable(output_dir: Path, overwrite: bool, resume: bool) -> Path | None:
+    """For a launcher that writes into its runs' folder before they claim it (``acceltrain ft-launch``): the one line
+    their claim would give, before anything is written there (a folder another live run holds, files no run wrote, a
+    finished run); with ``overwrite``, the previous run moved aside now (returned), for the runs to start clean."""
+    _refuse_foreign(output_dir)
+    _refuse_finished(output_dir, overwrite, resume)
+    if (output_dir / LOCK_FILE).exists():
+        lock_output_dir(output_dir)  # one line when a live run holds it
+        unlock_output_dir(output_dir)
+    return move_previous_run_aside(output_dir) if overwrite else None
 
 
 def _remove_added(output_dir: Path, found: frozenset[str] | None) -> None:
@@ -180,11 +204,7 @@ def resolve_output_dir(cfg: TrainConfig, recipe_name: str) -> Path:
         output_dir = Path("runs") / f"{recipe_name}-{stamp[0]}"
     if output_dir.exists() and not output_dir.is_dir():
         raise ConfigError(f"--output-dir {str(output_dir)!r} exists and is not a directory")
-    if (output_dir / SUMMARY_FILE).exists() and not (cfg.overwrite or cfg.resume):
-        raise ConfigError(
-            f"--output-dir {str(output_dir)!r} already holds a finished run ({SUMMARY_FILE}); "
-            "pass --resume auto to continue it, --overwrite to replace it, or choose another --output-dir"
-        )
+    _refuse_finished(output_dir, cfg.overwrite, cfg.resume)
     return output_dir
 
 
