@@ -107,7 +107,7 @@ class Launch:
 
         self.args = args
         recipe_args, self.output_dir = _with_output_dir(args.recipe, list(args.recipe_args))
-        resume = any(arg == "--resume" or arg.startswith("--resume=") for arg in recipe_args)
+        resume = _asks_resume(recipe_args)
         # before this launch writes its events and logs there: the groups' claim would refuse it, or (--overwrite)
         # the previous run moves aside now, with nothing of this launch in it
         aside = check_claimable(self.output_dir, "--overwrite" in recipe_args, resume)
@@ -243,10 +243,14 @@ def _with_output_dir(recipe: str, args: list[str]) -> tuple[list[str], Path]:
     return [*args, "--output-dir", str(folder)], folder
 
 
+def _asks_resume(args: list[str]) -> bool:
+    return any(arg == "--resume" or arg.startswith("--resume=") for arg in args)
+
+
 def _restart_args(args: list[str]) -> list[str]:
     """A restarted group's arguments: ``--resume auto`` unless a resume is asked already (with no live peer left, it
     continues from the last checkpoint; ``--overwrite`` was done, once, by the launch)."""
-    if any(arg == "--resume" or arg.startswith("--resume=") for arg in args):
+    if _asks_resume(args):
         return args
     return [*args, "--resume", "auto"]
 
