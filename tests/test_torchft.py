@@ -115,6 +115,12 @@ def test_a_restarted_group_resumes_unless_told_where(tmp_path):
     assert ft_launch._with_output_dir("m.recipe", ["--output-dir=o"]) == (["--output-dir=o"], Path("o"))
 
 
+def test_the_launch_s_status_is_the_bad_input_that_stopped_the_groups_whichever_ended_first():
+    """Replica 1 refused first and the launch's SIGTERM ended replica 0: the status was 143, not 2."""
+    assert ft_launch._status([-15, 2]) == ft_launch._status([2, -15]) == 2
+    assert ft_launch._status([75, 75]) == 75 and ft_launch._status([-9, 1]) == 137 and ft_launch._status([0, 0]) == 0
+
+
 def test_ft_launch_writes_nothing_into_a_folder_its_groups_could_not_claim(tmp_path, capsys, monkeypatch):
     """Its events and logs were written into another live run's folder (or one holding the user's files, or a
     finished run) before the groups' claim refused it."""
@@ -142,6 +148,20 @@ def test_ft_launch_writes_nothing_into_a_folder_its_groups_could_not_claim(tmp_p
         assert ft_launch.main(["--replica-groups", "2", "r.py", "--output-dir", str(folder)]) == 2
         assert f"--output-dir {str(folder)!r}" in capsys.readouterr().err
         assert sorted(p.name for p in folder.iterdir()) == before
+
+
+def test_a_launch_its_groups_refuse_leaves_the_folder_as_it_found_it(tmp_path, capsys):
+    """The groups refused a bad recipe flag before training: the launch's own events and logs stayed behind, in a
+    folder it had made (or beside the user's files in one it had not)."""
+    made = tmp_path / "made"
+    bad = [str(TINY_RECIPE), "--lr", "-1", "--report-to", "none", "--no-progress"]
+    assert ft_launch.main(["--replica-groups", "2", *bad, "--output-dir", str(made)]) == 2
+    assert not made.exists()
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    (kept / "notes.txt").write_text("the user's")
+    assert ft_launch.main(["--replica-groups", "2", *bad, "--output-dir", str(kept)]) == 2
+    assert [p.name for p in kept.iterdir()] == ["notes.txt"]
 
 
 LOCK_HOLDER = """

@@ -55,7 +55,10 @@ def main(argv: list[str] | None = None) -> int:
         check(args)
         launch = Launch(args)
         codes = launch.run()
-        return 0 if launch.finished() else _status(codes)
+        status = 0 if launch.finished() else _status(codes)
+        if status == EXIT_BAD_INPUT:
+            launch.leave_as_found()
+        return status
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -114,6 +117,7 @@ class Launch:
         if aside is not None:
             print(f"ft-launch: --overwrite: moved the previous run in {self.output_dir} to {aside}", file=sys.stderr)
         self.recipe_args = [arg for arg in recipe_args if arg != "--overwrite"]
+        self.found = frozenset(os.listdir(self.output_dir)) if self.output_dir.is_dir() else None
         self.events = self.output_dir / "ft_events.jsonl"
         self.restarts_left = args.max_restarts
         self.stopping: int | None = None
@@ -203,6 +207,16 @@ class Launch:
         )
         self._start(group, lighthouse, restart=True)
 
+    def leave_as_found(self) -> None:
+        """The groups refused bad input before training (each removed what it added): this launch's events and logs
+        go too, and the folder if the launch made it. Once anything else is there, a run trained: all of it stays."""
+        from acceltrain.runtime.run_folder import remove_added
+
+        if self.output_dir.is_dir():
+            added = set(os.listdir(self.output_dir)) - (self.found or set())
+            if added <= {self.events.name, LOGS_DIR}:
+                remove_added(self.output_dir, self.found)
+
     def finished(self) -> bool:
         """Replica 0 trained to the end and wrote the run's outputs: a group that ends later changes nothing."""
         return self.groups[0].returncode == 0
@@ -256,8 +270,10 @@ def _restart_args(args: list[str]) -> list[str]:
 
 
 def _status(codes: list[int]) -> int:
-    """The launch's exit status when replica 0 did not finish: the first group's failure (a stop: 75)."""
+    """The launch's exit status when replica 0 did not finish: bad input or divergence in any group (which stopped the
+    others, whichever ended first), else the first group's failure (a stop: 75)."""
     failed = [code for code in codes if code]
     if not failed:
         return 0
-    return 128 - failed[0] if failed[0] < 0 else failed[0]  # killed by a signal: as a shell reports it
+    cause = next((code for code in failed if code in (EXIT_BAD_INPUT, EXIT_DIVERGED)), failed[0])
+    return 128 - cause if cause < 0 else cause  # killed by a signal: as a shell reports it

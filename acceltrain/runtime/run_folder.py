@@ -85,7 +85,7 @@ class RunFolder:
             yield
         except Exception:
             if self.is_main_process and not self.trained and self._depth == 1:
-                _remove_added(self.output_dir, self.found)
+                remove_added(self.output_dir, self.found)
             raise
         finally:
             self._depth -= 1
@@ -174,8 +174,9 @@ def check_claimable(output_dir: Path, overwrite: bool, resume: bool) -> Path | N
     return move_previous_run_aside(output_dir) if overwrite else None
 
 
-def _remove_added(output_dir: Path, found: frozenset[str] | None) -> None:
-    """What this launch added to ``output_dir`` since its claim, removed while it still holds the folder's lock."""
+def remove_added(output_dir: Path, found: frozenset[str] | None) -> None:
+    """What this launch added to ``output_dir`` since ``found`` (None: the folder itself), removed while no other
+    launch can write there (a run holds the folder's lock; ft-launch's groups have ended)."""
     if not output_dir.is_dir():
         return
     if found is None:
