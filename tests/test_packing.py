@@ -10,8 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import REPO, read_events, read_summary
-from test_causal_lm import offline_on_one_thread
+from conftest import REPO, check, launch, read_events, read_summary
+from test_causal_lm import assert_same_weights, offline_on_one_thread
 from torch import nn
 
 from acceltrain import ConfigError
@@ -243,13 +243,45 @@ def test_a_packed_sft_run_resumes_byte_identically_and_reports_its_real_tokens(t
     assert rows and all("real_tokens_per_second" in row and "real_token_share" in row for row in rows)
 
 
-def test_plain_text_documents_train_packed(tmp_path, data):
+def test_plain_text_documents_train_packed_and_resume_byte_identically(tmp_path, data):
     text = tmp_path / "a.txt"
     text.write_text("".join(f"line {i} of a short document\n" for i in range(40)).rstrip("\n"))
-    args = [*QUIET, "--text-files", str(text), "--model", "llama-tiny", "--block-size", "32", "--max-steps", "2"]
-    assert run(tmp_path / "out", *args, "--packing", "--vocab-size", "300", "--batch-size", "2") == 0
-    summary = read_summary(tmp_path / "out")
+    args = [*QUIET, "--text-files", str(text), "--model", "llama-tiny", "--block-size", "32", "--max-steps", "4"]
+    args += ["--packing", "--vocab-size", "300", "--batch-size", "2"]
+    full, part = tmp_path / "full", tmp_path / "part"
+    assert run(full, *args) == 0
+    summary = read_summary(full)
     assert summary["real_token_share"] > 0.5 and summary["eval_loss"] > 0
+    assert run(part, *args, "--stop-after-steps", "2") == EXIT_PREEMPTED
+    assert run(part, *args, "--resume", "auto") == 0
+    assert (part / "model.safetensors").read_bytes() == (full / "model.safetensors").read_bytes()
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_two_processes_train_packed_rows_as_one_process_does(tmp_path, data):
+    """Packed rows hold different numbers of targets, so each optimizer step's loss is normalised per target token
+    over the processes and the accumulation window: 2 processes of 2 rows and 2 accumulated micro-batches of 2 rows
+    each end where one batch of 4 rows does."""
+    args = [*QUIET, "--model-name-or-path", str(data.llama), "--train-file", str(data.rows), "--packing"]
+    args += ["--block-size", "64", "--max-steps", "3", "--optimizer", "sgd", "--lr", "0.5", "--max-grad-norm", "none"]
+    one, accumulated, two = tmp_path / "one", tmp_path / "accumulated", tmp_path / "two"
+    assert run(one, *args, "--batch-size", "4") == 0
+    assert run(accumulated, *args, "--batch-size", "2", "--grad-accum", "2") == 0
+    check(
+        launch(
+            REPO / "recipes" / "causal_lm.py",
+            [*args, "--batch-size", "2", "--output-dir", str(two)],
+            processes=2,
+            launcher="accelerate",
+            HF_HOME=str(data.root / "hf" / "home"),
+            HF_DATASETS_CACHE=str(tmp_path / "datasets"),
+            HF_HUB_OFFLINE="1",
+        )
+    )
+    assert read_summary(two)["num_processes"] == 2
+    for other in (accumulated, two):
+        assert_same_weights(other, one)
 
 
 @pytest.mark.parametrize(
