@@ -21,19 +21,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-from common import RESULTS_DIR, median, run_recipe_process, start, write_result
+from common import RESULTS_DIR, cpu_bf16_flags, median, run_recipe_process, start, write_result
 from packing import RECIPE, build
 
 LEGS = {"fp32": "no", "bf16": "bf16"}  # leg -> --mixed-precision
-
-
-def bf16_flags() -> list[str]:
-    """The CPU's flags that run bf16 matmuls natively (empty: none, or not Linux)."""
-    try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        return []
-    return sorted(flag for flag in flags.split(":", 1)[1].split() if flag in ("amx_bf16", "avx512_bf16", "amx_tile"))
 
 
 def main() -> None:
@@ -50,7 +41,7 @@ def main() -> None:
     args = parser.parse_args()
     from transformers import AutoModelForCausalLM  # after the parser: --help answers at once
 
-    flags = bf16_flags()
+    flags = cpu_bf16_flags()
     info = start(
         f"bf16 vs fp32 on CPU: causal_lm --packing SFT, Llama width {args.hidden_size}, {args.layers} layers, "
         f"{args.steps} steps of {args.batch_size} rows of 512, {args.rounds} rounds; CPU bf16 flags: "

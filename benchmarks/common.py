@@ -97,6 +97,15 @@ def chosen(parser, value: str, allowed: tuple[str, ...], what: str) -> list[str]
     return picked
 
 
+def cpu_bf16_flags() -> list[str]:
+    """The CPU's flags that run bf16 matmuls natively (empty: none, or not Linux)."""
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return []
+    return sorted(flag for flag in flags.split(":", 1)[1].split() if flag in ("amx_bf16", "avx512_bf16", "amx_tile"))
+
+
 def median(values: list[float]) -> float:
     return statistics.median(values)
 

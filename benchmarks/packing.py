@@ -158,7 +158,14 @@ def main() -> None:
                 summary = run_recipe_process(Path(tmp) / leg, [*common_args, *legs[leg]], recipe=RECIPE)
                 figures = {
                     key: summary[key]
-                    for key in ("real_tokens_per_second", "real_token_share", "eval_loss", "steps", "wall_seconds")
+                    for key in (
+                        "real_tokens_per_second",
+                        "real_token_share",
+                        "eval_loss",
+                        "steps",
+                        "wall_seconds",
+                        "mfu",
+                    )
                 }
                 results[leg].append(figures)
                 print(f"round {round_number + 1} {leg}: {figures}", flush=True)

