@@ -113,9 +113,11 @@ class Launch:
         resume = _asks_resume(recipe_args)
         # before this launch writes its events and logs there: the groups' claim would refuse it, or (--overwrite)
         # the previous run moves aside now, with nothing of this launch in it
-        aside = check_claimable(self.output_dir, "--overwrite" in recipe_args, resume)
-        if aside is not None:
-            print(f"ft-launch: --overwrite: moved the previous run in {self.output_dir} to {aside}", file=sys.stderr)
+        self.aside = check_claimable(self.output_dir, "--overwrite" in recipe_args, resume)
+        if self.aside is not None:
+            print(
+                f"ft-launch: --overwrite: moved the previous run in {self.output_dir} to {self.aside}", file=sys.stderr
+            )
         self.recipe_args = [arg for arg in recipe_args if arg != "--overwrite"]
         self.found = frozenset(os.listdir(self.output_dir)) if self.output_dir.is_dir() else None
         self.events = self.output_dir / "ft_events.jsonl"
@@ -209,13 +211,17 @@ class Launch:
 
     def leave_as_found(self) -> None:
         """The groups refused bad input before training (each removed what it added): this launch's events and logs
-        go too, and the folder if the launch made it. Once anything else is there, a run trained: all of it stays."""
+        go too, the folder if the launch made it, and a previous run that ``--overwrite`` moved aside comes back.
+        Once anything else is there, a run trained: all of it stays."""
         from acceltrain.runtime.run_folder import remove_added
 
         if self.output_dir.is_dir():
             added = set(os.listdir(self.output_dir)) - (self.found or set())
-            if added <= {self.events.name, LOGS_DIR}:
-                remove_added(self.output_dir, self.found)
+            if not added <= {self.events.name, LOGS_DIR}:
+                return
+            remove_added(self.output_dir, self.found)
+        if self.aside is not None and not self.output_dir.exists():
+            os.rename(self.aside, self.output_dir)
 
     def finished(self) -> bool:
         """Replica 0 trained to the end and wrote the run's outputs: a group that ends later changes nothing."""

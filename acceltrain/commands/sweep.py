@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import sys
 from pathlib import Path
 
@@ -280,14 +279,9 @@ class Sweep:
 
     def _leave_as_found(self) -> None:
         """Bad input found before any trial ran: what this command added to the study folder is removed."""
-        if not self.study_dir.is_dir():
-            return
-        if self.found is None:
-            shutil.rmtree(self.study_dir, ignore_errors=True)
-            return
-        for name in set(os.listdir(self.study_dir)) - self.found:
-            path = self.study_dir / name
-            shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+        from acceltrain.runtime.run_folder import remove_added
+
+        remove_added(self.study_dir, self.found)
 
     def _loop(self) -> int:
         from acceltrain.commands import sweep_study as studies
