@@ -96,6 +96,8 @@ class TorchFT(Engine):
         self.events = os.environ.get(EVENTS)
         self.manager = None
         self._store = None
+        self._served: Callable[[], dict] | None = None  # share_state's, until join connects
+        self._healed: Callable[[dict], int] | None = None
         self._open = False  # a quorum stands for the step under way
         self._participants = None  # in the last quorum recorded
         self._heal: dict | None = None  # the last heal's source and time, until recorded
@@ -109,12 +111,30 @@ class TorchFT(Engine):
         return self.replica == 0
 
     def share_state(self, state_dict: Callable[[], dict], load_state_dict: Callable[[dict], int]) -> None:
-        """Join the Lighthouse: this group's store, its process group and torchft's Manager, which serves
-        ``state_dict()`` to a peer that heals and calls ``load_state_dict`` when this group heals."""
+        """What this group will serve a peer that heals (``state_dict()``) and take when it heals itself
+        (``load_state_dict``); torchft's Manager is made only in :meth:`join`: once it heartbeats, the Lighthouse holds
+        the other groups' quorums for this one, which must not wait while this group loads a checkpoint and sets up."""
+        self._served, self._healed = state_dict, load_state_dict
+
+    def join(self, step: int) -> None:
+        """The first quorum, from ``step`` (0, or a resumed checkpoint's): the groups behind the most advanced one
+        heal from it (torchft heals a group whose step is not the quorum's highest). At the launch's start every group
+        waits for the others to be ready (at most a minute), so that they start together: a group that came late
+        would heal into a later place of its shard, and the batches before it would go untrained."""
+        record_event(self.events, "ready", self.replica)  # from `started`: the group's start-up; to `healed`: the heal
+        deadline = time.monotonic() + 60
+        while self.events and time.monotonic() < deadline and len(_ready(self.events)) < self.groups:
+            time.sleep(0.05)  # (a restarted group finds its peers ready: it does not wait)
+        self._connect()
+        self.manager.load_state_dict({"step": step, "batches_committed": 0})
+        self.start_step(step)
+
+    def _connect(self) -> None:
+        """This group's store, its process group and torchft's Manager, joined to the Lighthouse."""
         import torchft
         from torch.distributed import TCPStore
 
-        replica = self.replica
+        replica, state_dict, load_state_dict = self.replica, self._served, self._healed
 
         def served() -> dict:
             return {"replica": replica, "state": state_dict()}
@@ -139,18 +159,6 @@ class TorchFT(Engine):
             quorum_timeout=timedelta(seconds=120),
             connect_timeout=timeout,
         )
-        record_event(self.events, "ready", replica)  # from `started`: the group's start-up; to `healed`: the heal
-
-    def join(self, step: int) -> None:
-        """The first quorum, from ``step`` (0, or a resumed checkpoint's): the groups behind the most advanced one
-        heal from it (torchft heals a group whose step is not the quorum's highest). At the launch's start every group
-        waits for the others to be ready (at most a minute), so that they start together: a group that came late
-        would heal into a later place of its shard, and the batches before it would go untrained."""
-        deadline = time.monotonic() + 60
-        while self.events and time.monotonic() < deadline and len(_ready(self.events)) < self.groups:
-            time.sleep(0.05)  # (a restarted group finds its peers ready: it does not wait)
-        self.manager.load_state_dict({"step": step, "batches_committed": 0})
-        self.start_step(step)
 
     def start_step(self, step: int) -> None:
         """The step's quorum, once per step (its first micro-batch may come right after :meth:`join`)."""
