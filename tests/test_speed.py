@@ -123,6 +123,34 @@ def test_mfu_uses_the_given_peak(tmp_path):
     assert summary["mfu"] == pytest.approx(summary["model_tflops_per_second"] / 1.0)
 
 
+@pytest.mark.parametrize("given", [None, "1e-9"], ids=["measured", "peak-tflops"])
+def test_no_mfu_above_1_a_peak_below_what_the_run_reached_is_said_and_leaves_the_cache(tmp_path, monkeypatch, given):
+    """A peak calibrated while the machine was busy stayed in the cache, and a later run printed MFU 1.58
+    (benchmarks/packing.py). Now: no MFU, one line naming both figures, and a measured peak leaves the cache."""
+    import json
+    import logging
+
+    from acceltrain.runtime import peak
+
+    monkeypatch.setenv("ACCELTRAIN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(peak, "_calibrate", lambda *_: 1e3)  # 1,000 FLOP/s: any run is faster
+    lines = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logging.getLogger("acceltrain").addHandler(handler)
+    try:
+        summary = run_cifar(tmp_path / "run", *(["--peak-tflops", given] if given else []))
+    finally:
+        logging.getLogger("acceltrain").removeHandler(handler)
+    assert summary["model_tflops_per_second"] > 0 and summary["mfu"] is None
+    assert all(row["mfu"] is None for row in read_events(tmp_path / "run") if "mfu" in row)
+    said = [line for line in lines if "mfu: this run reached" in line]
+    assert len(said) == 1, lines
+    assert ("--peak-tflops 1e-09" if given else "measured peak") in said[0]
+    cached = json.loads((tmp_path / "cache" / peak.CACHE_FILE).read_text())
+    assert list(cached.values()) == ([1e3] if given else [])  # a given peak was the wrong one: the cache stays
+
+
 def test_flops_are_counted_without_touching_the_model():
     from acceltrain.vision import build_resnet
 

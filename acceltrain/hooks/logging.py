@@ -27,6 +27,7 @@ class TrainingLog(Hook):
     def __init__(self, every: int):
         self.every = every
         self.first_step_seconds: float | None = None
+        self.peak_below = False  # the run went faster than the peak MFU divides by: no MFU from then on
 
     @classmethod
     def from_config(cls, cfg: LoggingOptions) -> TrainingLog:
@@ -44,7 +45,7 @@ class TrainingLog(Hook):
             "loss": run.take_train_loss(),
             "lr": run.lr,
             "wall_seconds": round(run.elapsed(), 3),
-            **speed_figures(run, run.throughput.window(), _token_counts(run, window=True)),
+            **self._honest(run, speed_figures(run, run.throughput.window(), _token_counts(run, window=True))),
             **peak_memory_mb(run.accelerator.device),
             **run.engine.figures(),
         }
@@ -61,11 +62,33 @@ class TrainingLog(Hook):
         if run.cfg.compile and self.first_step_seconds is not None:  # the first step less a steady one
             compile_seconds = max(0.0, self.first_step_seconds - (ms_per_step or 0.0) / 1000)
         summary.update(
-            speed_figures(run, totals, _token_counts(run, window=False)),
+            self._honest(run, speed_figures(run, totals, _token_counts(run, window=False))),
             timed_steps=totals["timed_steps"],
             first_step_seconds=self.first_step_seconds,
             compile_seconds=compile_seconds,
         )
+
+    def _honest(self, run, figures: dict) -> dict:
+        """No MFU above 1. The peak it divides by is then below what the devices did: a calibration on a busy
+        machine (which leaves the cache: the next run measures again), or a low ``--peak-tflops``. Said once."""
+        if not self.peak_below and (figures.get("mfu") or 0) > 1:
+            self.peak_below = True
+            reached = figures["model_tflops_per_second"] / run.accelerator.num_processes
+            if run.cfg.peak_tflops is None:
+                from acceltrain.train.speed import forget_measured_peak
+
+                forget_measured_peak(run.accelerator, run.model)
+                source = f"the measured peak of {run.peak_flops / 1e12:.3g} (calibrated too low: a busy machine)"
+                remedy = "it leaves the cache: the next run measures again"
+            else:
+                source, remedy = f"--peak-tflops {run.cfg.peak_tflops:g}", "give the device's real peak in TFLOP/s"
+            logger.warning(
+                f"mfu: this run reached {reached:.3g} TFLOP/s per device, above {source}; mfu is not reported "
+                f"({remedy})"
+            )
+        if self.peak_below and "mfu" in figures:
+            figures["mfu"] = None
+        return figures
 
 
 def speed_figures(run, figures: dict, tokens: dict | None = None) -> dict:

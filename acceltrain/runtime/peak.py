@@ -40,6 +40,15 @@ def measured_peak_flops(
     return flops
 
 
+def forget_peak(device: torch.device, precision: str, shape: tuple[int, int, int]) -> None:
+    """Drop a cached peak that a run went faster than (calibrated while the machine was busy): the next run
+    calibrates again."""
+    cache = _cache_path()
+    known = _read(cache)
+    if known.pop(_cache_key(device, DTYPES.get(precision, torch.float32), shape), None) is not None:
+        _write(cache, known)
+
+
 def _calibrate(device: torch.device, dtype: torch.dtype, shape: tuple[int, int, int], clock) -> float:
     from acceltrain.runtime.metrics import synchronize
 

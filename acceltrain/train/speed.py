@@ -53,6 +53,14 @@ def device_peaks(accelerator, model: nn.Module, override_tflops: float | None) -
     return {"datasheet": datasheet, "measured": measured[0], "used": used}
 
 
+def forget_measured_peak(accelerator, model: nn.Module) -> None:
+    """The measured peak of :func:`device_peaks`, shown too low by the run itself, leaves the cache (main process)."""
+    from acceltrain.runtime.peak import forget_peak
+
+    if accelerator.is_main_process:
+        forget_peak(accelerator.device, accelerator.mixed_precision, matmul_shape(accelerator.unwrap_model(model)))
+
+
 def matmul_shape(model: nn.Module | None) -> tuple[int, int, int]:
     """(rows, inputs, outputs) of the peak's calibration: 2048 rows by the largest dense layer's inputs and outputs,
     each at least 256 (a linear layer, a convolution as the matrix product it is, GPT-2's ``Conv1D``); a model without
