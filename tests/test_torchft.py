@@ -160,13 +160,13 @@ def test_a_launch_its_groups_refuse_leaves_the_folder_as_it_found_it(tmp_path, c
     kept = tmp_path / "kept"
     kept.mkdir()
     (kept / "notes.txt").write_text("the user's")
-    assert ft_launch.main(["--replica-groups", "2", *bad, "--output-dir", str(kept)]) == 2
+    assert ft_launch.main(["--replica-groups", "1", *bad, "--output-dir", str(kept)]) == 2
     assert [p.name for p in kept.iterdir()] == ["notes.txt"]
     finished = tmp_path / "finished"  # --overwrite had moved the finished run aside for good
     finished.mkdir()
     for name in ("summary.json", ".lock"):
         (finished / name).write_text("{}")
-    assert ft_launch.main(["--replica-groups", "2", *bad, "--overwrite", "--output-dir", str(finished)]) == 2
+    assert ft_launch.main(["--replica-groups", "1", *bad, "--overwrite", "--output-dir", str(finished)]) == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["finished", "kept"]
     assert sorted(p.name for p in finished.iterdir()) == [".lock", "summary.json"]
 
