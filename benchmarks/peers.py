@@ -1212,7 +1212,7 @@ def finetune_row(args, work: Path, bf16: bool = False) -> dict:
         "peer": f"transformers {transformers.__version__} Trainer (+ peft {peft.__version__} for LoRA)",
         "toolkit": f"{LORA_RECIPE.relative_to(REPO)} (--lora-r 8 for LoRA; --group-by-length in the grouped legs)"
         + (" --mixed-precision bf16" if bf16 else ""),
-        "peer_changes": ("bf16=True; " if bf16 else "") + ("none (use_cpu=True without CUDA)" if HOST else "none"),
+        "peer_changes": ("bf16=True" if bf16 else "none") + (" (use_cpu=True without CUDA)" if HOST else ""),
         "cpu_bf16_flags": cpu_bf16_flags(),
         "model": f"{MINILM_INSTALL} ({base})",
         "data": str(DEBIAN.relative_to(REPO.parent)),

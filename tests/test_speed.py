@@ -110,6 +110,8 @@ def test_speed_figures_are_logged_and_summarised(plain):
     assert runtime["model_flops_per_sample"] > 0 and runtime["peak_flops_datasheet"] is None  # a CPU: no datasheet
     # issue 46: MFU on a CPU too, against the peak measured for the run's dtype and model
     assert runtime["peak_flops_measured"] > 0 and runtime["peak_flops_per_device"] == runtime["peak_flops_measured"]
+    rows, inputs, outputs = runtime["peak_flops_shape"]  # the calibrated matmul: the model's largest dense layer
+    assert rows == 2048 and min(inputs, outputs) >= 256
     assert summary["mfu"] == pytest.approx(summary["model_tflops_per_second"] * 1e12 / runtime["peak_flops_measured"])
     assert "mfu_datasheet" not in summary
     logged = [e for e in read_events(out) if "loss" in e]

@@ -13,6 +13,7 @@ from acceltrain.hooks.base import Hook
 from acceltrain.hooks.evaluation import Evaluation
 from acceltrain.runtime.logs import show_progress
 from acceltrain.runtime.metrics import EventLog, peak_memory_mb, synchronize
+from acceltrain.runtime.peak import forget_peak
 from acceltrain.runtime.run_folder import METRICS_FILE
 from acceltrain.runtime.tracking import finish_tracking, start_tracking
 
@@ -75,9 +76,9 @@ class TrainingLog(Hook):
             self.peak_below = True
             reached = figures["model_tflops_per_second"] / run.accelerator.num_processes
             if run.cfg.peak_tflops is None:
-                from acceltrain.train.speed import forget_measured_peak
-
-                forget_measured_peak(run.accelerator, run.model)
+                if run.accelerator.is_main_process:
+                    accelerator = run.accelerator
+                    forget_peak(accelerator.device, accelerator.mixed_precision, tuple(run.runtime["peak_flops_shape"]))
                 source = f"the measured peak of {run.peak_flops / 1e12:.3g} (calibrated too low: a busy machine)"
                 remedy = "it leaves the cache: the next run measures again"
             else:

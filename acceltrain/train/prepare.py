@@ -134,6 +134,7 @@ def prepare(
         model_flops_per_sample=flops_per_sample,
         peak_flops_per_device=peaks["used"],
         peak_flops_measured=peaks["measured"],
+        peak_flops_shape=peaks["shape"],
         peak_flops_datasheet=peaks["datasheet"],
         **parameters_held(model),
     )

@@ -37,28 +37,20 @@ PEAK_TFLOPS = {
 def device_peaks(accelerator, model: nn.Module, override_tflops: float | None) -> dict[str, float | None]:
     """The peak FLOP/s of one training device for the run's precision: ``datasheet`` (the table, or None),
     ``measured`` (:mod:`acceltrain.runtime.peak`: calibrated on the main process while the others wait, or cached) and
-    ``used`` for MFU: ``--peak-tflops`` when given, else the measured one."""
+    ``used`` for MFU: ``--peak-tflops`` when given, else the measured one; and ``shape``, the matmul measured."""
     from accelerate.utils import broadcast_object_list
 
     from acceltrain.runtime.peak import measured_peak_flops
 
-    measured = [None]
+    measured = [None, None]
     if accelerator.is_main_process:
         shape = matmul_shape(accelerator.unwrap_model(model))
-        measured[0] = measured_peak_flops(accelerator.device, accelerator.mixed_precision, shape)
+        measured = [measured_peak_flops(accelerator.device, accelerator.mixed_precision, shape), list(shape)]
     if accelerator.num_processes > 1:
         broadcast_object_list(measured, from_process=0)
     used = override_tflops * 1e12 if override_tflops is not None else measured[0]
     datasheet = datasheet_peak_flops(accelerator.device, accelerator.mixed_precision)
-    return {"datasheet": datasheet, "measured": measured[0], "used": used}
-
-
-def forget_measured_peak(accelerator, model: nn.Module) -> None:
-    """The measured peak of :func:`device_peaks`, shown too low by the run itself, leaves the cache (main process)."""
-    from acceltrain.runtime.peak import forget_peak
-
-    if accelerator.is_main_process:
-        forget_peak(accelerator.device, accelerator.mixed_precision, matmul_shape(accelerator.unwrap_model(model)))
+    return {"datasheet": datasheet, "measured": measured[0], "used": used, "shape": measured[1]}
 
 
 def matmul_shape(model: nn.Module | None) -> tuple[int, int, int]:
