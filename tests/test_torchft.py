@@ -212,6 +212,17 @@ def _wait_for(launch: subprocess.Popen, folder: Path, ready, what: str, timeout:
     pytest.fail(f"no {what}: {_events(folder)}\n{launch.communicate()[0][-3000:]}")
 
 
+def _first_quorums(events: list[dict]) -> dict[int, int]:
+    """Each replica's participants in the first quorum of its latest start."""
+    first = {}
+    for event in events:
+        if event["event"] == "started":
+            first.pop(event["replica"], None)
+        elif event["event"] == "quorum":
+            first.setdefault(event["replica"], event["participants"])
+    return first
+
+
 def _pid(events: list[dict], replica: int) -> int:
     return [e for e in events if e["event"] == "started" and e["replica"] == replica][-1]["pid"]
 
@@ -262,6 +273,9 @@ def test_every_group_killed_then_resume_auto_continues_from_the_last_checkpoint(
         return _training_together(folder, events) and saved.is_dir()
 
     events = _wait_for(launch, out, checkpointed, "checkpoint of step 32")
+    # both groups in the first quorum: a group that reported ready before its Manager heartbeated was left out of it,
+    # and the other took its first steps alone (a resume then missed the uninterrupted run's bytes)
+    assert _first_quorums(events) == {0: 2, 1: 2}, events
     for replica in (0, 1):
         os.kill(_pid(events, replica), signal.SIGKILL)
     output, _ = launch.communicate(timeout=120)
@@ -288,5 +302,6 @@ def test_every_group_killed_then_resume_auto_continues_from_the_last_checkpoint(
     assert again.returncode == 0, output[-3000:]
     summary = read_summary(out)
     assert summary["resumed_from_step"] == newest and summary["steps"] == STEPS
+    assert _first_quorums(_events(out)) == {0: 2, 1: 2}
     finished = [e for e in _events(out) if e["event"] == "finished"]
     assert len(finished) == 2 and finished[0]["weights_sha256"] == finished[1]["weights_sha256"]

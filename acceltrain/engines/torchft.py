@@ -120,12 +120,13 @@ class TorchFT(Engine):
         """The first quorum, from ``step`` (0, or a resumed checkpoint's): the groups behind the most advanced one
         heal from it (torchft heals a group whose step is not the quorum's highest). At the launch's start every group
         waits for the others to be ready (at most a minute), so that they start together: a group that came late
-        would heal into a later place of its shard, and the batches before it would go untrained."""
+        would heal into a later place of its shard, and the batches before it would go untrained. Ready means
+        connected: a group whose Manager did not heartbeat yet would be left out of the first quorum."""
+        self._connect()
         record_event(self.events, "ready", self.replica)  # from `started`: the group's start-up; to `healed`: the heal
         deadline = time.monotonic() + 60
         while self.events and time.monotonic() < deadline and len(_ready(self.events)) < self.groups:
             time.sleep(0.05)  # (a restarted group finds its peers ready: it does not wait)
-        self._connect()
         self.manager.load_state_dict({"step": step, "batches_committed": 0})
         self.start_step(step)
 
