@@ -15,6 +15,7 @@ them."""
 from __future__ import annotations
 
 import itertools
+import json
 import sys
 from pathlib import Path
 
@@ -151,9 +152,22 @@ def test_every_stop_resumes_to_the_bytes_of_the_uninterrupted_run(
         assert "stopped at step" in stopped.stdout + stopped.stderr
     assert complete_checkpoints(out)[-1].name == resumes_from
     check(_matrix(engine, model, base, out, *flags, "--resume", "auto"))
-    assert _weights(out) == _weights(reference(engine, model)), (
-        f"{engine} {writer} {model} {stop}: not the uninterrupted bytes"
+    uninterrupted = reference(engine, model)
+    assert _weights(out) == _weights(uninterrupted), (
+        f"{engine} {writer} {model} {stop}: not the uninterrupted bytes; resumed {_trace(out)}; uninterrupted "
+        f"{_trace(uninterrupted)}"
     )
+
+
+def _trace(out: Path) -> dict:
+    """What a failed comparison needs to be read: skipped steps, and under torchft each launch's quorums."""
+    summary = json.loads((out / "summary.json").read_text())
+    events = out / "ft_events.jsonl"
+    quorums = [json.loads(line) for line in events.read_text().splitlines()] if events.exists() else []
+    return {
+        "skipped_steps": summary.get("skipped_steps"),
+        "quorums": [(e["replica"], e["step"], e["participants"]) for e in quorums if e["event"] == "quorum"],
+    }
 
 
 @pytest.mark.slow

@@ -162,13 +162,14 @@ class Launch:
 
     def _start(self, group: Group, lighthouse: str, restart: bool) -> None:
         from acceltrain.commands.recipe_loading import command, die_with_parent
-        from acceltrain.engines.torchft import EVENTS, GROUPS, MIN_REPLICAS, REPLICA, TorchFT, record_event
+        from acceltrain.engines.torchft import EVENTS, GROUPS, MIN_REPLICAS, REPLICA, RESTARTED, TorchFT, record_event
 
         env = {key: value for key, value in os.environ.items() if key not in _PROCESS_GROUP_VARIABLES}
         env.update(
             {
                 TorchFT.launch_variable: "true",
                 REPLICA: str(group.replica),
+                RESTARTED: "1" if restart else "0",
                 GROUPS: str(len(self.groups)),
                 MIN_REPLICAS: str(self.args.min_replicas),
                 EVENTS: str(self.events),

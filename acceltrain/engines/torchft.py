@@ -29,11 +29,12 @@ from acceltrain.config.options import ConfigError
 from acceltrain.engines.base import Engine
 
 # What ft-launch tells each group
-REPLICA, GROUPS, MIN_REPLICAS, EVENTS = (
+REPLICA, GROUPS, MIN_REPLICAS, EVENTS, RESTARTED = (
     "ACCELTRAIN_FT_REPLICA",
     "ACCELTRAIN_FT_GROUPS",
     "ACCELTRAIN_FT_MIN_REPLICAS",
     "ACCELTRAIN_FT_EVENTS",
+    "ACCELTRAIN_FT_RESTARTED",
 )
 EVENTS_FILE = "ft_events.jsonl"
 
@@ -112,17 +113,21 @@ class TorchFT(Engine):
 
     def share_state(self, state_dict: Callable[[], dict], load_state_dict: Callable[[dict], int]) -> None:
         """What this group will serve a peer that heals (``state_dict()``) and take when it heals itself
-        (``load_state_dict``); torchft's Manager is made only in :meth:`join`: once it heartbeats, the Lighthouse holds
-        the other groups' quorums for this one, which must not wait while this group loads a checkpoint and sets up."""
+        (``load_state_dict``), and, at a launch's start, its torchft Manager: heartbeating while the groups set up,
+        every group is known to the Lighthouse before any first quorum. A restarted group makes its Manager only in
+        :meth:`join`: once it heartbeats, the Lighthouse holds the live groups' quorums for it, and they must not wait
+        while it loads a checkpoint and sets up."""
         self._served, self._healed = state_dict, load_state_dict
+        if os.environ.get(RESTARTED) != "1":
+            self._connect()
 
     def join(self, step: int) -> None:
         """The first quorum, from ``step`` (0, or a resumed checkpoint's): the groups behind the most advanced one
         heal from it (torchft heals a group whose step is not the quorum's highest). At the launch's start every group
         waits for the others to be ready (at most a minute), so that they start together: a group that came late
-        would heal into a later place of its shard, and the batches before it would go untrained. Ready means
-        connected: a group whose Manager did not heartbeat yet would be left out of the first quorum."""
-        self._connect()
+        would heal into a later place of its shard, and the batches before it would go untrained."""
+        if self.manager is None:  # a restarted group (share_state)
+            self._connect()
         record_event(self.events, "ready", self.replica)  # from `started`: the group's start-up; to `healed`: the heal
         deadline = time.monotonic() + 60
         while self.events and time.monotonic() < deadline and len(_ready(self.events)) < self.groups:
