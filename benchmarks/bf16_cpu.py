@@ -26,12 +26,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-from common import REPO, RESULTS_DIR, cpu_bf16_flags, median, run_recipe_process, start, write_result
+from common import DEBIAN, REPO, RESULTS_DIR, cpu_bf16_flags, median, run_recipe_process, start, write_result
 from packing import RECIPE, build
 
 LEGS = {"fp32": "no", "bf16": "bf16"}  # leg -> --mixed-precision
 CLASSIFIER = REPO / "recipes" / "text_classification.py"
-DEBIAN = REPO.parent / "shared" / "datasets" / "debian-sections"
 
 
 def llama_legs(args, tmp: Path) -> tuple[str, dict, list[str], Path, tuple[str, str]]:

@@ -22,7 +22,10 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 RESULTS_DIR = REPO / "benchmarks" / "results"
 DATA_DIR = REPO / "benchmarks" / ".data"  # extracted datasets; holds its own .gitignore
-CIFAR10_ARCHIVE = REPO.parent / "shared" / "datasets" / "cifar10-jpeg.tar.gz"
+DATASETS = REPO.parent / "shared" / "datasets"  # beside the checkout: benchmarks only, never the tests
+CIFAR10_ARCHIVE = DATASETS / "cifar10-jpeg.tar.gz"
+TINYSHAKESPEARE = DATASETS / "tinyshakespeare.txt"
+DEBIAN = DATASETS / "debian-sections"  # debian-sections: train.csv, eval.csv (7 classes)
 RECIPE = REPO / "recipes" / "resnet_cifar.py"
 
 

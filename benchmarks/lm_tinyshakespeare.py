@@ -35,8 +35,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything here is local
 
 import torch  # noqa: E402
 from common import REPO, run_recipe_process, start, write_result  # noqa: E402
+from common import TINYSHAKESPEARE as TEXT  # noqa: E402
 
-TEXT = REPO.parent / "shared" / "datasets" / "tinyshakespeare.txt"
 RECIPE = REPO / "recipes" / "causal_lm.py"
 PRESET = REPO / "recipes" / "configs" / "lm_tiny_cpu.yaml"
 EVALUATIONS = 6  # during the measured run, the last step's included

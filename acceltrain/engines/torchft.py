@@ -97,7 +97,7 @@ class TorchFT(Engine):
         self.events = os.environ.get(EVENTS)
         self.manager = None
         self._store = None
-        self._served: Callable[[], dict] | None = None  # share_state's, until join connects
+        self._served: Callable[[], dict] | None = None  # share_state's, for _connect (a restarted group: in join)
         self._healed: Callable[[dict], int] | None = None
         self._open = False  # a quorum stands for the step under way
         self._participants = None  # in the last quorum recorded
@@ -126,7 +126,7 @@ class TorchFT(Engine):
         heal from it (torchft heals a group whose step is not the quorum's highest). At the launch's start every group
         waits for the others to be ready (at most a minute), so that they start together: a group that came late
         would heal into a later place of its shard, and the batches before it would go untrained."""
-        if self.manager is None:  # a restarted group (share_state)
+        if self.manager is None:  # a restarted group: share_state left the Manager to now
             self._connect()
         record_event(self.events, "ready", self.replica)  # from `started`: the group's start-up; to `healed`: the heal
         deadline = time.monotonic() + 60
